@@ -1,0 +1,1 @@
+"""Checkpoint format: layout (names), storage (I/O), schema (JSON), plan, writer, reader, commit."""

@@ -1,0 +1,126 @@
+"""Driver-side commit: the only writer of metadata.json, common.json and the tracker.
+
+`CheckpointCoordinator` is a Ray actor owned by the driver. It outlives
+worker-group restarts (it is not part of the group), so it is also where a
+restarted group learns which iteration this job last committed. Ranks send
+their manifest after their shards are durable; when all `world_size`
+manifests of an iteration from the *current* attempt are in, the commit
+checks every file's size, writes metadata.json and common.json atomically,
+and moves the tracker last (invariant 4). Manifests from an older attempt
+are dropped: their rank may have been killed mid-way and a new attempt is
+rewriting the same files. Actor methods run one at a time, so a commit and
+a restarted group asking "what is committed?" never interleave.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import ray
+import yaml
+
+from . import layout
+from .schema import CKPT_STATUS_OK, dumps
+from .storage import storage_for
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class CheckpointCoordinator:
+    def __init__(self, save_path: str, job_id: str, config: dict, driver_pid: int):
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        self.root = save_path
+        self.job_id = job_id
+        self.config = config
+        self.driver_pid = driver_pid
+        self.fault = config.get("fault")
+        self.storage = storage_for(save_path) if save_path else None
+        self.attempt = -1
+        self.pending: dict[int, dict[int, dict]] = {}
+        self.committed_by_job: list[int] = []
+        self.fault_claimed = False
+
+    def start_attempt(self) -> dict:
+        """Called once per worker-group start by rank 0: a new attempt id, and what to resume."""
+        self.attempt += 1
+        self.pending.clear()
+        last = self.committed_by_job[-1] if self.committed_by_job else None
+        return {"attempt": self.attempt, "resume_step": last}
+
+    def claim_fault(self) -> bool:
+        """True exactly once per job: the injected fault fires a single time."""
+        if self.fault_claimed:
+            return False
+        self.fault_claimed = True
+        return True
+
+    def last_committed(self) -> int | None:
+        return self.committed_by_job[-1] if self.committed_by_job else None
+
+    def report(self, attempt: int, iteration: int, manifest: dict, common: dict) -> bool:
+        """A rank's shards of `iteration` are durable. Returns True if this completed a commit."""
+        if attempt != self.attempt:
+            logger.info("ignoring a manifest of iteration %d from attempt %d (now %d)", iteration, attempt, self.attempt)
+            return False
+        got = self.pending.setdefault(iteration, {})
+        got[manifest["rank"]] = {"manifest": manifest, "common": common}
+        if len(got) < manifest["world_size"]:
+            return False
+        del self.pending[iteration]
+        try:
+            self._commit(iteration, got)
+            return True
+        except Exception:  # never raise into Ray: a failed commit just leaves the tracker where it was
+            logger.exception("commit of iteration %d failed; the tracker stays on the previous iteration", iteration)
+            return False
+
+    def _commit(self, iteration: int, reports: dict[int, dict]) -> None:
+        world = len(reports)
+        iter_dir = layout.iteration_dir(self.root, iteration)
+        files, tensors = {}, {}
+        for rank in range(world):
+            manifest = reports[rank]["manifest"]
+            for name, info in manifest["files"].items():
+                size = self.storage.size(layout.join(iter_dir, name))
+                if size != info["size"]:
+                    raise RuntimeError(f"rank {rank} reported {name} with {info['size']} bytes, storage has {size}")
+                files[name] = {"size": info["size"], "sha256": info["sha256"], "kind": info["kind"], "rank": rank}
+        rank0 = reports[0]["manifest"]
+        for kind, specs in rank0["specs"].items():
+            tensors[kind] = {name: {"dtype": dtype, "shape": shape, "pieces": []} for name, dtype, shape in specs}
+        for rank in range(world):
+            for kind, pieces in reports[rank]["manifest"]["pieces"].items():
+                for name, start, numel, file in pieces:
+                    tensors[kind][name]["pieces"].append({"file": file, "start": start, "numel": numel})
+        metadata = {
+            "format_version": layout.FORMAT_VERSION,
+            "iteration": iteration,
+            "world_size": world,
+            "prefix": self.config["checkpoint"]["prefix"],
+            "files": files,
+            "tensors": tensors,
+        }
+        common = dict(reports[0]["common"])
+        common.update(
+            format_version=layout.FORMAT_VERSION, ckpt_status=CKPT_STATUS_OK, world_size=world,
+            job_id=self.job_id, saved_at=time.time(), has_optimizer=layout.OPTIM_KIND in tensors,
+        )
+        self.storage.write_atomic(layout.join(iter_dir, layout.METADATA), dumps(metadata))
+        self.storage.write_atomic(layout.join(iter_dir, layout.CONFIG), yaml.safe_dump(self.config, sort_keys=False).encode())
+        self.storage.write_atomic(layout.join(iter_dir, layout.COMMON), dumps(common))
+        self._maybe_kill_driver(iteration)
+        self.storage.write_atomic(layout.tracker_path(self.root), f"{iteration}\n".encode())
+        self.committed_by_job.append(iteration)
+        logger.info("committed iteration %d (%d shards) at %s", iteration, len(files), iter_dir)
+
+    def _maybe_kill_driver(self, iteration: int) -> None:
+        f = self.fault
+        if f and f["phase"] == "commit_before_tracker" and f["step"] == iteration and self.claim_fault():
+            # The whole job dies between the JSON and the tracker, as when a head node is lost.
+            print(f"[fault] killing the driver (pid {self.driver_pid}) before moving the tracker to {iteration}", flush=True)
+            os.kill(self.driver_pid, signal.SIGKILL)
+            os._exit(1)

@@ -1,0 +1,105 @@
+"""`common.json` and `metadata.json`: what they hold, how they are checked.
+
+Both carry `format_version`; a reader refuses a version it does not know
+rather than guess. Validation returns plain errors that name the file and
+the key, because these files are exactly what a user edits by hand or a
+broken disk garbles.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from . import layout
+
+CKPT_STATUS_OK = "ok"
+
+# safetensors dtype tags <-> torch dtypes (the tags the safetensors format defines).
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+DTYPE_TAGS = {v: k for k, v in DTYPES.items()}
+
+# Keys a reader needs, with their JSON types.
+COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "format_version": int, "global_step": int, "global_batch_size": int, "step_num": int,
+    "epoch_num": int, "loss_scale": (int, float), "ckpt_status": str, "consumed_samples": int,
+    "world_size": int, "has_optimizer": bool, "job_id": str,
+}
+METADATA_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "format_version": int, "iteration": int, "world_size": int, "files": dict, "tensors": dict,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as it is; the message says where and why."""
+
+
+def dumps(obj: dict) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+
+
+def parse_json(data: bytes, where: str) -> dict:
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{where}: not valid JSON ({exc}); the file is damaged") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def check_fields(obj: dict, fields: dict[str, Any], where: str) -> None:
+    for key, kind in fields.items():
+        if key not in obj:
+            raise CheckpointError(f"{where}: missing field {key!r}; the file is incomplete or not ours")
+        value = obj[key]
+        if isinstance(value, bool) and kind is not bool:
+            raise CheckpointError(f"{where}: field {key!r} must be {_kind_name(kind)}, got {value!r}")
+        if not isinstance(value, kind):
+            raise CheckpointError(f"{where}: field {key!r} must be {_kind_name(kind)}, got {value!r}")
+    version = obj["format_version"]
+    if version != layout.FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: format_version {version} is not supported by this ray_resume "
+            f"(it reads version {layout.FORMAT_VERSION}); use the ray_resume release that wrote it"
+        )
+
+
+def _kind_name(kind: Any) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "an object"}[k] for k in kinds)
+
+
+def validate_common(common: dict, where: str) -> None:
+    check_fields(common, COMMON_FIELDS, where)
+    if common["ckpt_status"] != CKPT_STATUS_OK:
+        raise CheckpointError(f"{where}: ckpt_status is {common['ckpt_status']!r}, not {CKPT_STATUS_OK!r}; this iteration is not complete")
+    for key in ("global_step", "global_batch_size", "consumed_samples", "world_size"):
+        if common[key] < (1 if key in ("global_batch_size", "world_size") else 0):
+            raise CheckpointError(f"{where}: field {key!r} has the impossible value {common[key]}")
+
+
+def validate_metadata(meta: dict, where: str) -> None:
+    """Structure checks, including that no file name can leave the iteration dir."""
+    check_fields(meta, METADATA_FIELDS, where)
+    for name, info in meta["files"].items():
+        if not layout.is_plain_filename(name):
+            raise CheckpointError(f"{where}: file name {name!r} points outside the iteration directory; refusing to read it")
+        if not isinstance(info, dict) or not isinstance(info.get("size"), int) or not isinstance(info.get("sha256"), str):
+            raise CheckpointError(f"{where}: files[{name!r}] needs an integer 'size' and a string 'sha256'")
+    for kind, tensors in meta["tensors"].items():
+        if kind not in (layout.MODEL_KIND, layout.OPTIM_KIND) or not isinstance(tensors, dict):
+            raise CheckpointError(f"{where}: tensors[{kind!r}] is not a known kind (model, opt)")
+        for name, t in tensors.items():
+            label = f"{where}: tensors.{kind}[{name!r}]"
+            if not isinstance(t, dict) or t.get("dtype") not in DTYPES or not isinstance(t.get("shape"), list):
+                raise CheckpointError(f"{label} needs a known 'dtype' and a 'shape' list")
+            for piece in t.get("pieces", []):
+                if not isinstance(piece, dict) or piece.get("file") not in meta["files"]:
+                    raise CheckpointError(f"{label}: a piece names a file not listed in 'files': {piece!r}")

@@ -1,0 +1,70 @@
+"""Training state <-> flat name->tensor dicts, and per-rank RNG state as text.
+
+Optimizer state is keyed by parameter name, not by torch's positional index,
+so a checkpoint stays readable when the model is wrapped differently.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+
+import numpy as np
+import torch
+
+OPTIM_SLOTS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach() for name, t in unwrap(model).state_dict().items()}
+
+
+def optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, param in unwrap(model).named_parameters():
+        state = optimizer.state.get(param, {})
+        for slot in OPTIM_SLOTS:
+            if slot in state:
+                value = state[slot]
+                out[f"{name}.{slot}"] = value if torch.is_tensor(value) else torch.tensor(float(value))
+    return out
+
+
+def load_optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """Rebuild torch's positional optimizer state from name-keyed tensors."""
+    names = [name for name, _ in unwrap(model).named_parameters()]
+    state = {}
+    for index, name in enumerate(names):
+        slots = {slot: tensors[f"{name}.{slot}"] for slot in OPTIM_SLOTS if f"{name}.{slot}" in tensors}
+        if slots:
+            state[index] = slots
+    current = optimizer.state_dict()
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def capture_rng() -> dict[str, str]:
+    """This process's torch, numpy and python RNG states as strings."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "rng_torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "rng_numpy": json.dumps([keys.tolist(), int(pos), int(has_gauss), float(gauss)]),
+        "rng_python": json.dumps(random.getstate()[1]),
+    }
+
+
+def restore_rng(saved: dict[str, str]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(saved["rng_torch"])), dtype=torch.uint8))
+    keys, pos, has_gauss, gauss = json.loads(saved["rng_numpy"])
+    np.random.set_state(("MT19937", np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    random.setstate((3, tuple(json.loads(saved["rng_python"])), None))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)

@@ -1,0 +1,151 @@
+"""Entry point: `python -m ray_resume.run CONFIG.yaml [--set key=value ...]`.
+
+On a laptop it starts a local Ray; under `ray job submit` (RAY_ADDRESS is
+set) or with `--address` it joins that cluster. Mistakes a user can fix are
+found here, on the driver, before any worker starts, and reported as one
+clear line instead of a traceback from inside a worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass, replace
+
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .checkpoint import layout
+from .checkpoint.commit import CheckpointCoordinator
+from .checkpoint.reader import find_committed, open_iteration
+from .checkpoint.schema import CheckpointError
+from .checkpoint.storage import storage_for
+from .config import Config, ConfigError, load_config
+from .data import DataError, ensure_dataset, scan_units
+from .train_loop import train_func
+
+logger = logging.getLogger("ray_resume")
+
+USER_ERRORS = (ConfigError, CheckpointError, DataError)
+
+
+@dataclass
+class RunResult:
+    committed_iteration: int | None
+    checkpoint_path: str | None
+    error: BaseException | None = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ray_resume.run", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, value parsed as YAML (repeatable)")
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else start a local Ray)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        result = run(load_config(args.config, args.set), address=args.address)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if result.error is not None:
+        print(f"error: training failed: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(cfg: Config, address: str | None = None) -> RunResult:
+    """Run the job to the end (with Ray Train's restarts) and report what was committed."""
+    cfg = absolute_paths(cfg)
+    load = preflight(cfg)
+    init_ray(address, cfg)
+    job_id = uuid.uuid4().hex[:12]
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    # On the driver's node: the commit must run where the driver does (it dies with it).
+    coordinator = CheckpointCoordinator.options(scheduling_strategy=here).remote(
+        cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid()
+    )
+    workers = cfg.scaling.num_workers
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"config": cfg.to_dict(), "coordinator": coordinator, "load": load, "job_id": job_id},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=tuple(workers) if isinstance(workers, list) else workers, use_gpu=cfg.scaling.use_gpu
+        ),
+        run_config=ray.train.RunConfig(
+            name=f"{cfg.name}-{job_id}",
+            failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
+        ),
+    )
+    error = None
+    try:
+        trainer.fit()
+    except Exception as exc:  # Ray wraps worker errors; report them, keep what was committed
+        error = exc
+    committed = ray.get(coordinator.last_committed.remote())
+    path = layout.iteration_dir(cfg.checkpoint.save_path, committed) if committed is not None else None
+    if error is None:
+        logger.info("[%s] finished: last committed iteration %s%s", cfg.name, committed, f" at {path}" if path else "")
+    return RunResult(committed, path, error)
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """Workers may run in another directory: hand them absolute local paths."""
+
+    def fix(path: str) -> str:
+        return os.path.abspath(path) if path and "://" not in path else path
+
+    ckpt = replace(cfg.checkpoint, save_path=fix(cfg.checkpoint.save_path), load_path=fix(cfg.checkpoint.load_path))
+    return replace(cfg, data=replace(cfg.data, path=fix(cfg.data.path)), checkpoint=ckpt)
+
+
+def preflight(cfg: Config) -> tuple[str, int] | None:
+    """Check data and checkpoints on the driver; return the iteration to load, if any."""
+    ensure_dataset(cfg.data.path, cfg.data.synthetic, cfg.model.seq_len, cfg.model.vocab_size)
+    scan_units(cfg.data.path)
+    ckpt = cfg.checkpoint
+    load = None
+    if ckpt.load_path:
+        storage = storage_for(ckpt.load_path)
+        resuming_own_root = ckpt.load_path == ckpt.save_path
+        step = find_committed(storage, ckpt.load_path) if storage.is_dir(ckpt.load_path) or not resuming_own_root else None
+        if step is None and not resuming_own_root:
+            raise CheckpointError(f"checkpoint.load_path {ckpt.load_path!r} holds no {layout.TRACKER}; point it at a checkpoint root written by ray_resume")
+        if step is None:
+            logger.info("[%s] nothing to resume in %s yet: starting from step 0", cfg.name, ckpt.load_path)
+        else:
+            it = open_iteration(storage, ckpt.load_path, step)
+            if not ckpt.no_load_optim and not it.common["has_optimizer"]:
+                raise CheckpointError(
+                    f"{it.path}: iteration {step} was saved without optimizer state (no_save_optim); "
+                    "set checkpoint.no_load_optim: true to start from its weights"
+                )
+            load = (ckpt.load_path, step)
+    if ckpt.enable_save and (load is None or load[0] != ckpt.save_path):
+        existing = find_committed(storage_for(ckpt.save_path), ckpt.save_path) if storage_for(ckpt.save_path).is_dir(ckpt.save_path) else None
+        if existing is not None:
+            raise CheckpointError(
+                f"checkpoint.save_path {ckpt.save_path!r} already holds committed iteration {existing} of an earlier run; "
+                "set checkpoint.load_path to the same directory to resume it, or choose an empty save_path"
+            )
+    return load
+
+
+def init_ray(address: str | None, cfg: Config) -> None:
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        # Room for the training workers plus the Ray Data read tasks beside them.
+        ray.init(num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers + 2), include_dashboard=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

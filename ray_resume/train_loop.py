@@ -1,0 +1,174 @@
+"""The per-worker training function: restore, loop, maybe save.
+
+Ray Train runs `train_func` on every rank. After a worker loss Ray restarts
+the whole group and this function runs again from the top; what it resumes
+comes from the driver-side coordinator, which remembers what this job has
+committed, so a restart continues from the newest committed iteration even
+when the first start had no `load_path`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from contextlib import nullcontext
+
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.state import seed_everything
+from .config import Config
+from .data import SampleStream
+from .faults import FaultInjector
+from .model import build_model, lm_loss
+
+logger = logging.getLogger(__name__)
+
+
+def train_func(args: dict) -> None:
+    cfg = Config.from_dict(args["config"])
+    coordinator = args["coordinator"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(1)  # deterministic and fair on small CPU hosts
+    train = cfg.training
+
+    attempt, resume_step = _agree_on_attempt(coordinator, rank)
+    faults = FaultInjector(cfg.fault, rank, lambda: ray.get(coordinator.claim_fault.remote()))
+    checkpointer = Checkpointer(cfg, coordinator, rank, world, attempt, faults)
+
+    seed_everything(train.seed)  # identical initial weights on every rank
+    model = DistributedDataParallel(build_model(cfg.model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    seed_everything(train.seed + rank)  # distinct dropout streams per rank
+
+    if resume_step is not None:  # a restart within this job: its own newest commit
+        source, full = (cfg.checkpoint.save_path, resume_step), True
+    else:
+        source, full = args.get("load"), not cfg.checkpoint.no_load_optim
+    resume = checkpointer.restore(model, optimizer, source, full=full)
+    stream = SampleStream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world, resume.consumed_samples)
+    progress = Progress(cfg, rank, attempt, args["job_id"], coordinator)
+    progress.resumed(resume, world, attempt)
+
+    batches = iter(stream)
+    accumulation = train.accumulation_steps(world)
+    for step in range(resume.global_step + 1, train.train_steps + 1):
+        batch = next(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(train, step)
+        loss = train_step(model, optimizer, batch["input_ids"], train.micro_batch_size, accumulation, world)
+        faults.maybe_kill("after_optimizer_step", step)
+        consumed = stream.position
+        saved = checkpointer.maybe_save(step, model, optimizer, {
+            "global_step": step,
+            "global_batch_size": train.global_batch_size,
+            "consumed_samples": consumed,
+            "epoch_num": consumed // stream.num_samples,
+            "step_num": (consumed % stream.num_samples) // train.global_batch_size,
+            "loss_scale": 1.0,
+        })
+        progress.step(step, loss, batch["sample_id"], saved)
+
+
+def learning_rate(train, step: int) -> float:
+    """Linear warmup, then constant: a pure function of the step, so it needs no checkpoint."""
+    if train.warmup_steps and step <= train.warmup_steps:
+        return train.lr * step / train.warmup_steps
+    return train.lr
+
+
+def train_step(model, optimizer, input_ids, micro_batch: int, accumulation: int, world: int) -> float:
+    """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
+    ids = torch.from_numpy(input_ids).long()
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros(())
+    for i in range(accumulation):
+        # Only the last micro-batch all-reduces gradients; the others accumulate locally.
+        sync = model.no_sync() if i < accumulation - 1 else nullcontext()
+        with sync:
+            loss = lm_loss(model, ids[i * micro_batch : (i + 1) * micro_batch]) / accumulation
+            loss.backward()
+        total += loss.detach().float()
+    optimizer.step()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+def _agree_on_attempt(coordinator, rank: int) -> tuple[int, int | None]:
+    """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None)."""
+    facts = torch.tensor([-1, -1])
+    if rank == 0:
+        reply = ray.get(coordinator.start_attempt.remote())
+        facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"]])
+    dist.broadcast(facts, src=0)
+    attempt, step = facts.tolist()
+    return attempt, None if step < 0 else step
+
+
+class Progress:
+    """Progress lines on rank 0, and a per-rank JSONL of every step for plots and tests."""
+
+    def __init__(self, cfg, rank: int, attempt: int, job_id: str, coordinator):
+        self.cfg, self.rank, self.attempt, self.job_id = cfg, rank, attempt, job_id
+        self.coordinator = coordinator
+        self.total = cfg.training.train_steps
+        self.gbs = cfg.training.global_batch_size
+        self.window_start = time.monotonic()
+        self.window_steps = 0
+        self.file = None
+        if cfg.checkpoint.save_path:
+            directory = metrics_dir(cfg.checkpoint.save_path)
+            os.makedirs(directory, exist_ok=True)
+            self.file = open(os.path.join(directory, f"rank{rank:05d}.jsonl"), "a", buffering=1)
+
+    def _write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps({"job": self.job_id, "attempt": self.attempt, "rank": self.rank, **record}) + "\n")
+
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"[{self.cfg.name}] {text}", flush=True)
+
+    def resumed(self, resume, world: int, attempt: int) -> None:
+        self._write({"event": "start", "step": resume.global_step, "source": resume.source, "world_size": world})
+        if resume.source is None:
+            if not self.cfg.checkpoint.enable_save:
+                self._say("checkpoints are off (checkpoint.enable_save: false): nothing will be saved")
+            self._say(f"starting from step 0 (attempt {attempt}, world size {world})")
+            return
+        self._say(
+            f"resumed from {resume.source} (attempt {attempt}, world size {world}): global_step {resume.global_step}, "
+            f"consumed samples {resume.consumed_samples}; continuing at step {resume.global_step + 1}"
+        )
+
+    def step(self, step: int, loss: float, sample_ids, saved: bool) -> None:
+        self._write({"step": step, "loss": loss, "sample_ids": sample_ids.tolist(), "saved": saved})
+        self.window_steps += 1
+        if self.rank != 0 or not (step % self.cfg.training.log_every == 0 or step == self.total):
+            return
+        elapsed = max(time.monotonic() - self.window_start, 1e-9)
+        rate = self.window_steps / elapsed
+        committed = ray.get(self.coordinator.last_committed.remote())
+        eta = (self.total - step) / rate if rate else 0.0
+        self._say(
+            f"step {step}/{self.total} | loss {loss:.4f} | {rate * self.gbs:.0f} samples/s | "
+            f"last committed iteration {committed if committed is not None else '-'} | ETA {_clock(eta)}"
+        )
+        self.window_start, self.window_steps = time.monotonic(), 0
+
+
+def metrics_dir(save_path: str) -> str:
+    """Per-step metrics live beside the checkpoint root, not in it."""
+    return save_path.rstrip("/") + "-metrics"
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

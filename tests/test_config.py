@@ -1,0 +1,312 @@
+"""Tests for ray_resume.config: strict, collecting validation with exact messages."""
+from __future__ import annotations
+
+import copy
+import glob
+import os
+
+import pytest
+
+from ray_resume.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    FaultConfig,
+    ScalingConfig,
+    TrainingConfig,
+    apply_overrides,
+    load_config,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+BASE = {
+    "name": "t",
+    "training": {"global_batch_size": 32, "micro_batch_size": 8},
+    "scaling": {"num_workers": 2},
+    "checkpoint": {"save_path": "./out"},
+}
+
+
+def cfg(**sections) -> dict:
+    """BASE with sections deep-merged in (a value of None replaces the section)."""
+    d = copy.deepcopy(BASE)
+    for k, v in sections.items():
+        if isinstance(v, dict) and isinstance(d.get(k), dict):
+            d[k].update(v)
+        else:
+            d[k] = v
+    return d
+
+
+def problems(d: dict, source: str = "x.yaml") -> list[str]:
+    with pytest.raises(ConfigError) as ei:
+        Config.from_dict(d, source=source)
+    return ei.value.problems
+
+
+def write(tmp_path, text: str, name: str = "c.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+# ----------------------------------------------------------------- happy path / defaults
+def test_minimal_config_uses_defaults():
+    c = Config.from_dict({"name": "n", "checkpoint": {"save_path": "s"}})
+    assert c.model.vocab_size == 256 and c.model.dtype == "float32"
+    assert c.training.lr == 3.0e-4 and c.training.strategy == "ddp"
+    assert c.scaling.num_workers == 2 and c.scaling.world_sizes == [2]
+    assert c.failure.max_failures == 3
+    assert c.data.synthetic is None and c.fault is None
+
+
+def test_checkpoint_defaults_match_spec():
+    ck = CheckpointConfig(save_path="x")
+    assert (ck.enable_save, ck.save_interleaved_steps, ck.no_save_optim, ck.save_max) == (True, 1000, False, 5)
+    assert (ck.load_path, ck.no_load_optim, ck.load_balanced) == ("", False, False)
+    # save_path defaults to "" (which is only legal with enable_save false)
+    ck2 = CheckpointConfig(enable_save=False)
+    assert ck2.save_path == ""
+
+
+def test_world_sizes_and_accumulation():
+    s = ScalingConfig(num_workers=[1, 3])
+    assert s.world_sizes == [1, 2, 3] and s.max_workers == 3
+    assert TrainingConfig(global_batch_size=48, micro_batch_size=8).accumulation_steps(3) == 2
+
+
+def test_int_accepted_for_float_and_round_trip():
+    c = Config.from_dict(cfg(training={"lr": 1}, scaling={"num_workers": [1, 2]},
+                             fault={"phase": "before_report", "step": 3}))
+    assert c.training.lr == 1.0 and isinstance(c.training.lr, float)
+    d = c.to_dict()
+    assert d["scaling"]["num_workers"] == [1, 2] and d["fault"] == {"phase": "before_report", "step": 3, "rank": 0}
+    assert Config.from_dict(d) == c
+    assert Config.from_dict(d).to_dict() == d
+
+
+# ----------------------------------------------------------------- unknown keys / types
+def test_unknown_top_level_key_did_you_mean():
+    assert problems(cfg(trainig={"lr": 1})) == ["x.yaml: trainig: unknown key; did you mean 'training'?"]
+
+
+def test_unknown_nested_key_did_you_mean():
+    assert problems(cfg(checkpoint={"save_maxx": 3})) == [
+        "x.yaml: checkpoint.save_maxx: unknown key; did you mean 'save_max'?"]
+    assert problems(cfg(data={"synthetic": {"sampels": 3}})) == [
+        "x.yaml: data.synthetic.sampels: unknown key; did you mean 'samples'?"]
+
+
+def test_wrong_type_names_full_key():
+    assert problems(cfg(training={"lr": "abc"})) == ["x.yaml: training.lr must be a number, got str 'abc'"]
+    assert problems(cfg(checkpoint={"save_max": True})) == [
+        "x.yaml: checkpoint.save_max must be an integer, got bool True"]
+    assert problems(cfg(model="big")) == ["x.yaml: model must be a mapping, got str 'big'"]
+    assert problems(cfg(scaling={"num_workers": "2"})) == [
+        "x.yaml: scaling.num_workers must be an integer or a list of integers, got str '2'"]
+
+
+def test_required_keys():
+    assert problems({}) == ["x.yaml: name is required (a string)",
+                            "x.yaml: checkpoint.save_path must be set when checkpoint.enable_save is true"]
+    assert problems(cfg(fault={"phase": "before_report"})) == ["x.yaml: fault.step is required (an integer)"]
+
+
+# ----------------------------------------------------------------- impossible values
+@pytest.mark.parametrize("value", [0, -5])
+def test_save_interleaved_steps_must_be_positive(value):
+    assert problems(cfg(checkpoint={"save_interleaved_steps": value})) == [
+        f"x.yaml: checkpoint.save_interleaved_steps must be >= 1, got {value}"]
+
+
+def test_save_max_zero():
+    assert problems(cfg(checkpoint={"save_max": 0})) == ["x.yaml: checkpoint.save_max must be >= 1, got 0"]
+
+
+def test_global_batch_not_divisible():
+    assert problems(cfg(training={"global_batch_size": 30})) == [
+        "x.yaml: training.global_batch_size=30 is not divisible by scaling.num_workers (2) x "
+        "training.micro_batch_size (8) = 16; choose a global_batch_size that is a multiple of 16 "
+        "(gradient accumulation makes up the rest)"]
+
+
+def test_elastic_range_names_failing_world_size():
+    (msg,) = problems(cfg(scaling={"num_workers": [1, 3]}))
+    assert msg == (
+        "x.yaml: training.global_batch_size=32 is not divisible by world size x training.micro_batch_size "
+        "for world sizes [3] of elastic scaling.num_workers=[1, 3] (3 x 8 = 24); choose a global_batch_size "
+        "that is a multiple of 48 (gradient accumulation makes up the rest)")
+
+
+def test_bad_scaling_range():
+    assert problems(cfg(scaling={"num_workers": [3, 1]})) == [
+        "x.yaml: scaling.num_workers [min, max] needs min <= max, got [3, 1]"]
+    assert problems(cfg(scaling={"num_workers": 0})) == ["x.yaml: scaling.num_workers must be >= 1, got 0"]
+
+
+def test_bad_enums():
+    assert problems(cfg(model={"dtype": "float64"})) == [
+        "x.yaml: model.dtype must be one of float32, bfloat16, float16; got 'float64'"]
+    assert problems(cfg(training={"strategy": "zero3"})) == [
+        "x.yaml: training.strategy must be one of ddp, fsdp; got 'zero3'"]
+    assert problems(cfg(fault={"phase": "sometime", "step": 5})) == [
+        "x.yaml: fault.phase must be one of after_optimizer_step, mid_shard_write, before_report, "
+        "commit_before_tracker; got 'sometime'"]
+
+
+def test_enable_save_requires_save_path_and_fault_rank():
+    assert problems(cfg(checkpoint={"save_path": ""})) == [
+        "x.yaml: checkpoint.save_path must be set when checkpoint.enable_save is true"]
+    Config.from_dict(cfg(checkpoint={"save_path": "", "enable_save": False}))
+    assert problems(cfg(fault={"phase": "before_report", "step": 1, "rank": 2})) == [
+        "x.yaml: fault.rank=2 must be < the largest world size scaling.num_workers (2)"]
+
+
+def test_model_and_name_checks():
+    assert problems(cfg(model={"n_heads": 3})) == [
+        "x.yaml: model.d_model (128) must be divisible by model.n_heads (3)"]
+    assert problems(cfg(name="a/b")) == [
+        "x.yaml: name must be non-empty and use only [A-Za-z0-9._-], got 'a/b'"]
+    assert problems(cfg(failure={"max_failures": -2})) == ["x.yaml: failure.max_failures must be >= -1, got -2"]
+
+
+def test_many_problems_reported_together():
+    d = cfg(checkpoint={"save_max": 0, "save_maxx": 1}, training={"lr": "abc", "global_batch_size": 30},
+            model={"dtype": "fp8"}, bogus=1)
+    with pytest.raises(ConfigError) as ei:
+        Config.from_dict(d, source="configs/x.yaml")
+    got = ei.value.problems
+    assert sorted(got) == sorted([
+        "configs/x.yaml: bogus: unknown key (known keys: name, model, data, training, scaling, failure, "
+        "checkpoint, fault)",
+        "configs/x.yaml: model.dtype must be one of float32, bfloat16, float16; got 'fp8'",
+        "configs/x.yaml: training.lr must be a number, got str 'abc'",
+        "configs/x.yaml: checkpoint.save_maxx: unknown key; did you mean 'save_max'?",
+        "configs/x.yaml: checkpoint.save_max must be >= 1, got 0",
+        "configs/x.yaml: training.global_batch_size=30 is not divisible by scaling.num_workers (2) x "
+        "training.micro_batch_size (8) = 16; choose a global_batch_size that is a multiple of 16 "
+        "(gradient accumulation makes up the rest)",
+    ])
+    text = str(ei.value)
+    assert text.startswith("6 config problems:\n")
+    assert all(p in text for p in got)
+
+
+def test_type_error_suppresses_follow_on_problems():
+    # a bad micro_batch_size must not also produce a divisibility complaint about the default
+    assert problems(cfg(training={"micro_batch_size": "8"})) == [
+        "x.yaml: training.micro_batch_size must be an integer, got str '8'"]
+
+
+def test_direct_construction_validates():
+    with pytest.raises(ConfigError, match=r"checkpoint.save_max must be >= 1, got 0"):
+        CheckpointConfig(save_path="x", save_max=0)
+    with pytest.raises(ConfigError, match=r"fault.step must be >= 1, got 0"):
+        FaultConfig(phase="before_report", step=0)
+
+
+# ----------------------------------------------------------------- files
+def test_missing_file(tmp_path):
+    path = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError) as ei:
+        load_config(path)
+    assert str(ei.value) == f"{path}: config file not found"
+
+
+def test_yaml_parse_error_names_file_and_line(tmp_path):
+    path = write(tmp_path, "name: x\ntraining:\n  lr: [1, 2\n  seed: 3\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(path)
+    msg = str(ei.value)
+    assert msg.startswith(f"{path}: invalid YAML at line 4, column 7: ")
+
+
+def test_top_level_not_mapping(tmp_path):
+    with pytest.raises(ConfigError, match=r"c\.yaml: top level must be a mapping, got list"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match=r"c\.yaml: top level must be a mapping, got NoneType"):
+        load_config(write(tmp_path, ""))
+
+
+def test_load_config_errors_name_source(tmp_path):
+    path = write(tmp_path, "name: x\ncheckpoint: {save_path: s, save_max: 0}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(path)
+    assert str(ei.value) == f"{path}: checkpoint.save_max must be >= 1, got 0"
+
+
+# ----------------------------------------------------------------- overrides
+QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
+
+
+def test_overrides_parse_values_as_yaml():
+    c = load_config(QUICK, ["training.train_steps=20", "checkpoint.load_path=\"\"",
+                            "scaling.num_workers=[1,2]", "training.lr=1e-3", "fault=null",
+                            "checkpoint.save_path=./o/ck"])
+    assert c.training.train_steps == 20
+    assert c.checkpoint.load_path == ""
+    assert c.scaling.num_workers == [1, 2] and c.scaling.world_sizes == [1, 2]
+    assert c.training.lr == 1e-3
+    assert c.fault is None
+    assert c.checkpoint.save_path == "./o/ck"
+
+
+def test_override_creates_optional_block(tmp_path):
+    path = write(tmp_path, "name: x\ncheckpoint: {save_path: s}\nfault: null\n")
+    c = load_config(path, ["fault.phase=mid_shard_write", "fault.step=7"])
+    assert c.fault == FaultConfig(phase="mid_shard_write", step=7, rank=0)
+    c2 = load_config(path, ["data.synthetic.samples=10"])
+    assert c2.data.synthetic.samples == 10 and c2.data.synthetic.files == 4
+
+
+def test_override_unknown_key():
+    with pytest.raises(ConfigError) as ei:
+        load_config(QUICK, ["training.train_stpes=5"])
+    assert ei.value.problems == [f"{QUICK}: training.train_stpes: unknown key; did you mean 'train_steps'?"]
+
+
+def test_override_malformed():
+    with pytest.raises(ConfigError) as ei:
+        load_config(QUICK, ["training.train_steps"])
+    assert str(ei.value) == f"{QUICK}: override 'training.train_steps' must look like dotted.key=value"
+    with pytest.raises(ConfigError, match=r"training\.lr is not a mapping"):
+        apply_overrides({"training": {"lr": 1.0}}, ["training.lr.x=1"])
+
+
+def test_apply_overrides_does_not_mutate():
+    d = {"a": {"b": 1}}
+    assert apply_overrides(d, ["a.b=2", "c.d=x"]) == {"a": {"b": 2}, "c": {"d": "x"}}
+    assert d == {"a": {"b": 1}}
+
+
+# ----------------------------------------------------------------- shipped configs
+def test_configs_glob_finds_files():
+    assert len(CONFIG_FILES) >= 1
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
+def test_every_shipped_config_is_valid(path):
+    c = load_config(path)
+    assert Config.from_dict(c.to_dict()) == c
+    for ws in c.scaling.world_sizes:
+        assert c.training.accumulation_steps(ws) >= 1
+
+
+def test_quickstart_values():
+    c = load_config(QUICK)
+    assert c.name == "quickstart"
+    assert c.checkpoint.save_interleaved_steps == 25 and c.checkpoint.save_path == "./output/quickstart/checkpoint"
+    assert c.fault == FaultConfig(phase="after_optimizer_step", step=90, rank=1)
+    assert c.data.synthetic is not None and c.data.synthetic.samples == 4096
+    assert c.training.accumulation_steps(2) == 2
+
+
+def test_scenario_a_resume_values():
+    c = load_config(os.path.join(ROOT, "configs", "scenario_a_resume.yaml"))
+    assert c.fault is None
+    assert c.checkpoint.save_path == c.checkpoint.load_path == "./output/ckpt"
+    assert c.checkpoint.save_interleaved_steps == 50
+    q = load_config(QUICK)
+    assert (c.model, c.data, c.training) == (q.model, q.data, q.training)

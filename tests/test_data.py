@@ -1,0 +1,294 @@
+"""Tests for ray_resume.data: synthetic data, deterministic order, exact resume via Ray Data."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from ray_resume.data import (
+    DataError,
+    ReadUnit,
+    SampleStream,
+    dataset_size,
+    ensure_dataset,
+    epoch_order,
+    plan_epoch_units,
+    scan_units,
+    write_synthetic,
+)
+
+N, L, V = 100, 8, 50
+FILES, RGS = 4, 4
+
+
+@pytest.fixture(scope="module")
+def ray_ctx():
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, object_store_memory=200 * 1024**2, include_dashboard=False,
+                 log_to_driver=False)
+        started = True
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ds_path(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("data") / "synth"
+    write_synthetic(p, N, L, V, seed=7, files=FILES, row_groups_per_file=RGS)
+    return p
+
+
+def take(stream, k):
+    return list(itertools.islice(iter(stream), k))
+
+
+def ids_of(units, order):
+    """Map (unit_index, row) pairs to sample ids for the synthetic dataset (ids in file order)."""
+    starts = np.cumsum([0] + [u.num_rows for u in units])
+    return starts[order[:, 0]] + order[:, 1]
+
+
+# ---------------------------------------------------------------- synth
+
+
+def test_synth_layout_and_schema(ds_path):
+    files = sorted(ds_path.glob("*.parquet"))
+    assert [f.name for f in files] == [f"part-{i:05d}.parquet" for i in range(FILES)]
+    assert not [f for f in ds_path.iterdir() if f.suffix != ".parquet"]  # no tmp leftovers
+    all_ids, lens = [], []
+    for f in files:
+        pf = pq.ParquetFile(f)
+        assert pf.metadata.num_row_groups == RGS
+        sch = pf.schema_arrow
+        assert sch.field("sample_id").type == pa.int64()
+        t = sch.field("input_ids").type
+        assert pa.types.is_list(t) and t.value_type == pa.int32()
+        tbl = pf.read()
+        all_ids.append(tbl.column("sample_id").to_numpy())
+        lens.extend(pc.list_value_length(tbl.column("input_ids")).to_pylist())
+        toks = np.concatenate(tbl.column("input_ids").to_pylist())
+        assert toks.min() >= 0 and toks.max() < V
+    ids = np.concatenate(all_ids)
+    np.testing.assert_array_equal(ids, np.arange(N))
+    assert set(lens) == {L + 1}
+    units = scan_units(ds_path)
+    assert len(units) == FILES * RGS and dataset_size(units) == N
+
+
+def test_synth_cli_and_learnable(tmp_path):
+    out = tmp_path / "cli"
+    r = subprocess.run(
+        [sys.executable, "-m", "ray_resume.data", "synth", "--out", str(out), "--samples", "40",
+         "--seq-len", "6", "--vocab", "20", "--seed", "3", "--files", "2", "--row-groups-per-file", "3"],
+        capture_output=True, text=True, check=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert "40" in r.stdout and str(out) in r.stdout
+    units = scan_units(out)
+    assert len(units) == 6 and dataset_size(units) == 40
+    # deterministic for a seed
+    write_synthetic(tmp_path / "again", 40, 6, 20, seed=3, files=2, row_groups_per_file=3)
+    a = pq.read_table(out / "part-00001.parquet")
+    b = pq.read_table(tmp_path / "again" / "part-00001.parquet")
+    assert a.equals(b)
+    # mostly arithmetic: the next-token difference is constant for most positions
+    toks = np.array(pq.read_table(out).column("input_ids").to_pylist())
+    d = np.diff(toks, axis=1) % 20
+    frac = np.mean(d == np.median(d, axis=1, keepdims=True))
+    assert frac > 0.7
+
+
+# ---------------------------------------------------------------- order (pure)
+
+
+def test_order_pure(ds_path):
+    units = scan_units(ds_path)
+    o1 = ids_of(units, epoch_order(units, 1, 0, True))
+    o1b = ids_of(units, epoch_order(units, 1, 0, True))
+    o2 = ids_of(units, epoch_order(units, 2, 0, True))
+    o1e1 = ids_of(units, epoch_order(units, 1, 1, True))
+    np.testing.assert_array_equal(o1, o1b)
+    assert not np.array_equal(o1, o2)
+    assert not np.array_equal(o1, o1e1)
+    for o in (o1, o2, o1e1):
+        np.testing.assert_array_equal(np.sort(o), np.arange(N))
+    np.testing.assert_array_equal(ids_of(units, epoch_order(units, 1, 3, False)), np.arange(N))
+
+
+def test_stream_order_matches_pure_order(ray_ctx, ds_path):
+    units = scan_units(ds_path)
+    # gbs = N: one step per epoch
+    steps = take(SampleStream(ds_path, 5, True, N, 0, 1, 0), 2)
+    for e, b in enumerate(steps):
+        np.testing.assert_array_equal(b["sample_id"], ids_of(units, epoch_order(units, 5, e, True)))
+        np.testing.assert_array_equal(np.sort(b["sample_id"]), np.arange(N))
+    assert not np.array_equal(steps[0]["sample_id"], steps[1]["sample_id"])
+    again = take(SampleStream(units, 5, True, N, 0, 1, 0), 1)[0]
+    np.testing.assert_array_equal(again["sample_id"], steps[0]["sample_id"])
+    other = take(SampleStream(units, 6, True, N, 0, 1, 0), 1)[0]
+    assert not np.array_equal(other["sample_id"], steps[0]["sample_id"])
+    plain = take(SampleStream(units, 5, False, 30, 0, 1, 0), 4)
+    np.testing.assert_array_equal(np.concatenate([b["sample_id"] for b in plain]),
+                                  np.r_[np.arange(N), np.arange(20)])
+    # input_ids belong to the sample ids
+    tbl = pq.read_table(ds_path)
+    ref = np.array(tbl.column("input_ids").to_pylist(), dtype=np.int32)
+    b = steps[0]
+    assert b["input_ids"].dtype == np.int32 and b["sample_id"].dtype == np.int64
+    assert b["input_ids"].shape == (N, L + 1)
+    np.testing.assert_array_equal(b["input_ids"], ref[b["sample_id"]])
+
+
+# ---------------------------------------------------------------- resume equivalence
+
+
+def test_resume_equivalence_across_epochs(ray_ctx, ds_path):
+    gbs, steps = 16, 12  # 192 samples: crosses the epoch boundary at 100
+    full = take(SampleStream(ds_path, 11, True, gbs, 0, 1, 0), steps)
+    flat_ids = np.concatenate([b["sample_id"] for b in full])
+    flat_tok = np.concatenate([b["input_ids"] for b in full])
+    np.testing.assert_array_equal(np.sort(flat_ids[:N]), np.arange(N))  # epoch 0 is a permutation
+    assert len(np.unique(flat_ids[N:])) == len(flat_ids) - N  # epoch 1 starts fresh, no repeats
+    k = 3
+    s = SampleStream(ds_path, 11, True, gbs, 0, 1, k * gbs)
+    resumed = take(s, steps - k)
+    assert s.position == steps * gbs
+    for a, b in zip(full[k:], resumed):
+        np.testing.assert_array_equal(a["sample_id"], b["sample_id"])
+        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+    # offset not a multiple of gbs (and spanning the epoch boundary)
+    for off in (37, 99):
+        r = take(SampleStream(ds_path, 11, True, gbs, 0, 1, off), 4)
+        got_ids = np.concatenate([b["sample_id"] for b in r])
+        got_tok = np.concatenate([b["input_ids"] for b in r])
+        np.testing.assert_array_equal(got_ids, flat_ids[off:off + 4 * gbs])
+        np.testing.assert_array_equal(got_tok, flat_tok[off:off + 4 * gbs])
+
+
+def test_world_size_invariance(ray_ctx, ds_path):
+    gbs, steps, start = 16, 8, 37
+    ref = take(SampleStream(ds_path, 4, True, gbs, 0, 1, start), steps)
+    for w in (2, 4):
+        per_rank = [take(SampleStream(ds_path, 4, True, gbs, r, w, start), steps) for r in range(w)]
+        for s in range(steps):
+            parts = [per_rank[r][s] for r in range(w)]
+            assert all(len(p["sample_id"]) == gbs // w for p in parts)
+            np.testing.assert_array_equal(np.concatenate([p["sample_id"] for p in parts]),
+                                          ref[s]["sample_id"])
+            np.testing.assert_array_equal(np.concatenate([p["input_ids"] for p in parts]),
+                                          ref[s]["input_ids"])
+
+
+# ---------------------------------------------------------------- plan
+
+
+def test_plan_excludes_units_before_offset(ds_path):
+    units = scan_units(ds_path)
+    seed, epoch = 9, 2
+    order = epoch_order(units, seed, epoch, True)
+    unit_seq = [int(u) for u in dict.fromkeys(order[:, 0].tolist())]
+    assert plan_epoch_units(units, seed, epoch, True, 0) == [(u, 0) for u in unit_seq]
+    for off in (0, 1, 6, 7, 37, 50, 99):
+        plan = plan_epoch_units(units, seed, epoch, True, off)
+        first_unit, row_start = plan[0]
+        # the unit holding position `off` comes first, sliced at the right row
+        assert first_unit == order[off, 0]
+        before = np.sum(order[:off, 0] == first_unit)
+        assert row_start == before
+        assert all(rs == 0 for _, rs in plan[1:])
+        # no unit whose rows all lie before the offset is planned
+        wholly_before = set(order[:off, 0].tolist()) - {first_unit}
+        assert not wholly_before & {u for u, _ in plan}
+        assert [u for u, _ in plan] == unit_seq[unit_seq.index(first_unit):]
+        assert sum(units[u].num_rows - rs for u, rs in plan) == N - off
+    with pytest.raises(ValueError):
+        plan_epoch_units(units, seed, epoch, True, N)
+
+
+def test_plan_with_fake_units():
+    units = [ReadUnit("a", 0, 5), ReadUnit("a", 1, 3), ReadUnit("b", 0, 4)]
+    assert plan_epoch_units(units, 0, 0, False, 0) == [(0, 0), (1, 0), (2, 0)]
+    assert plan_epoch_units(units, 0, 0, False, 5) == [(1, 0), (2, 0)]
+    assert plan_epoch_units(units, 0, 0, False, 6) == [(1, 1), (2, 0)]
+    assert plan_epoch_units(units, 0, 0, False, 11) == [(2, 3)]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_schema_errors(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    pq.write_table(pa.table({"sample_id": pa.array([0, 1], pa.int32()),
+                             "input_ids": pa.array([[1, 2], [3, 4]], pa.list_(pa.int32()))}),
+                   bad / "part-00000.parquet")
+    with pytest.raises(DataError) as ei:
+        scan_units(bad)
+    msg = str(ei.value)
+    assert "part-00000.parquet" in msg and "sample_id" in msg and "int64" in msg
+
+    bad2 = tmp_path / "bad2"
+    bad2.mkdir()
+    pq.write_table(pa.table({"sample_id": pa.array([0, 1], pa.int64()),
+                             "input_ids": pa.array([[1, 2], [3, 4]], pa.list_(pa.int64()))}),
+                   bad2 / "part-00003.parquet")
+    with pytest.raises(DataError) as ei:
+        scan_units(bad2)
+    msg = str(ei.value)
+    assert "part-00003.parquet" in msg and "input_ids" in msg and "list<int32>" in msg
+
+    bad3 = tmp_path / "bad3"
+    bad3.mkdir()
+    pq.write_table(pa.table({"sample_id": pa.array([0], pa.int64())}), bad3 / "x.parquet")
+    with pytest.raises(DataError, match="input_ids"):
+        scan_units(bad3)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="empty"):
+        scan_units(empty)
+
+
+def test_ensure_dataset(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(DataError) as ei:
+        ensure_dataset(missing, None, L, V)
+    assert "data.path" in str(ei.value) and "synth" in str(ei.value)
+    assert isinstance(ei.value, ValueError)
+
+    cfg = types.SimpleNamespace(samples=30, files=2, row_groups_per_file=2, seed=1)
+    p = tmp_path / "made"
+    ensure_dataset(p, cfg, L, V)
+    units = scan_units(p)
+    assert len(units) == 4 and dataset_size(units) == 30
+    before = [f.stat().st_mtime_ns for f in sorted(p.glob("*.parquet"))]
+    ensure_dataset(p, cfg, L, V)  # already there: untouched
+    assert [f.stat().st_mtime_ns for f in sorted(p.glob("*.parquet"))] == before
+    assert [x.name for x in tmp_path.iterdir() if x.name.startswith(".")] == []
+
+
+def test_ensure_dataset_concurrent(tmp_path):
+    code = (
+        "import sys, types; from ray_resume.data import ensure_dataset;"
+        "ensure_dataset(sys.argv[1], types.SimpleNamespace(samples=400, files=4, "
+        "row_groups_per_file=4, seed=2), 16, 50)"
+    )
+    p = tmp_path / "race"
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(p)], env=env) for _ in range(3)]
+    assert all(pr.wait(timeout=60) == 0 for pr in procs)
+    assert dataset_size(scan_units(p)) == 400
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["race"]
