@@ -86,7 +86,7 @@ def learning_rate(train, step: int) -> float:
 
 def train_step(model, optimizer, input_ids, micro_batch: int, accumulation: int, world: int) -> float:
     """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
-    ids = torch.from_numpy(input_ids).long()
+    ids = torch.tensor(input_ids, dtype=torch.long)  # a copy: Ray Data hands out read-only arrays
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros(())
     for i in range(accumulation):

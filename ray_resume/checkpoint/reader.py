@@ -20,6 +20,7 @@ import torch
 from . import layout
 from .schema import DTYPES, CheckpointError, parse_json, validate_common, validate_metadata
 from .storage import LocalStorage
+from .writer import RANK_EXTRAS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,10 @@ def load_rank_extras(storage: LocalStorage, it: Iteration, rank: int) -> dict[st
     name = layout.shard_filename(it.metadata.get("prefix", "ckpt"), layout.OPTIM_KIND, rank, it.metadata["world_size"])
     data = read_verified(storage, it, [name])[name]
     header = shard_header(data, layout.join(it.path, name))
-    extras = header.get("__metadata__") or {}
-    return {k: v for k, v in extras.items() if isinstance(v, str)}
+    extras = (header.get("__metadata__") or {}).get(RANK_EXTRAS_KEY)
+    if not isinstance(extras, str):
+        raise CheckpointError(f"{layout.join(it.path, name)}: header has no {RANK_EXTRAS_KEY!r} (the rank's RNG state)")
+    return parse_json(extras.encode(), f"{layout.join(it.path, name)}: {RANK_EXTRAS_KEY}")
 
 
 def describe(it: Iteration) -> str:

@@ -22,6 +22,8 @@ from .storage import LocalStorage
 
 logger = logging.getLogger(__name__)
 
+RANK_EXTRAS_KEY = "rank_extras"
+
 
 def tensor_specs(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
     """Specs in the state's own (deterministic) key order."""
@@ -56,7 +58,10 @@ def save_shards(
     manifest: dict = {"rank": rank, "world_size": world_size, "files": {}, "pieces": {}, "specs": {}}
     kinds = [(layout.MODEL_KIND, model_state, None)]
     if optim_state is not None:
-        kinds.append((layout.OPTIM_KIND, optim_state, rank_extras))
+        # One header key: safetensors writes header maps in hash order, and a
+        # single entry keeps the file bytes reproducible (exact-resume tests
+        # compare bytes).
+        kinds.append((layout.OPTIM_KIND, optim_state, {RANK_EXTRAS_KEY: json.dumps(rank_extras, sort_keys=True)}))
     for kind, state, header in kinds:
         specs = tensor_specs(state)
         share = split_replicated(specs, world_size)[rank]

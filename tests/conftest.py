@@ -1,0 +1,82 @@
+"""Shared fixtures: one local Ray for in-process jobs, and a tiny job config."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import ray
+
+from ray_resume.checkpoint import layout
+from ray_resume.train_loop import metrics_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray with room for 2 training workers and the Ray Data readers beside them."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, object_store_memory=300 * 1024**2, include_dashboard=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def tiny_config(tmp: Path, name: str = "tiny", **sections) -> dict:
+    """A job small enough for 2 CPU workers in seconds, crossing one epoch boundary.
+
+    160 samples at global batch 16: step 10 finishes epoch 0, so a run of 12
+    steps also proves the cursor across epochs. Dropout is on so that exact
+    resume depends on the per-rank RNG state in the checkpoint.
+    """
+    cfg = {
+        "name": name,
+        "model": {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layers": 1, "n_heads": 2, "dtype": "float32", "dropout": 0.1},
+        "data": {"path": str(tmp / "data"), "shuffle": True, "seed": 7,
+                 "synthetic": {"samples": 160, "files": 2, "row_groups_per_file": 3, "seed": 3}},
+        "training": {"global_batch_size": 16, "micro_batch_size": 4, "train_steps": 12, "lr": 1e-3, "seed": 42, "log_every": 4},
+        "scaling": {"num_workers": 2},
+        "failure": {"max_failures": 2},
+        "checkpoint": {"save_path": str(tmp / "ckpt"), "save_interleaved_steps": 4},
+    }
+    for section, values in sections.items():
+        if values is None or not isinstance(values, dict):
+            cfg[section] = values
+        else:
+            cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def shard_bytes(root: str | Path, step: int) -> dict[str, bytes]:
+    """Every model/opt shard file of one iteration, by name."""
+    directory = Path(layout.iteration_dir(str(root), step))
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if layout.parse_shard_filename(p.name)}
+
+
+def read_metrics(save_path: str | Path) -> list[dict]:
+    """All per-step records the job's ranks wrote, in file order."""
+    records = []
+    for path in sorted(Path(metrics_dir(str(save_path))).glob("rank*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines()]
+    return records
+
+
+def per_step(records: list[dict]) -> dict[int, list[dict]]:
+    """For each step, every run of it: [{"loss", "ids" (all ranks, sorted)}], one per (job, attempt)."""
+    runs: dict[int, dict[tuple, dict]] = {}
+    for r in records:
+        if "loss" in r:
+            entry = runs.setdefault(r["step"], {}).setdefault((r["job"], r["attempt"]), {"loss": r["loss"], "ids": []})
+            entry["ids"] = sorted(entry["ids"] + r["sample_ids"])
+    return {step: list(by_run.values()) for step, by_run in sorted(runs.items())}
+
+
+def env_for_subprocess() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("RAY_ADDRESS", None)
+    return env
