@@ -143,8 +143,9 @@ def init_ray(address: str | None, cfg: Config) -> None:
     if address:
         ray.init(address=address)
     else:
+        # "local": a new Ray of our own, never a stale `ray start` cluster file.
         # Room for the training workers plus the Ray Data read tasks beside them.
-        ray.init(num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers + 2), include_dashboard=False)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers + 2), include_dashboard=False)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,12 @@ import pytest
 import ray
 
 from ray_resume.checkpoint import layout
+from ray_resume.config import Config
+from ray_resume.run import run
 from ray_resume.train_loop import metrics_dir
 
 REPO = Path(__file__).resolve().parent.parent
+FINAL = 12  # train_steps of tiny_config
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +23,7 @@ def ray_cluster():
     """A local Ray with room for 2 training workers and the Ray Data readers beside them."""
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, object_store_memory=300 * 1024**2, include_dashboard=False)
+        ray.init(address="local", num_cpus=4, object_store_memory=300 * 1024**2, include_dashboard=False)
     yield
     if started:
         ray.shutdown()
@@ -80,3 +83,21 @@ def env_for_subprocess() -> dict:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("RAY_ADDRESS", None)
     return env
+
+
+def run_job(cfg: dict):
+    """Run a job in this process (on the `ray_cluster` Ray) and check it committed the last step."""
+    result = run(Config.from_dict(cfg))
+    assert result.error is None, result.error
+    assert result.committed_iteration == FINAL
+    return result
+
+
+@pytest.fixture(scope="session")
+def reference(ray_cluster, tmp_path_factory):
+    """The uninterrupted run every faulty run is compared with."""
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = tiny_config(tmp)
+    run_job(cfg)
+    root = cfg["checkpoint"]["save_path"]
+    return {"root": root, "steps": per_step(read_metrics(root)), "data": cfg["data"]["path"]}

@@ -12,31 +12,12 @@ import json
 
 import pytest
 
-from conftest import per_step, read_metrics, shard_bytes, tiny_config
+from conftest import FINAL, per_step, read_metrics, run_job, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.reader import load_state, open_iteration, read_verified
 from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.config import Config
-from ray_resume.run import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
-
-FINAL = 12
-
-
-def run_job(cfg: dict):
-    result = run(Config.from_dict(cfg))
-    assert result.error is None, result.error
-    assert result.committed_iteration == FINAL
-    return result
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    cfg = tiny_config(tmp)
-    run_job(cfg)
-    return {"root": cfg["checkpoint"]["save_path"], "steps": per_step(read_metrics(cfg["checkpoint"]["save_path"])), "data": cfg["data"]["path"]}
 
 
 def faulty_run(tmp, reference, phase: str, step: int, rank: int = 1) -> dict:

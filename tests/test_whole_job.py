@@ -1,0 +1,127 @@
+"""The whole job as users run it: `python -m ray_resume.run` in its own process.
+
+These start their own Ray (a local one inside the driver, or a head node
+started here for `ray job submit`), on loopback only, and end exactly the
+processes they started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import FINAL, REPO, env_for_subprocess, shard_bytes, tiny_config
+from ray_resume.checkpoint import layout
+
+pytestmark = pytest.mark.slow
+
+
+def write_config(tmp: Path, reference, **sections) -> Path:
+    cfg = tiny_config(tmp, **sections)
+    cfg["data"]["path"] = reference["data"]
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start(args: list[str], **kw) -> subprocess.Popen:
+    """A child in its own process group, so that it and everything it spawned can be ended together."""
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env_for_subprocess(), **kw)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        end_group(proc)
+    return proc.returncode, out
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        time.sleep(2)
+
+
+def tracker(root: str) -> str:
+    return Path(layout.tracker_path(root)).read_text().strip()
+
+
+def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tmp_path, reference):
+    config = write_config(tmp_path, reference, fault={"phase": "commit_before_tracker", "step": 8})
+    root = str(tmp_path / "ckpt")
+    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config)]), timeout=300)
+    assert code == -signal.SIGKILL, out[-3000:]
+    # The JSON of iteration 8 is on disk, but the tracker never moved past 4.
+    assert (Path(root) / "iteration_00000008" / "metadata.json").exists()
+    assert tracker(root) == "4"
+
+    # Restarting the same config without load_path would overwrite a committed root: refused.
+    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--set", "fault=null"]), timeout=120)
+    assert code == 2 and "already holds committed iteration 4" in out and "set checkpoint.load_path" in out
+
+    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--set", "fault=null",
+                              "--set", f"checkpoint.load_path={root}"]), timeout=300)
+    assert code == 0, out[-3000:]
+    assert f"resumed from {root}/iteration_00000004" in out  # never the half-committed 8
+    assert "global_step 4, consumed samples 64; continuing at step 5" in out
+    assert f"step {FINAL}/{FINAL} | loss " in out and "samples/s | last committed iteration 12 | ETA" in out
+    assert tracker(root) == str(FINAL)
+    for step in (8, FINAL):  # 8 was written again and replaced cleanly
+        assert shard_bytes(root, step) == shard_bytes(reference["root"], step)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_job_submit_against_a_local_head_node(tmp_path, reference):
+    config = write_config(tmp_path, reference, scaling={"num_workers": 1}, training={"micro_batch_size": 8})
+    port, dashboard, agent = free_port(), free_port(), free_port()
+    head = start(["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                  "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
+                  # Its own agent port: the fixed default (52365) is taken by the test session's Ray.
+                  f"--dashboard-agent-listen-port={agent}", "--disable-usage-stats"], cwd=tmp_path)
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{address}/api/version", timeout=2)
+                break
+            except urllib.error.HTTPError:  # 401: up, with Ray's token auth on (the 2.60 default)
+                break
+            except OSError:
+                assert head.poll() is None and time.time() < deadline, "the head node did not come up"
+                time.sleep(1)
+        for _ in range(15):  # the job agent comes up some seconds after the dashboard
+            submit = start(["ray", "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
+                            "python", "-m", "ray_resume.run", str(config)], cwd=REPO)
+            code, out = finish(submit, timeout=400)
+            if "No available agent to submit job" not in out:
+                break
+            time.sleep(2)
+    finally:
+        end_group(head)
+    assert code == 0, out[-4000:]
+    assert "succeeded" in out
+    root = str(tmp_path / "ckpt")
+    assert tracker(root) == str(FINAL)
+    assert len(shard_bytes(root, FINAL)) == 2  # one rank: its model and opt shards
