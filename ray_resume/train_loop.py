@@ -147,6 +147,8 @@ class Progress:
             f"resumed from {resume.source} (attempt {attempt}, world size {world}): global_step {resume.global_step}, "
             f"consumed samples {resume.consumed_samples}; continuing at step {resume.global_step + 1}"
         )
+        if resume.global_step >= self.total:
+            self._say(f"training already reached train_steps={self.total}: nothing left to do")
 
     def step(self, step: int, loss: float, sample_ids, saved: bool) -> None:
         self._write({"step": step, "loss": loss, "sample_ids": sample_ids.tolist(), "saved": saved})

@@ -23,7 +23,7 @@ import ray
 import yaml
 
 from . import layout
-from .schema import CKPT_STATUS_OK, dumps
+from .schema import CKPT_STATUS_OK, build_metadata, dumps
 from .storage import storage_for
 
 logger = logging.getLogger(__name__)
@@ -79,35 +79,18 @@ class CheckpointCoordinator:
             return False
 
     def _commit(self, iteration: int, reports: dict[int, dict]) -> None:
-        world = len(reports)
         iter_dir = layout.iteration_dir(self.root, iteration)
-        files, tensors = {}, {}
-        for rank in range(world):
-            manifest = reports[rank]["manifest"]
+        manifests = [reports[rank]["manifest"] for rank in range(len(reports))]
+        for manifest in manifests:
             for name, info in manifest["files"].items():
                 size = self.storage.size(layout.join(iter_dir, name))
                 if size != info["size"]:
-                    raise RuntimeError(f"rank {rank} reported {name} with {info['size']} bytes, storage has {size}")
-                files[name] = {"size": info["size"], "sha256": info["sha256"], "kind": info["kind"], "rank": rank}
-        rank0 = reports[0]["manifest"]
-        for kind, specs in rank0["specs"].items():
-            tensors[kind] = {name: {"dtype": dtype, "shape": shape, "pieces": []} for name, dtype, shape in specs}
-        for rank in range(world):
-            for kind, pieces in reports[rank]["manifest"]["pieces"].items():
-                for name, start, numel, file in pieces:
-                    tensors[kind][name]["pieces"].append({"file": file, "start": start, "numel": numel})
-        metadata = {
-            "format_version": layout.FORMAT_VERSION,
-            "iteration": iteration,
-            "world_size": world,
-            "prefix": self.config["checkpoint"]["prefix"],
-            "files": files,
-            "tensors": tensors,
-        }
+                    raise RuntimeError(f"rank {manifest['rank']} reported {name} with {info['size']} bytes, storage has {size}")
+        metadata = build_metadata(iteration, self.config["checkpoint"]["prefix"], manifests)
         common = dict(reports[0]["common"])
         common.update(
-            format_version=layout.FORMAT_VERSION, ckpt_status=CKPT_STATUS_OK, world_size=world,
-            job_id=self.job_id, saved_at=time.time(), has_optimizer=layout.OPTIM_KIND in tensors,
+            format_version=layout.FORMAT_VERSION, ckpt_status=CKPT_STATUS_OK, world_size=len(manifests),
+            job_id=self.job_id, saved_at=time.time(), has_optimizer=layout.OPTIM_KIND in metadata["tensors"],
         )
         self.storage.write_atomic(layout.join(iter_dir, layout.METADATA), dumps(metadata))
         self.storage.write_atomic(layout.join(iter_dir, layout.CONFIG), yaml.safe_dump(self.config, sort_keys=False).encode())
@@ -115,7 +98,7 @@ class CheckpointCoordinator:
         self._maybe_kill_driver(iteration)
         self.storage.write_atomic(layout.tracker_path(self.root), f"{iteration}\n".encode())
         self.committed_by_job.append(iteration)
-        logger.info("committed iteration %d (%d shards) at %s", iteration, len(files), iter_dir)
+        logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["files"]), iter_dir)
 
     def _maybe_kill_driver(self, iteration: int) -> None:
         f = self.fault

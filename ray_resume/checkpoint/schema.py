@@ -103,3 +103,24 @@ def validate_metadata(meta: dict, where: str) -> None:
             for piece in t.get("pieces", []):
                 if not isinstance(piece, dict) or piece.get("file") not in meta["files"]:
                     raise CheckpointError(f"{label}: a piece names a file not listed in 'files': {piece!r}")
+
+
+def build_metadata(iteration: int, prefix: str, manifests: list[dict]) -> dict:
+    """metadata.json from every rank's manifest (ordered by rank): files, tensors, pieces."""
+    files, tensors = {}, {}
+    for kind, specs in manifests[0]["specs"].items():
+        tensors[kind] = {name: {"dtype": dtype, "shape": shape, "pieces": []} for name, dtype, shape in specs}
+    for manifest in manifests:
+        for name, info in manifest["files"].items():
+            files[name] = {"size": info["size"], "sha256": info["sha256"], "kind": info["kind"], "rank": manifest["rank"]}
+        for kind, pieces in manifest["pieces"].items():
+            for name, start, numel, file in pieces:
+                tensors[kind][name]["pieces"].append({"file": file, "start": start, "numel": numel})
+    return {
+        "format_version": layout.FORMAT_VERSION,
+        "iteration": iteration,
+        "world_size": len(manifests),
+        "prefix": prefix,
+        "files": files,
+        "tensors": tensors,
+    }

@@ -1,0 +1,183 @@
+"""The on-disk format without Ray: plan, names, write -> commit -> read, and refusals."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_resume.checkpoint import layout, state
+from ray_resume.checkpoint.plan import TensorSpec, split_replicated
+from ray_resume.checkpoint.reader import find_committed, load_rank_extras, load_state, open_iteration, read_verified
+from ray_resume.checkpoint.schema import CheckpointError, build_metadata, dumps
+from ray_resume.checkpoint.storage import LocalStorage, storage_for
+from ray_resume.checkpoint.writer import save_shards
+from ray_resume.model import GPT
+
+
+def test_names_are_the_specs():
+    assert layout.iteration_dirname(200) == "iteration_00000200"
+    assert layout.shard_filename("ckpt", "model", 1, 8) == "ckpt-model-0000001-0000008.safetensors"
+    assert layout.shard_filename("ckpt", "opt", 7, 8) == "ckpt-opt-0000007-0000008.safetensors"
+    assert layout.parse_shard_filename("ckpt-opt-0000007-0000008.safetensors") == {"prefix": "ckpt", "kind": "opt", "rank": 7, "world": 8}
+    assert layout.parse_iteration_dirname("iteration_00000200") == 200
+    assert layout.parse_iteration_dirname("iteration_200") is None
+    assert layout.join("s3://bucket/run", "iteration_00000001", "common.json") == "s3://bucket/run/iteration_00000001/common.json"
+    assert layout.tracker_path("/x/ckpt/") == "/x/ckpt/latest_checkpointed_iteration.txt"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_save_plan_covers_every_element_once_and_balances_bytes(seed):
+    rng = random.Random(seed)
+    specs = [TensorSpec(f"t{i}", "F32", tuple(rng.randint(1, 40) for _ in range(rng.randint(0, 3))), rng.choice([1, 2, 4, 8]))
+             for i in range(rng.randint(1, 30))]
+    for world in (1, 2, 3, 7, 64):
+        shares = split_replicated(specs, world)
+        covered = {s.name: [0] * s.numel for s in specs}
+        for share in shares:
+            for p in share:
+                for e in range(p.start, p.start + p.numel):
+                    covered[p.name][e] += 1
+        assert all(c == 1 for counts in covered.values() for c in counts)
+        sizes = {s.name: s.itemsize for s in specs}
+        written = [sum(p.numel * sizes[p.name] for p in share) for share in shares]
+        total = sum(s.nbytes for s in specs)
+        # Each rank is within one element of its exact share.
+        assert max(written) <= total / world + 8 and min(written) >= total / world - 8
+
+
+def make_state(seed=0):
+    torch.manual_seed(seed)
+    model = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 32, (2, 8))).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None) -> Path:
+    """Every rank's shards (written from one process) and the driver's JSON and tracker."""
+    model, opt = (model, opt) if model is not None else make_state()
+    storage = LocalStorage()
+    manifests = [
+        save_shards(storage, str(root), step, prefix="ckpt", rank=r, world_size=world,
+                    model_state=state.model_tensors(model), optim_state=state.optim_tensors(model, opt),
+                    rank_extras={"rank": str(r)})
+        for r in range(world)
+    ]
+    directory = Path(layout.iteration_dir(str(root), step))
+    (directory / layout.METADATA).write_bytes(dumps(build_metadata(step, "ckpt", manifests)))
+    common = {"format_version": 1, "global_step": step, "global_batch_size": 8, "step_num": step, "epoch_num": 0,
+              "loss_scale": 1.0, "ckpt_status": "ok", "consumed_samples": 8 * step, "world_size": world,
+              "has_optimizer": True, "job_id": "test"}
+    (directory / layout.COMMON).write_bytes(dumps(common))
+    storage.write_atomic(layout.tracker_path(str(root)), f"{step}\n".encode())
+    return directory
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_round_trip_restores_every_tensor_bitwise(tmp_path, world):
+    model, opt = make_state()
+    write_iteration(tmp_path, world, model=model, opt=opt)
+    storage = LocalStorage()
+    it = open_iteration(storage, str(tmp_path), find_committed(storage, str(tmp_path)))
+    loaded = load_state(storage, it, "model")
+    for name, t in state.model_tensors(model).items():
+        assert torch.equal(loaded[name], t) and loaded[name].dtype == t.dtype
+    fresh, fresh_opt = make_state(seed=1)
+    state.load_optim_tensors(fresh, fresh_opt, load_state(storage, it, "opt"))
+    assert state.optim_tensors(fresh, fresh_opt).keys() == state.optim_tensors(model, opt).keys()
+    for name, t in state.optim_tensors(model, opt).items():
+        assert torch.equal(state.optim_tensors(fresh, fresh_opt)[name], t), name
+    assert load_rank_extras(storage, it, world - 1) == {"rank": str(world - 1)}
+    # No file holds a byte of replicated state twice: shards add up to the state itself.
+    model_bytes = sum(t.numel() * t.element_size() for t in state.model_tensors(model).values())
+    stored = sum(len(b) for n, b in read_verified(storage, it, [f for f in it.metadata["files"] if "-model-" in f]).items())
+    assert model_bytes <= stored < model_bytes + world * 4096  # plus one safetensors header per file
+
+
+def test_rng_state_round_trips():
+    saved = state.capture_rng()
+    expected = (torch.rand(3), random.random())
+    state.seed_everything(123)
+    state.restore_rng(json.loads(json.dumps(saved)))
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def load_everything(root: Path):
+    storage = LocalStorage()
+    it = open_iteration(storage, str(root), find_committed(storage, str(root)))
+    for kind in ("model", "opt"):
+        load_state(storage, it, kind)
+
+
+def _flip_byte(d: Path):
+    shard = d / "ckpt-model-0000001-0000002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _truncate(d: Path):
+    shard = d / "ckpt-opt-0000000-0000002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+
+def _escape(d: Path):
+    meta = json.loads((d / "metadata.json").read_text())
+    meta["files"]["../../etc/passwd"] = meta["files"].pop("ckpt-model-0000000-0000002.safetensors")
+    (d / "metadata.json").write_text(json.dumps(meta))
+
+
+def _status(d: Path):
+    common = json.loads((d / "common.json").read_text())
+    common["ckpt_status"] = "saving"
+    (d / "common.json").write_text(json.dumps(common))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_flip_byte, "ckpt-model-0000001-0000002.safetensors: sha256 does not match metadata.json"),
+        (_truncate, "ckpt-opt-0000000-0000002.safetensors: size is"),
+        (lambda d: (d / "ckpt-opt-0000001-0000002.safetensors").unlink(), "shard listed in metadata.json is missing"),
+        (_escape, "file name '../../etc/passwd' points outside the iteration directory"),
+        (_status, "ckpt_status is 'saving', not 'ok'"),
+        (lambda d: (d / "common.json").write_text("{not json"), "common.json: not valid JSON"),
+        (lambda d: (d / "metadata.json").unlink(), "metadata.json: missing"),
+        (lambda d: (d / "common.json").write_text('{"format_version": 1}'), "common.json: missing field 'global_step'"),
+        (lambda d: (d.parent / layout.TRACKER).write_text(""), "tracker is empty"),
+        (lambda d: (d.parent / layout.TRACKER).write_text("abc"), "tracker must hold a non-negative iteration number, got 'abc'"),
+        (lambda d: (d.parent / layout.TRACKER).write_text("-3"), "tracker must hold a non-negative iteration number, got '-3'"),
+        (lambda d: (d.parent / layout.TRACKER).write_text("9"), "names iteration 9, but iteration_00000009/ does not exist"),
+    ],
+)
+def test_damaged_checkpoint_is_refused_by_name_and_left_untouched(tmp_path, damage, message):
+    directory = write_iteration(tmp_path, world=2)
+    damage(directory)
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError) as err:
+        load_everything(tmp_path)
+    assert message in str(err.value)
+    assert tree(tmp_path) == before  # a failed load changes nothing on disk
+
+
+def test_atomic_write_replaces_and_leaves_no_temp_file(tmp_path):
+    storage = storage_for(str(tmp_path))
+    target = str(tmp_path / "latest_checkpointed_iteration.txt")
+    storage.write_atomic(target, b"4\n")
+    storage.write_atomic(target, b"8\n")
+    assert Path(target).read_bytes() == b"8\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["latest_checkpointed_iteration.txt"]
+
+
+def test_unsupported_storage_scheme_is_named():
+    with pytest.raises(ValueError, match="storage scheme 'gs'"):
+        storage_for("gs://bucket/ckpt")
