@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("ddp", "fsdp")
-FAULT_PHASES = ("after_optimizer_step", "mid_shard_write", "before_report", "commit_before_tracker")
+FAULT_PHASES = ("after_optimizer_step", "mid_shard_write", "before_report", "commit_before_tracker", "retention_delete")
 
 
 class ConfigError(ValueError):
@@ -131,6 +131,7 @@ class TrainingConfig(_Section):
     warmup_steps: int = 0  # linear LR warmup steps (>= 0)
     weight_decay: float = 0.0  # AdamW weight decay (>= 0)
     log_every: int = 10  # log metrics every N steps (>= 1)
+    log_sample_ids: bool = False  # record every step's sample ids in the metrics (for audits and tests)
 
     def _check(self) -> list[str]:
         p: list[str] = []
@@ -188,16 +189,27 @@ class FailureConfig(_Section):
 
 
 @dataclass(kw_only=True)
+class StorageConfig(_Section):
+    """Object-storage connection; empty values fall back to the usual AWS_* environment variables."""
+
+    endpoint_url: str = ""  # S3-compatible endpoint, e.g. http://127.0.0.1:9000 (env AWS_ENDPOINT_URL)
+    region: str = ""  # bucket region (env AWS_REGION / AWS_DEFAULT_REGION)
+    access_key_id: str = ""  # prefer the env var AWS_ACCESS_KEY_ID over plain text here
+    secret_access_key: str = ""  # prefer the env var AWS_SECRET_ACCESS_KEY over plain text here
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig(_Section):
     enable_save: bool = True  # write checkpoints during training
-    save_path: str = ""  # directory checkpoints are written to
+    save_path: str = ""  # checkpoint root: a local/NFS path, file://..., or s3://bucket/prefix
     save_interleaved_steps: int = 1000  # save every N optimizer steps (>= 1)
     no_save_optim: bool = False  # skip optimizer state when saving
-    save_max: int = 5  # keep at most N checkpoints (>= 1)
+    save_max: int = 5  # keep at most N checkpoints created by this job (>= 1)
     load_path: str = ""  # directory to resume from ("" = start fresh)
     no_load_optim: bool = False  # ignore optimizer state when loading
     load_balanced: bool = False  # spread checkpoint reads across ranks
-    prefix: str = "ckpt"  # checkpoint directory name prefix
+    prefix: str = "ckpt"  # shard file name prefix
+    storage: StorageConfig = field(default_factory=StorageConfig)  # s3:// connection settings
 
     def _check(self) -> list[str]:
         p: list[str] = []

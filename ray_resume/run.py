@@ -111,7 +111,7 @@ def preflight(cfg: Config) -> tuple[str, int] | None:
     ckpt = cfg.checkpoint
     load = None
     if ckpt.load_path:
-        storage = storage_for(ckpt.load_path)
+        storage = storage_for(ckpt.load_path, ckpt.storage)
         resuming_own_root = ckpt.load_path == ckpt.save_path
         step = find_committed(storage, ckpt.load_path) if storage.is_dir(ckpt.load_path) or not resuming_own_root else None
         if step is None and not resuming_own_root:
@@ -127,7 +127,8 @@ def preflight(cfg: Config) -> tuple[str, int] | None:
                 )
             load = (ckpt.load_path, step)
     if ckpt.enable_save and (load is None or load[0] != ckpt.save_path):
-        existing = find_committed(storage_for(ckpt.save_path), ckpt.save_path) if storage_for(ckpt.save_path).is_dir(ckpt.save_path) else None
+        save_storage = storage_for(ckpt.save_path, ckpt.storage)
+        existing = find_committed(save_storage, ckpt.save_path) if save_storage.is_dir(ckpt.save_path) else None
         if existing is not None:
             raise CheckpointError(
                 f"checkpoint.save_path {ckpt.save_path!r} already holds committed iteration {existing} of an earlier run; "

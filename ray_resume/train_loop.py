@@ -9,9 +9,7 @@ when the first start had no `load_path`.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from contextlib import nullcontext
 
@@ -26,6 +24,7 @@ from .checkpoint.state import seed_everything
 from .config import Config
 from .data import SampleStream
 from .faults import FaultInjector
+from .metrics import MetricsWriter
 from .model import build_model, lm_loss
 
 logger = logging.getLogger(__name__)
@@ -113,31 +112,31 @@ def _agree_on_attempt(coordinator, rank: int) -> tuple[int, int | None]:
 
 
 class Progress:
-    """Progress lines on rank 0, and a per-rank JSONL of every step for plots and tests."""
+    """Progress lines on rank 0, and every rank's per-step metrics beside the checkpoint root."""
 
     def __init__(self, cfg, rank: int, attempt: int, job_id: str, coordinator):
-        self.cfg, self.rank, self.attempt, self.job_id = cfg, rank, attempt, job_id
+        self.cfg, self.rank = cfg, rank
         self.coordinator = coordinator
         self.total = cfg.training.train_steps
         self.gbs = cfg.training.global_batch_size
         self.window_start = time.monotonic()
         self.window_steps = 0
-        self.file = None
+        self.metrics = None
         if cfg.checkpoint.save_path:
-            directory = metrics_dir(cfg.checkpoint.save_path)
-            os.makedirs(directory, exist_ok=True)
-            self.file = open(os.path.join(directory, f"rank{rank:05d}.jsonl"), "a", buffering=1)
+            self.metrics = MetricsWriter(cfg.checkpoint.save_path, cfg.checkpoint.storage, job=job_id, attempt=attempt, rank=rank)
 
-    def _write(self, record: dict) -> None:
-        if self.file:
-            self.file.write(json.dumps({"job": self.job_id, "attempt": self.attempt, "rank": self.rank, **record}) + "\n")
+    def _record(self, record: dict, flush: bool = False) -> None:
+        if self.metrics:
+            self.metrics.add(record)
+            if flush:
+                self.metrics.flush()
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
             print(f"[{self.cfg.name}] {text}", flush=True)
 
     def resumed(self, resume, world: int, attempt: int) -> None:
-        self._write({"event": "start", "step": resume.global_step, "source": resume.source, "world_size": world})
+        self._record({"event": "start", "step": resume.global_step, "source": resume.source, "world_size": world}, flush=True)
         if resume.source is None:
             if not self.cfg.checkpoint.enable_save:
                 self._say("checkpoints are off (checkpoint.enable_save: false): nothing will be saved")
@@ -151,9 +150,13 @@ class Progress:
             self._say(f"training already reached train_steps={self.total}: nothing left to do")
 
     def step(self, step: int, loss: float, sample_ids, saved: bool) -> None:
-        self._write({"step": step, "loss": loss, "sample_ids": sample_ids.tolist(), "saved": saved})
+        record = {"step": step, "loss": loss, "saved": saved}
+        if self.cfg.training.log_sample_ids:
+            record["sample_ids"] = sample_ids.tolist()
+        log_now = step % self.cfg.training.log_every == 0 or step == self.total
+        self._record(record, flush=saved or log_now)
         self.window_steps += 1
-        if self.rank != 0 or not (step % self.cfg.training.log_every == 0 or step == self.total):
+        if self.rank != 0 or not log_now:
             return
         elapsed = max(time.monotonic() - self.window_start, 1e-9)
         rate = self.window_steps / elapsed
@@ -164,11 +167,6 @@ class Progress:
             f"last committed iteration {committed if committed is not None else '-'} | ETA {_clock(eta)}"
         )
         self.window_start, self.window_steps = time.monotonic(), 0
-
-
-def metrics_dir(save_path: str) -> str:
-    """Per-step metrics live beside the checkpoint root, not in it."""
-    return save_path.rstrip("/") + "-metrics"
 
 
 def _clock(seconds: float) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import ray
 from ray_resume.checkpoint import layout
 from ray_resume.config import Config
 from ray_resume.run import run
-from ray_resume.train_loop import metrics_dir
+from ray_resume.metrics import read_metrics  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 FINAL = 12  # train_steps of tiny_config
@@ -41,7 +40,8 @@ def tiny_config(tmp: Path, name: str = "tiny", **sections) -> dict:
         "model": {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layers": 1, "n_heads": 2, "dtype": "float32", "dropout": 0.1},
         "data": {"path": str(tmp / "data"), "shuffle": True, "seed": 7,
                  "synthetic": {"samples": 160, "files": 2, "row_groups_per_file": 3, "seed": 3}},
-        "training": {"global_batch_size": 16, "micro_batch_size": 4, "train_steps": 12, "lr": 1e-3, "seed": 42, "log_every": 4},
+        "training": {"global_batch_size": 16, "micro_batch_size": 4, "train_steps": 12, "lr": 1e-3, "seed": 42,
+                     "log_every": 4, "log_sample_ids": True},
         "scaling": {"num_workers": 2},
         "failure": {"max_failures": 2},
         "checkpoint": {"save_path": str(tmp / "ckpt"), "save_interleaved_steps": 4},
@@ -58,14 +58,6 @@ def shard_bytes(root: str | Path, step: int) -> dict[str, bytes]:
     """Every model/opt shard file of one iteration, by name."""
     directory = Path(layout.iteration_dir(str(root), step))
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if layout.parse_shard_filename(p.name)}
-
-
-def read_metrics(save_path: str | Path) -> list[dict]:
-    """All per-step records the job's ranks wrote, in file order."""
-    records = []
-    for path in sorted(Path(metrics_dir(str(save_path))).glob("rank*.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines()]
-    return records
 
 
 def per_step(records: list[dict]) -> dict[int, list[dict]]:
@@ -86,10 +78,10 @@ def env_for_subprocess() -> dict:
 
 
 def run_job(cfg: dict):
-    """Run a job in this process (on the `ray_cluster` Ray) and check it committed the last step."""
+    """Run a job in this process (on the `ray_cluster` Ray) and check it committed its last step."""
     result = run(Config.from_dict(cfg))
     assert result.error is None, result.error
-    assert result.committed_iteration == FINAL
+    assert result.committed_iteration == cfg["training"]["train_steps"]
     return result
 
 

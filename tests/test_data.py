@@ -31,18 +31,11 @@ FILES, RGS = 4, 4
 
 
 @pytest.fixture(scope="module")
-def ray_ctx():
+def ray_ctx(ray_cluster):
     import ray
 
-    started = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=4, object_store_memory=200 * 1024**2, include_dashboard=False,
-                 log_to_driver=False)
-        started = True
     ray.data.DataContext.get_current().enable_progress_bars = False
-    yield ray
-    if started:
-        ray.shutdown()
+    return ray
 
 
 @pytest.fixture(scope="module")

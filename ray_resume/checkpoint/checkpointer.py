@@ -46,7 +46,7 @@ class Checkpointer:
         if source is None:
             return ResumePoint()
         root, step = source
-        storage = storage_for(root)
+        storage = storage_for(root, self.ckpt.storage)
         it = open_iteration(storage, root, step)
         weights = load_state(storage, it, layout.MODEL_KIND)
         check_matches(state.model_tensors(model), weights, it, "model")
@@ -74,7 +74,7 @@ class Checkpointer:
         if not self.should_save(step):
             return False
         manifest = save_shards(
-            storage_for(self.ckpt.save_path), self.ckpt.save_path, step,
+            storage_for(self.ckpt.save_path, self.ckpt.storage), self.ckpt.save_path, step,
             prefix=self.ckpt.prefix, rank=self.rank, world_size=self.world_size,
             model_state=state.model_tensors(model),
             optim_state=None if self.ckpt.no_save_optim else state.optim_tensors(model, optimizer),

@@ -38,7 +38,7 @@ class CheckpointCoordinator:
         self.config = config
         self.driver_pid = driver_pid
         self.fault = config.get("fault")
-        self.storage = storage_for(save_path) if save_path else None
+        self.storage = storage_for(save_path, config["checkpoint"]["storage"]) if save_path else None
         self.attempt = -1
         self.pending: dict[int, dict[int, dict]] = {}
         self.committed_by_job: list[int] = []
@@ -99,11 +99,38 @@ class CheckpointCoordinator:
         self.storage.write_atomic(layout.tracker_path(self.root), f"{iteration}\n".encode())
         self.committed_by_job.append(iteration)
         logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["files"]), iter_dir)
+        self._apply_retention(iteration)
+
+    def _apply_retention(self, tracked: int) -> None:
+        """Keep the newest `save_max` iterations this job committed; remove older ones of this job only.
+
+        Runs after the tracker has moved (a failed deletion never costs the
+        newest commit). Iterations of earlier jobs under the same root, such
+        as the one this job resumed from, are never in `committed_by_job`.
+        """
+        keep = self.config["checkpoint"]["save_max"]
+        while len(self.committed_by_job) > keep:
+            victim = self.committed_by_job.pop(0)
+            if victim != tracked:
+                self._delete_iteration(victim)
+
+    def _delete_iteration(self, step: int) -> None:
+        """Crash-safe: common.json goes first, so a half-deleted dir can never pass as complete."""
+        iter_dir = layout.iteration_dir(self.root, step)
+        self.storage.remove(layout.join(iter_dir, layout.COMMON))
+        f = self.fault
+        if f and f["phase"] == "retention_delete" and f["step"] == step and self.claim_fault():
+            self._kill_driver(f"while deleting iteration {step}")
+        self.storage.remove_tree(iter_dir)
+        logger.info("retention (save_max=%d): removed iteration %d", self.config["checkpoint"]["save_max"], step)
 
     def _maybe_kill_driver(self, iteration: int) -> None:
         f = self.fault
         if f and f["phase"] == "commit_before_tracker" and f["step"] == iteration and self.claim_fault():
-            # The whole job dies between the JSON and the tracker, as when a head node is lost.
-            print(f"[fault] killing the driver (pid {self.driver_pid}) before moving the tracker to {iteration}", flush=True)
-            os.kill(self.driver_pid, signal.SIGKILL)
-            os._exit(1)
+            self._kill_driver(f"before moving the tracker to {iteration}")
+
+    def _kill_driver(self, when: str) -> None:
+        # The whole job dies, as when the head node is lost: the driver and this actor with it.
+        print(f"[fault] killing the driver (pid {self.driver_pid}) {when}", flush=True)
+        os.kill(self.driver_pid, signal.SIGKILL)
+        os._exit(1)

@@ -1,20 +1,25 @@
-"""The one place that touches checkpoint storage.
+"""The one place that touches checkpoint storage: local/NFS paths and s3://.
 
-Every write that a reader may race with is atomic: small files go to a temp
-name, are fsynced and renamed (POSIX `rename` replaces atomically), and the
-directory is fsynced so the rename itself survives a power cut. Shards are
-written in place and fsynced; they are only trusted after the commit has
-checked their size and recorded their checksum (invariant 4).
+Every write that a reader may race with is atomic. On POSIX small files go
+to a temp name, are fsynced and renamed (rename replaces atomically), and
+the directory is fsynced so the rename itself survives a power cut. On
+object storage a PUT is atomic by itself. Shards are written in place; they
+are only trusted after the commit has checked their size and recorded their
+checksum (invariant 4). Ranks write straight to the store: no local staging
+copy on either backend.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import shutil
 import uuid
 from collections.abc import Iterable
+
+import pyarrow.fs as pafs
 
 
 def _local(path: str) -> str:
@@ -104,10 +109,6 @@ class LocalStorage:
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(_local(path), ignore_errors=True)
 
-    def rename(self, src: str, dst: str) -> None:
-        os.replace(_local(src), _local(dst))
-        _fsync_dir(os.path.dirname(_local(dst)) or ".")
-
 
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -117,9 +118,118 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def storage_for(uri: str) -> LocalStorage:
-    """The storage backend that serves `uri` (local paths and file:// today)."""
-    if "://" in uri and not uri.startswith("file://"):
-        scheme = uri.split("://", 1)[0]
-        raise ValueError(f"storage scheme {scheme!r} in {uri!r} is not supported yet; use a local or shared (NFS) path")
-    return LocalStorage()
+class ArrowStorage:
+    """Object storage (s3://) through pyarrow.fs.
+
+    Object stores have no rename and no partial objects: a PUT is atomic, so
+    small files are a single PUT and shards a single stream that only
+    becomes visible when it completes. "Directories" are key prefixes.
+    """
+
+    def __init__(self, fs, scheme: str):
+        self.fs = fs
+        self.scheme = scheme
+
+    def _key(self, uri: str) -> str:
+        return uri.split("://", 1)[1].rstrip("/")
+
+    def _info(self, uri: str):
+        return self.fs.get_file_info(self._key(uri))
+
+    def makedirs(self, path: str) -> None:
+        pass  # prefixes need no creation
+
+    def exists(self, path: str) -> bool:
+        return self._info(path).type != pafs.FileType.NotFound
+
+    def is_dir(self, path: str) -> bool:
+        return self._info(path).type == pafs.FileType.Directory
+
+    def size(self, path: str) -> int | None:
+        info = self._info(path)
+        return info.size if info.type == pafs.FileType.File else None
+
+    def listdir(self, path: str) -> list[str]:
+        selector = pafs.FileSelector(self._key(path), allow_not_found=True)
+        return sorted(info.base_name for info in self.fs.get_file_info(selector))
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.fs.open_input_stream(self._key(path)) as f:
+            return f.read()
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        with self.fs.open_input_file(self._key(path)) as f:
+            data = f.read_at(length, offset)
+        if len(data) != length:
+            raise OSError(errno.EIO, f"short read: wanted {length} bytes at {offset}, got {len(data)}", path)
+        return data
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        with self.fs.open_output_stream(self._key(path)) as f:  # one PUT: all or nothing
+            f.write(data)
+
+    def write_durable(self, path: str, chunks: Iterable[bytes]) -> tuple[int, str]:
+        digest = hashlib.sha256()
+        size = 0
+        with self.fs.open_output_stream(self._key(path)) as f:
+            for chunk in chunks:
+                f.write(chunk)
+                digest.update(chunk)
+                size += len(chunk)
+        return size, digest.hexdigest()
+
+    def sha256(self, path: str, block: int = 8 << 20) -> str:
+        digest = hashlib.sha256()
+        with self.fs.open_input_stream(self._key(path)) as f:
+            while chunk := f.read(block):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+    def remove(self, path: str) -> None:
+        if self.size(path) is not None:
+            self.fs.delete_file(self._key(path))
+
+    def remove_tree(self, path: str) -> None:
+        if self.is_dir(path):
+            self.fs.delete_dir(self._key(path))
+
+
+Storage = LocalStorage | ArrowStorage
+
+
+def storage_for(uri: str, options=None) -> Storage:
+    """The backend that serves `uri`; `options` is a config.StorageConfig (or None: environment only)."""
+    if "://" not in uri or uri.startswith("file://"):
+        return LocalStorage()
+    scheme = uri.split("://", 1)[0]
+    if scheme != "s3":
+        raise ValueError(f"storage scheme {scheme!r} in {uri!r} is not supported; use a local/NFS path, file:// or s3://")
+    return ArrowStorage(_s3(options), scheme)
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_cached(endpoint: str, region: str, key: str, secret: str):
+    kwargs = {"region": region or None}
+    if endpoint:
+        kwargs["endpoint_override"] = endpoint
+        if endpoint.startswith("http://"):
+            kwargs["scheme"] = "http"
+    if key and secret:
+        kwargs.update(access_key=key, secret_key=secret)
+    return pafs.S3FileSystem(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def _s3(options):
+    """Explicit settings win; otherwise the AWS_* variables every S3 tool reads."""
+    env = os.environ.get
+    def get(name: str) -> str:
+        if isinstance(options, dict):
+            return options.get(name, "")
+        return getattr(options, name, "") if options is not None else ""
+
+    return _s3_cached(
+        get("endpoint_url") or env("AWS_ENDPOINT_URL", ""),
+        get("region") or env("AWS_REGION", "") or env("AWS_DEFAULT_REGION", ""),
+        get("access_key_id") or env("AWS_ACCESS_KEY_ID", ""),
+        get("secret_access_key") or env("AWS_SECRET_ACCESS_KEY", ""),
+    )

@@ -1,0 +1,477 @@
+"""Operator CLI for a checkpoint root: `python -m ray_resume.inspect` (or `ray-resume`).
+
+    list    ROOT [--verify] [--json]                  every iteration_* dir, one row each
+    verify  ROOT [--iteration N] [--json]             sizes, sha256, extra shards (exit 1 if bad)
+    show    ROOT [--iteration N] [--json]             common.json, tensors and their shard pieces
+    export  ROOT OUT_DIR [--iteration N] [--with-optimizer] [--force]
+                                                      consolidated plain safetensors files
+    plot    ROOT -o loss.png                          loss per step over every attempt of the run
+
+Exit status: 0 fine, 1 the checkpoint is not usable (or a command failed),
+2 a usage error (bad arguments, missing root, unknown iteration, an output
+directory that is not empty). Errors are one `error: ...` line on stderr.
+
+Everything goes through `checkpoint.storage` (never a bare `open()` on a
+checkpoint path), and nothing here writes to the checkpoint root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from .checkpoint import layout
+from .checkpoint.reader import Iteration, open_iteration, read_tracker, read_verified, shard_header
+from .checkpoint.schema import CKPT_STATUS_OK, CheckpointError, parse_json
+from .checkpoint.storage import LocalStorage, storage_for
+
+PROG = "ray-resume"
+
+
+class CliError(Exception):
+    """A failure reported as one `error:` line; `code` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise CliError(f"{message} (see `{self.prog} --help`)", 2)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def table(headers: list[str], rows: list[list[Any]], right: set[int] = frozenset()) -> str:
+    """An aligned plain-text table; columns in `right` are right-aligned (numbers)."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for n, row in enumerate(cells):
+        parts = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)]
+        lines.append("  ".join(parts).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _emit_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=False))
+
+
+def open_root(root: str) -> LocalStorage:
+    """The storage of `root`; a missing root or an unsupported scheme is a usage error."""
+    try:
+        storage = storage_for(root)
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from None
+    if not storage.is_dir(root):
+        raise CliError(f"checkpoint root {root!r} does not exist or is not a directory", 2)
+    return storage
+
+
+def iteration_steps(storage: LocalStorage, root: str) -> list[int]:
+    """Steps of every `iteration_XXXXXXXX` directory, ascending."""
+    steps = []
+    for name in storage.listdir(root):
+        step = layout.parse_iteration_dirname(name)
+        if step is not None and storage.is_dir(layout.join(root, name)):
+            steps.append(step)
+    return sorted(steps)
+
+
+def dir_size(storage: LocalStorage, path: str) -> int:
+    total = 0
+    for name in storage.listdir(path):
+        child = layout.join(path, name)
+        if storage.is_dir(child):
+            total += dir_size(storage, child)
+        else:
+            total += storage.size(child) or 0
+    return total
+
+
+def resolve_iteration(storage: LocalStorage, root: str, requested: int | None) -> tuple[int, int | None]:
+    """(step to inspect, tracker step). Default: the tracker's iteration."""
+    tracker = read_tracker(storage, root)  # CheckpointError: garbled tracker -> exit 1
+    if requested is not None:
+        if requested < 0 or not storage.is_dir(layout.iteration_dir(root, requested)):
+            present = ", ".join(map(str, iteration_steps(storage, root))) or "none"
+            raise CliError(f"{layout.iteration_dir(root, max(requested, 0))}: no such iteration (iterations here: {present})", 2)
+        return requested, tracker
+    if tracker is None:
+        present = ", ".join(map(str, iteration_steps(storage, root))) or "none"
+        raise CliError(
+            f"{layout.tracker_path(root)}: missing, so no iteration is committed here "
+            f"(iterations present: {present}); pass --iteration N to inspect one anyway"
+        )
+    if not storage.is_dir(layout.iteration_dir(root, tracker)):
+        raise CliError(f"{layout.tracker_path(root)}: names iteration {tracker}, but {layout.iteration_dirname(tracker)}/ does not exist")
+    return tracker, tracker
+
+
+# ----------------------------------------------------------------------------- verification
+
+
+def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
+    """Check every file metadata.json lists (size, sha256, safetensors pieces) and look for extra shards.
+
+    Reads one file at a time. Returns {"ok", "problems": [str], "files": {name: {...}}};
+    every problem names the file it is about.
+    """
+    problems: list[str] = []
+    files: dict[str, dict] = {}
+    pieces_by_file: dict[str, list[tuple[str, dict, dict]]] = {}
+    for kind, tensors in it.metadata["tensors"].items():
+        for name, spec in tensors.items():
+            for piece in spec["pieces"]:
+                pieces_by_file.setdefault(piece["file"], []).append((name, spec, piece))
+            problems += _coverage_problems(it, kind, name, spec)
+    for name, expected in sorted(it.metadata["files"].items()):
+        entry = {"size": expected["size"], "sha256": expected["sha256"], "kind": expected.get("kind"), "rank": expected.get("rank"), "ok": False}
+        files[name] = entry
+        try:
+            data = read_verified(storage, it, [name])[name]
+            header = shard_header(data, layout.join(it.path, name))
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        bad = _piece_problems(it, name, header, pieces_by_file.get(name, []))
+        problems += bad
+        entry["ok"] = not bad
+    listed = set(it.metadata["files"])
+    for name in storage.listdir(it.path):
+        if layout.parse_shard_filename(name) and name not in listed:
+            problems.append(f"{layout.join(it.path, name)}: shard file not listed in metadata.json; remove it or restore the matching metadata.json")
+    return {"ok": not problems, "problems": problems, "files": files}
+
+
+def _coverage_problems(it: Iteration, kind: str, name: str, spec: dict) -> list[str]:
+    numel = 1
+    for d in spec["shape"]:
+        numel *= d
+    covered = 0
+    for piece in sorted(spec["pieces"], key=lambda p: p.get("start", -1)):
+        if piece.get("start") != covered or not isinstance(piece.get("numel"), int) or piece["numel"] < 0:
+            break
+        covered += piece["numel"]
+    if covered != numel:
+        return [f"{layout.join(it.path, layout.METADATA)}: tensors.{kind}[{name!r}] pieces cover {covered} of {numel} elements contiguously"]
+    return []
+
+
+def _piece_problems(it: Iteration, file: str, header: dict, pieces: list[tuple[str, dict, dict]]) -> list[str]:
+    """Each piece stored under its tensor's name in `file`, 1-D, with the right dtype and length."""
+    out = []
+    for name, spec, piece in pieces:
+        entry = header.get(name)
+        where = f"{layout.join(it.path, file)}[{name!r}]"
+        if not isinstance(entry, dict):
+            out.append(f"{where}: tensor listed in metadata.json is not in the file")
+            continue
+        shape = entry.get("shape") or []
+        n = 1
+        for d in shape:
+            n *= d
+        if entry.get("dtype") != spec["dtype"] or n != piece["numel"]:
+            out.append(f"{where}: file holds {entry.get('dtype')} {shape}, metadata.json says {spec['dtype']} with {piece['numel']} elements")
+    return out
+
+
+# ----------------------------------------------------------------------------- list
+
+
+def describe_iteration(storage: LocalStorage, root: str, step: int, tracker: int | None, verify: bool) -> dict:
+    path = layout.iteration_dir(root, step)
+    row: dict[str, Any] = {
+        "step": step, "path": path, "status": None, "error": None, "tracker": step == tracker,
+        "committed": False, "epoch_num": None, "step_num": None, "consumed_samples": None,
+        "world_size": None, "global_batch_size": None, "has_optimizer": None, "job_id": None,
+        "size_bytes": dir_size(storage, path),
+    }
+    common_file = layout.join(path, layout.COMMON)
+    raw: dict = {}
+    if storage.exists(common_file):
+        try:
+            raw = parse_json(storage.read_bytes(common_file), common_file)
+        except CheckpointError:
+            raw = {}
+    for key in ("epoch_num", "step_num", "consumed_samples", "world_size", "global_batch_size", "has_optimizer", "job_id"):
+        row[key] = raw.get(key)
+    missing = [n for n in (layout.METADATA, layout.COMMON) if not storage.exists(layout.join(path, n))]
+    it = None
+    if missing:
+        row["status"] = "incomplete"
+        row["error"] = f"{layout.join(path, missing[-1])}: missing; this iteration was never committed (or is being rewritten)"
+    else:
+        try:
+            it = open_iteration(storage, root, step)
+            row["status"] = it.common["ckpt_status"]
+        except CheckpointError as exc:
+            status = raw.get("ckpt_status")
+            row["status"] = status if isinstance(status, str) and status != CKPT_STATUS_OK else "invalid"
+            row["error"] = str(exc)
+    # The tracker names the newest commit; a complete iteration above it was
+    # written by a job that died before moving the tracker: never loaded.
+    row["committed"] = it is not None and tracker is not None and step <= tracker
+    if verify:
+        row["verified"] = None
+        if it is not None:
+            result = verify_iteration(storage, it)
+            row["verified"] = result["ok"]
+            if not result["ok"]:
+                row["error"] = "; ".join(result["problems"])
+    return row
+
+
+def cmd_list(args) -> int:
+    storage = open_root(args.root)
+    tracker, tracker_error = None, None
+    try:
+        tracker = read_tracker(storage, args.root)
+    except CheckpointError as exc:
+        tracker_error = str(exc)
+    rows = [describe_iteration(storage, args.root, s, tracker, args.verify) for s in iteration_steps(storage, args.root)]
+    if tracker is not None and not any(r["tracker"] for r in rows):
+        tracker_error = f"{layout.tracker_path(args.root)}: names iteration {tracker}, but {layout.iteration_dirname(tracker)}/ does not exist"
+    bad = tracker_error is not None or any(r["tracker"] and r["status"] != CKPT_STATUS_OK for r in rows)
+    if args.verify:
+        bad = bad or any(r["verified"] is False for r in rows)
+    if args.json:
+        _emit_json({"root": args.root, "tracker": tracker, "tracker_error": tracker_error, "iterations": rows})
+        return 1 if bad else 0
+    if not rows:
+        print(f"{args.root}: no iteration_* directories")
+    else:
+        headers = ["step", "epoch_num", "step_num", "consumed", "world", "gbs", "size", "status", "tracker"]
+        if args.verify:
+            headers.append("verified")
+        body = []
+        for r in rows:
+            mark = "<- tracker" if r["tracker"] else ("not committed" if r["status"] == CKPT_STATUS_OK and not r["committed"] else "")
+            line = [r["step"], r["epoch_num"], r["step_num"], r["consumed_samples"], r["world_size"], r["global_batch_size"],
+                    human_size(r["size_bytes"]), r["status"], mark]
+            if args.verify:
+                line.append({True: "yes", False: "NO", None: "-"}[r["verified"]])
+            body.append(line)
+        print(table(headers, body, right={0, 1, 2, 3, 4, 5, 6}))
+        for r in rows:
+            if r["error"]:
+                print(f"  iteration {r['step']}: {r['error']}")
+    if tracker is None and tracker_error is None:
+        print(f"no tracker ({layout.TRACKER}): nothing under {args.root} is committed")
+    if tracker_error:
+        print(f"error: {tracker_error}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def cmd_verify(args) -> int:
+    storage = open_root(args.root)
+    step, tracker = resolve_iteration(storage, args.root, args.iteration)
+    path = layout.iteration_dir(args.root, step)
+    try:
+        it = open_iteration(storage, args.root, step)
+        result = verify_iteration(storage, it)
+    except CheckpointError as exc:
+        result = {"ok": False, "problems": [str(exc)], "files": {}}
+    report = {"root": args.root, "iteration": step, "path": path, "tracker": step == tracker, **result}
+    if args.json:
+        _emit_json(report)
+    else:
+        label = f"iteration {step}{' (tracker)' if step == tracker else ''} at {path}"
+        if result["files"]:
+            print(table(["file", "kind", "rank", "size", "sha256", "ok"],
+                        [[n, f["kind"], f["rank"], f["size"], f["sha256"][:12], "yes" if f["ok"] else "NO"]
+                         for n, f in result["files"].items()], right={2, 3}))
+        if result["ok"]:
+            total = sum(f["size"] for f in result["files"].values())
+            print(f"OK: {label}: {len(result['files'])} files, {human_size(total)}, sizes and sha256 match metadata.json, no extra shards")
+        else:
+            print(f"FAILED: {label}:")
+            for problem in result["problems"]:
+                print(f"  - {problem}")
+    if not result["ok"]:
+        print(f"error: iteration {step} failed verification: {result['problems'][0]}"
+              + (f" (and {len(result['problems']) - 1} more)" if len(result["problems"]) > 1 else ""), file=sys.stderr)
+        return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------- show
+
+
+def cmd_show(args) -> int:
+    storage = open_root(args.root)
+    step, tracker = resolve_iteration(storage, args.root, args.iteration)
+    it = open_iteration(storage, args.root, step)  # CheckpointError -> exit 1
+    tensors = []
+    for kind, specs in it.metadata["tensors"].items():
+        for name, spec in specs.items():
+            tensors.append({"kind": kind, "name": name, "dtype": spec["dtype"], "shape": spec["shape"],
+                            "pieces": sorted(spec["pieces"], key=lambda p: p["start"])})
+    if args.json:
+        _emit_json({"root": args.root, "iteration": step, "path": it.path, "tracker": step == tracker,
+                    "common": it.common, "prefix": it.metadata.get("prefix"), "world_size": it.metadata["world_size"],
+                    "files": it.metadata["files"], "tensors": tensors})
+        return 0
+    print(f"iteration {step}{' (tracker)' if step == tracker else ''} at {it.path}")
+    print()
+    print("common.json")
+    print(table(["key", "value"], [[k, json.dumps(v)] for k, v in sorted(it.common.items())]))
+    print()
+    print("files")
+    print(table(["file", "kind", "rank", "size"],
+                [[n, f.get("kind"), f.get("rank"), human_size(f["size"])] for n, f in sorted(it.metadata["files"].items())], right={2, 3}))
+    print()
+    print("tensors (each piece: elements [start, start+numel) of the flattened tensor, stored under the tensor's name)")
+    rows = []
+    for t in tensors:
+        first = True
+        for piece in t["pieces"] or [None]:
+            head = [t["kind"], t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]"] if first else ["", "", "", ""]
+            rows.append(head + ([piece["file"], piece["start"], piece["numel"]] if piece else ["-", "", ""]))
+            first = False
+    print(table(["kind", "name", "dtype", "shape", "file", "start", "numel"], rows, right={5, 6}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- export
+
+EXPORT_FILES = ("model.safetensors", "optimizer.safetensors", layout.CONFIG)
+
+
+def cmd_export(args) -> int:
+    import safetensors.torch  # heavy: only this command needs it
+
+    from .checkpoint.reader import load_state
+
+    storage = open_root(args.root)
+    out = args.out_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CliError(f"{out!r} exists and is not a directory", 2)
+    if os.path.isdir(out) and os.listdir(out) and not args.force:
+        raise CliError(f"output directory {out!r} is not empty; choose an empty one or pass --force to overwrite", 2)
+    step, _ = resolve_iteration(storage, args.root, args.iteration)
+    it = open_iteration(storage, args.root, step)
+    kinds = [layout.MODEL_KIND] + ([layout.OPTIM_KIND] if args.with_optimizer else [])
+    if args.with_optimizer and layout.OPTIM_KIND not in it.metadata["tensors"]:
+        raise CliError(f"{layout.join(it.path, layout.METADATA)}: iteration {step} has no optimizer state (saved with no_save_optim); drop --with-optimizer")
+    result = verify_iteration(storage, it)
+    if not result["ok"]:
+        raise CliError(f"iteration {step} failed verification, nothing exported: " + "; ".join(result["problems"]))
+    os.makedirs(out, exist_ok=True)
+    for name in EXPORT_FILES:  # --force: no stale file from an earlier export may survive
+        if os.path.exists(os.path.join(out, name)):
+            os.unlink(os.path.join(out, name))
+    meta = {"format": "pt", "ray_resume_source": it.path, "ray_resume_iteration": str(step)}
+    written = []
+    for kind, filename in zip(kinds, ("model.safetensors", "optimizer.safetensors")):
+        tensors = load_state(storage, it, kind)
+        safetensors.torch.save_file(tensors, os.path.join(out, filename), metadata=meta)
+        os.chmod(os.path.join(out, filename), 0o666 & ~_umask())  # safetensors creates 0600 files
+        written.append(f"{filename} ({len(tensors)} tensors, {human_size(os.path.getsize(os.path.join(out, filename)))})")
+    config = layout.join(it.path, layout.CONFIG)
+    if storage.exists(config):
+        with open(os.path.join(out, layout.CONFIG), "wb") as f:
+            f.write(storage.read_bytes(config))
+        written.append(layout.CONFIG)
+    print(f"exported iteration {step} from {it.path} to {out}: " + ", ".join(written))
+    return 0
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def cmd_plot(args) -> int:
+    from .plot import PlotError, plot_run
+
+    try:
+        summary = plot_run(args.root, args.output)
+    except PlotError as exc:
+        raise CliError(str(exc), exc.code) from None
+    print(f"wrote {summary['output']}: {summary['runs']} run(s), {len(summary['saves'])} save step(s), "
+          f"{len(summary['resumes'])} resume(s)" + "".join(f"\n  resumed at step {r['step']} from {r['source']}" for r in summary["resumes"]))
+    return 0
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Inspect, verify and export ray_resume checkpoint roots.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("list", help="one row per iteration_* directory")
+    p.add_argument("root", metavar="ROOT", help="checkpoint root (the job's checkpoint.save_path)")
+    p.add_argument("--verify", action="store_true", help="also check sizes, sha256 and extra shards of every complete iteration")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_list)
+
+    for name, func, text in (("verify", cmd_verify, "check one iteration (default: the tracker's); exit 1 if damaged"),
+                             ("show", cmd_show, "common.json, every tensor and where its pieces live")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("root", metavar="ROOT")
+        p.add_argument("--iteration", type=int, default=None, metavar="N", help="iteration step (default: the tracker's)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("export", help="write the consolidated model as plain safetensors")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--iteration", type=int, default=None, metavar="N", help="iteration step (default: the tracker's)")
+    p.add_argument("--with-optimizer", action="store_true", help="also write optimizer.safetensors")
+    p.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("plot", help="loss per step of every attempt, with saves and resumes marked (needs matplotlib)")
+    p.add_argument("root", metavar="ROOT", help="checkpoint root; metrics are read from ROOT-metrics/")
+    p.add_argument("-o", "--output", default="loss.png", help="PNG file to write (default: loss.png)")
+    p.set_defaults(func=cmd_plot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.code
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except BrokenPipeError:  # `| head`
+        return 0
+    except OSError as exc:  # unreadable file, permissions, a full disk on export
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
