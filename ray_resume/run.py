@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .checkpoint import layout
 from .checkpoint.commit import CheckpointCoordinator
-from .checkpoint.reader import find_committed, open_iteration
+from .checkpoint.reader import find_committed, is_export, open_iteration
 from .checkpoint.schema import CheckpointError
 from .checkpoint.storage import storage_for
 from .config import Config, ConfigError, load_config
@@ -104,28 +104,14 @@ def absolute_paths(cfg: Config) -> Config:
     return replace(cfg, data=replace(cfg.data, path=fix(cfg.data.path)), checkpoint=ckpt)
 
 
-def preflight(cfg: Config) -> tuple[str, int] | None:
-    """Check data and checkpoints on the driver; return the iteration to load, if any."""
+def preflight(cfg: Config) -> tuple[str, int | None] | None:
+    """Check data and checkpoints on the driver; return what to load: (root, step), (export_dir, None) or None."""
     ensure_dataset(cfg.data.path, cfg.data.synthetic, cfg.model.seq_len, cfg.model.vocab_size)
     scan_units(cfg.data.path)
     ckpt = cfg.checkpoint
-    load = None
-    if ckpt.load_path:
-        storage = storage_for(ckpt.load_path, ckpt.storage)
-        resuming_own_root = ckpt.load_path == ckpt.save_path
-        step = find_committed(storage, ckpt.load_path) if storage.is_dir(ckpt.load_path) or not resuming_own_root else None
-        if step is None and not resuming_own_root:
-            raise CheckpointError(f"checkpoint.load_path {ckpt.load_path!r} holds no {layout.TRACKER}; point it at a checkpoint root written by ray_resume")
-        if step is None:
-            logger.info("[%s] nothing to resume in %s yet: starting from step 0", cfg.name, ckpt.load_path)
-        else:
-            it = open_iteration(storage, ckpt.load_path, step)
-            if not ckpt.no_load_optim and not it.common["has_optimizer"]:
-                raise CheckpointError(
-                    f"{it.path}: iteration {step} was saved without optimizer state (no_save_optim); "
-                    "set checkpoint.no_load_optim: true to start from its weights"
-                )
-            load = (ckpt.load_path, step)
+    if not ckpt.enable_save:
+        logger.warning("[%s] checkpoints are off (checkpoint.enable_save: false): nothing will be saved", cfg.name)
+    load = find_load_source(ckpt) if ckpt.load_path else None
     if ckpt.enable_save and (load is None or load[0] != ckpt.save_path):
         save_storage = storage_for(ckpt.save_path, ckpt.storage)
         existing = find_committed(save_storage, ckpt.save_path) if save_storage.is_dir(ckpt.save_path) else None
@@ -135,6 +121,37 @@ def preflight(cfg: Config) -> tuple[str, int] | None:
                 "set checkpoint.load_path to the same directory to resume it, or choose an empty save_path"
             )
     return load
+
+
+def find_load_source(ckpt) -> tuple[str, int | None] | None:
+    storage = storage_for(ckpt.load_path, ckpt.storage)
+    resuming_own_root = ckpt.load_path == ckpt.save_path
+    if resuming_own_root and not storage.is_dir(ckpt.load_path):
+        logger.info("nothing to resume in %s yet: starting from step 0", ckpt.load_path)
+        return None
+    if storage.is_dir(ckpt.load_path) and is_export(storage, ckpt.load_path):
+        if not ckpt.no_load_optim:
+            raise CheckpointError(
+                f"checkpoint.load_path {ckpt.load_path!r} is a weights-only safetensors export (no optimizer state); "
+                "set checkpoint.no_load_optim: true to start from its weights"
+            )
+        return ckpt.load_path, None
+    step = find_committed(storage, ckpt.load_path)
+    if step is None:
+        if resuming_own_root:
+            logger.info("nothing to resume in %s yet: starting from step 0", ckpt.load_path)
+            return None
+        raise CheckpointError(
+            f"checkpoint.load_path {ckpt.load_path!r} holds neither {layout.TRACKER} nor model.safetensors; "
+            "point it at a checkpoint root written by ray_resume or at a safetensors export"
+        )
+    it = open_iteration(storage, ckpt.load_path, step)
+    if not ckpt.no_load_optim and not it.common["has_optimizer"]:
+        raise CheckpointError(
+            f"{it.path}: iteration {step} was saved without optimizer state (checkpoint.no_save_optim: true); "
+            "set checkpoint.no_load_optim: true to start from its weights"
+        )
+    return ckpt.load_path, step
 
 
 def init_ray(address: str | None, cfg: Config) -> None:

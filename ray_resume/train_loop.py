@@ -26,6 +26,7 @@ from .data import SampleStream
 from .faults import FaultInjector
 from .metrics import MetricsWriter
 from .model import build_model, lm_loss
+from .optim import MainParamsOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def train_func(args: dict) -> None:
 
     seed_everything(train.seed)  # identical initial weights on every rank
     model = DistributedDataParallel(build_model(cfg.model))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    optimizer = MainParamsOptimizer(model, lr=train.lr, weight_decay=train.weight_decay)
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
 
     if resume_step is not None:  # a restart within this job: its own newest commit
@@ -71,7 +72,7 @@ def train_func(args: dict) -> None:
             "consumed_samples": consumed,
             "epoch_num": consumed // stream.num_samples,
             "step_num": (consumed % stream.num_samples) // train.global_batch_size,
-            "loss_scale": 1.0,
+            **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
         })
         progress.step(step, loss, batch["sample_id"], saved)
 
@@ -86,14 +87,14 @@ def learning_rate(train, step: int) -> float:
 def train_step(model, optimizer, input_ids, micro_batch: int, accumulation: int, world: int) -> float:
     """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
     ids = torch.tensor(input_ids, dtype=torch.long)  # a copy: Ray Data hands out read-only arrays
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     total = torch.zeros(())
     for i in range(accumulation):
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
         sync = model.no_sync() if i < accumulation - 1 else nullcontext()
         with sync:
             loss = lm_loss(model, ids[i * micro_batch : (i + 1) * micro_batch]) / accumulation
-            loss.backward()
+            optimizer.backward(loss)
         total += loss.detach().float()
     optimizer.step()
     dist.all_reduce(total)
@@ -122,7 +123,7 @@ class Progress:
         self.window_start = time.monotonic()
         self.window_steps = 0
         self.metrics = None
-        if cfg.checkpoint.save_path:
+        if cfg.checkpoint.enable_save:
             self.metrics = MetricsWriter(cfg.checkpoint.save_path, cfg.checkpoint.storage, job=job_id, attempt=attempt, rank=rank)
 
     def _record(self, record: dict, flush: bool = False) -> None:

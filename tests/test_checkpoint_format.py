@@ -16,6 +16,7 @@ from ray_resume.checkpoint.schema import CheckpointError, build_metadata, dumps
 from ray_resume.checkpoint.storage import LocalStorage, storage_for
 from ray_resume.checkpoint.writer import save_shards
 from ray_resume.model import GPT
+from ray_resume.optim import MainParamsOptimizer
 
 
 def test_names_are_the_specs():
@@ -49,11 +50,12 @@ def test_save_plan_covers_every_element_once_and_balances_bytes(seed):
         assert max(written) <= total / world + 8 and min(written) >= total / world - 8
 
 
-def make_state(seed=0):
+def make_state(seed=0, dtype=torch.float32):
+    """A model and its optimizer after one step (so every optimizer slot exists)."""
     torch.manual_seed(seed)
-    model = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randint(0, 32, (2, 8))).sum().backward()
+    model = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2).to(dtype)
+    opt = MainParamsOptimizer(model, lr=1e-2, weight_decay=0.0)
+    opt.backward(model(torch.randint(0, 32, (2, 8))).float().sum())
     opt.step()
     return model, opt
 
@@ -64,7 +66,7 @@ def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None)
     storage = LocalStorage()
     manifests = [
         save_shards(storage, str(root), step, prefix="ckpt", rank=r, world_size=world,
-                    model_state=state.model_tensors(model), optim_state=state.optim_tensors(model, opt),
+                    model_state=state.model_tensors(model), optim_state=opt.state_tensors(),
                     rank_extras={"rank": str(r)})
         for r in range(world)
     ]
@@ -88,10 +90,10 @@ def test_round_trip_restores_every_tensor_bitwise(tmp_path, world):
     for name, t in state.model_tensors(model).items():
         assert torch.equal(loaded[name], t) and loaded[name].dtype == t.dtype
     fresh, fresh_opt = make_state(seed=1)
-    state.load_optim_tensors(fresh, fresh_opt, load_state(storage, it, "opt"))
-    assert state.optim_tensors(fresh, fresh_opt).keys() == state.optim_tensors(model, opt).keys()
-    for name, t in state.optim_tensors(model, opt).items():
-        assert torch.equal(state.optim_tensors(fresh, fresh_opt)[name], t), name
+    fresh_opt.load_state_tensors(load_state(storage, it, "opt"))
+    assert fresh_opt.state_tensors().keys() == opt.state_tensors().keys()
+    for name, t in opt.state_tensors().items():
+        assert torch.equal(fresh_opt.state_tensors()[name], t), name
     assert load_rank_extras(storage, it, world - 1) == {"rank": str(world - 1)}
     # No file holds a byte of replicated state twice: shards add up to the state itself.
     model_bytes = sum(t.numel() * t.element_size() for t in state.model_tensors(model).values())

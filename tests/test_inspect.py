@@ -10,7 +10,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from ray_resume.checkpoint import layout, state
+from ray_resume.checkpoint import layout
+from ray_resume.checkpoint.reader import load_state, open_iteration
+from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.inspect import main
 from ray_resume.metrics import read_metrics
 from test_checkpoint_format import make_state, write_iteration
@@ -109,9 +111,12 @@ def test_show_json_lists_every_tensor_with_its_pieces(root, capsys):
     assert code == 0, err
     shown = json.loads(out)
     assert shown["iteration"] == 8 and shown["common"]["global_step"] == 8 and shown["world_size"] == 2
-    expected = {("model", n): t for n, t in state.model_tensors(root["model"]).items()}
-    expected |= {("opt", n): t for n, t in state.optim_tensors(root["model"], root["opt"]).items()}
+    storage = LocalStorage()
+    it = open_iteration(storage, str(root["root"]), 8)
+    expected = {("model", n): t for n, t in root["model"].state_dict().items()}
+    expected |= {("opt", n): t for n, t in load_state(storage, it, "opt").items()}
     assert {(t["kind"], t["name"]) for t in shown["tensors"]} == set(expected)
+    assert any(kind == "opt" for kind, _ in expected)
     for t in shown["tensors"]:
         tensor = expected[(t["kind"], t["name"])]
         assert t["shape"] == list(tensor.shape) and t["dtype"] == "F32"
@@ -130,13 +135,16 @@ def test_export_writes_plain_safetensors_equal_to_the_model(root, capsys, tmp_pa
     code, out, err = cli(capsys, "export", root["root"], out_dir, "--with-optimizer")
     assert code == 0, err
     loaded = safetensors.torch.load_file(str(out_dir / "model.safetensors"))  # no ray_resume code involved
-    expected = state.model_tensors(root["model"])
+    expected = root["model"].state_dict()
     assert loaded.keys() == expected.keys()
     for name, tensor in expected.items():
         assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
         assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name  # bitwise
     optim = safetensors.torch.load_file(str(out_dir / "optimizer.safetensors"))
-    for name, tensor in state.optim_tensors(root["model"], root["opt"]).items():
+    storage = LocalStorage()
+    saved_optim = load_state(storage, open_iteration(storage, str(root["root"]), 8), "opt")
+    assert optim.keys() == saved_optim.keys() and optim
+    for name, tensor in saved_optim.items():
         assert torch.equal(optim[name], tensor), name
     assert (out_dir / "config.yaml").read_text() == "name: from-the-job\n"
 

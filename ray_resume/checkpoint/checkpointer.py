@@ -14,7 +14,7 @@ import ray
 import torch
 
 from . import layout, state
-from .reader import load_rank_extras, load_state, open_iteration
+from .reader import load_rank_extras, load_state, open_iteration, read_export
 from .schema import CheckpointError
 from .storage import storage_for
 from .writer import save_shards
@@ -41,29 +41,43 @@ class Checkpointer:
         self.attempt = attempt
         self.faults = faults
 
-    def restore(self, model, optimizer, source: tuple[str, int] | None, *, full: bool) -> ResumePoint:
-        """Load iteration `source = (root, step)`; `full` also restores optimizer, RNG and progress."""
+    def restore(self, model, optimizer, source: tuple[str, int | None] | None, *, full: bool) -> ResumePoint:
+        """Load `source = (root, step)`, or `(export_dir, None)` for consolidated safetensors weights.
+
+        `full` restores optimizer, RNG and progress too (the spec's
+        no_load_optim: false); otherwise only weights are taken, training
+        starts at step 0, and the fp32 main params are refreshed from them.
+        """
         if source is None:
             return ResumePoint()
         root, step = source
         storage = storage_for(root, self.ckpt.storage)
+        if step is None:
+            load_weights(model, read_export(storage, root), root)
+            optimizer.reload_main_params_from_model()
+            return ResumePoint(source=root)
         it = open_iteration(storage, root, step)
-        weights = load_state(storage, it, layout.MODEL_KIND)
-        check_matches(state.model_tensors(model), weights, it, "model")
-        state.unwrap(model).load_state_dict(weights)
+        load_weights(model, load_state(storage, it, layout.MODEL_KIND), layout.join(it.path, layout.METADATA))
         if not full:
+            optimizer.reload_main_params_from_model()
             return ResumePoint(source=it.path)
-        if not it.common["has_optimizer"] or optimizer is None:
-            raise CheckpointError(
-                f"{it.path}: iteration {step} has no optimizer state (saved with checkpoint.no_save_optim: true) "
-                "or no optimizer was built; set checkpoint.no_load_optim: true to load its weights only"
-            )
-        state.load_optim_tensors(model, optimizer, load_state(storage, it, layout.OPTIM_KIND))
+        if optimizer is None:
+            raise CheckpointError(f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only")
+        point = ResumePoint(it.common["global_step"], it.common["consumed_samples"], it.path)
+        if not it.common["has_optimizer"]:
+            # Only reachable on a restart inside a job saved with no_save_optim: keep
+            # the progress, but the optimizer starts over (nothing else to resume).
+            logger.warning("%s has no optimizer state (no_save_optim): resuming weights and progress, fresh optimizer", it.path)
+            optimizer.reload_main_params_from_model()
+            return point
+        optimizer.load_state_tensors(load_state(storage, it, layout.OPTIM_KIND))
+        if optimizer.scaler:
+            optimizer.scaler.load(it.common)
         if it.common["world_size"] == self.world_size:
             state.restore_rng(load_rank_extras(storage, it, self.rank))
         else:
             logger.warning("world size changed (%d -> %d): RNG streams are reseeded, not restored", it.common["world_size"], self.world_size)
-        return ResumePoint(it.common["global_step"], it.common["consumed_samples"], it.path)
+        return point
 
     def should_save(self, step: int) -> bool:
         c = self.ckpt
@@ -77,7 +91,7 @@ class Checkpointer:
             storage_for(self.ckpt.save_path, self.ckpt.storage), self.ckpt.save_path, step,
             prefix=self.ckpt.prefix, rank=self.rank, world_size=self.world_size,
             model_state=state.model_tensors(model),
-            optim_state=None if self.ckpt.no_save_optim else state.optim_tensors(model, optimizer),
+            optim_state=None if self.ckpt.no_save_optim else optimizer.state_tensors(),
             rank_extras=state.capture_rng(),
             on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step),
         )
@@ -86,18 +100,19 @@ class Checkpointer:
         return True
 
 
-def check_matches(current: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], it, kind: str) -> None:
-    """Refuse a checkpoint whose tensors do not fit the model, naming the first misfit."""
-    where = layout.join(it.path, layout.METADATA)
+def load_weights(model, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Load `weights` into `model` after checking names, shapes and dtypes, naming the first misfit."""
+    current = state.model_tensors(model)
     for name, tensor in current.items():
-        if name not in loaded:
-            raise CheckpointError(f"{where}: {kind} tensor {name!r} of the model is not in the checkpoint; the model config differs from the one that saved it")
-        got = loaded[name]
+        if name not in weights:
+            raise CheckpointError(f"{where}: model tensor {name!r} is missing; the model config differs from the one that saved it")
+        got = weights[name]
         if tuple(got.shape) != tuple(tensor.shape) or got.dtype != tensor.dtype:
             raise CheckpointError(
-                f"{where}: {kind} tensor {name!r} is {got.dtype} {list(got.shape)} in the checkpoint but "
+                f"{where}: tensor {name!r} is {got.dtype} {list(got.shape)} there but "
                 f"{tensor.dtype} {list(tensor.shape)} in the model; the model config differs from the one that saved it"
             )
-    extra = sorted(set(loaded) - set(current))
+    extra = sorted(set(weights) - set(current))
     if extra:
-        raise CheckpointError(f"{where}: {kind} tensor {extra[0]!r} is in the checkpoint but not in the model")
+        raise CheckpointError(f"{where}: tensor {extra[0]!r} is not a tensor of the model")
+    state.unwrap(model).load_state_dict(weights)

@@ -158,3 +158,36 @@ def load_rank_extras(storage: LocalStorage, it: Iteration, rank: int) -> dict[st
 def describe(it: Iteration) -> str:
     c = it.common
     return json.dumps({k: c[k] for k in ("global_step", "consumed_samples", "epoch_num", "step_num", "world_size")})
+
+
+EXPORT_FILE = "model.safetensors"
+EXPORT_INDEX = "model.safetensors.index.json"
+
+
+def is_export(storage: LocalStorage, path: str) -> bool:
+    """A consolidated safetensors export (the layout the safetensors ecosystem uses)."""
+    return any(storage.size(layout.join(path, name)) is not None for name in (EXPORT_FILE, EXPORT_INDEX))
+
+
+def read_export(storage: LocalStorage, path: str) -> dict[str, torch.Tensor]:
+    """Weights from `model.safetensors`, or from the shards a `model.safetensors.index.json` maps."""
+    index_path = layout.join(path, EXPORT_INDEX)
+    if storage.size(index_path) is not None:
+        weight_map = parse_json(storage.read_bytes(index_path), index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: needs a non-empty 'weight_map' of tensor name -> file")
+        files = sorted(set(weight_map.values()))
+    else:
+        weight_map, files = None, [EXPORT_FILE]
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not isinstance(name, str) or not layout.is_plain_filename(name):
+            raise CheckpointError(f"{index_path}: file name {name!r} points outside {path}; refusing to read it")
+        file = layout.join(path, name)
+        if storage.size(file) is None:
+            raise CheckpointError(f"{file}: missing")
+        out.update(_parse_shard(storage.read_bytes(file), file))
+    if weight_map is not None and set(weight_map) != set(out):
+        missing = sorted(set(weight_map) - set(out)) or sorted(set(out) - set(weight_map))
+        raise CheckpointError(f"{index_path}: weight_map and the shard files disagree about tensor {missing[0]!r}")
+    return out

@@ -24,9 +24,10 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in unwrap(model).state_dict().items()}
 
 
-def optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def optim_tensors(named_params, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """`{param_name}.{slot}` for every optimizer slot of every (name, param)."""
     out: dict[str, torch.Tensor] = {}
-    for name, param in unwrap(model).named_parameters():
+    for name, param in named_params:
         state = optimizer.state.get(param, {})
         for slot in OPTIM_SLOTS:
             if slot in state:
@@ -35,16 +36,14 @@ def optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     return out
 
 
-def load_optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+def load_optim_tensors(named_params, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
     """Rebuild torch's positional optimizer state from name-keyed tensors."""
-    names = [name for name, _ in unwrap(model).named_parameters()]
     state = {}
-    for index, name in enumerate(names):
+    for index, (name, _) in enumerate(named_params):
         slots = {slot: tensors[f"{name}.{slot}"] for slot in OPTIM_SLOTS if f"{name}.{slot}" in tensors}
         if slots:
             state[index] = slots
-    current = optimizer.state_dict()
-    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
 def capture_rng() -> dict[str, str]:

@@ -1,0 +1,117 @@
+"""Mixed precision: low-precision model params, fp32 main params, dynamic loss scale.
+
+With `model.dtype: bfloat16 | float16` the model computes in that dtype while
+AdamW steps fp32 copies of the parameters ("main params", as in Megatron);
+after each step the main params are copied back into the model. float16
+adds a dynamic loss scaler: grow after `growth_interval` clean steps, back
+off and skip the step on inf/nan gradients. With float32 the model's own
+params are the main params and the loss scale stays 1.0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checkpoint.state import load_optim_tensors, optim_tensors, unwrap
+
+MAIN_PARAM = "main_param"
+
+
+class LossScaler:
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, factor: float = 2.0, min_scale: float = 1.0):
+        self.scale = scale
+        self.growth_interval = growth_interval
+        self.factor = factor
+        self.min_scale = min_scale
+        self.clean_steps = 0
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale = max(self.scale / self.factor, self.min_scale)
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps % self.growth_interval == 0:
+            self.scale *= self.factor
+
+    def state(self) -> dict:
+        return {"loss_scale": self.scale, "loss_scale_clean_steps": self.clean_steps}
+
+    def load(self, common: dict) -> None:
+        self.scale = float(common["loss_scale"])
+        self.clean_steps = int(common.get("loss_scale_clean_steps", 0))
+
+
+class MainParamsOptimizer:
+    """AdamW over fp32 main params that shadow a (possibly) low-precision model."""
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float):
+        self.model = model
+        self.named = list(unwrap(model).named_parameters())
+        self.mixed = any(p.dtype != torch.float32 for _, p in self.named)
+        if self.mixed:
+            self.main = [p.detach().float().clone().requires_grad_(True) for _, p in self.named]
+        else:
+            self.main = [p for _, p in self.named]
+        self.optimizer = torch.optim.AdamW(self.main, lr=lr, weight_decay=weight_decay)
+        self.scaler = LossScaler() if any(p.dtype == torch.float16 for _, p in self.named) else None
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.loss_scale).backward()
+
+    def step(self) -> bool:
+        """One optimizer step; False when fp16 gradients overflowed and the step was skipped."""
+        if self.mixed:
+            for main, (_, p) in zip(self.main, self.named):
+                main.grad = None if p.grad is None else p.grad.float() / self.loss_scale
+        if self.scaler:
+            finite = all(torch.isfinite(m.grad).all() for m in self.main if m.grad is not None)
+            finite_flag = torch.tensor([1.0 if finite else 0.0])
+            if torch.distributed.is_initialized():  # every rank must agree to skip
+                torch.distributed.all_reduce(finite_flag, op=torch.distributed.ReduceOp.MIN)
+            finite = bool(finite_flag.item())
+            self.scaler.update(finite)
+            if not finite:
+                return False
+        self.optimizer.step()
+        if self.mixed:
+            with torch.no_grad():
+                for main, (_, p) in zip(self.main, self.named):
+                    p.copy_(main)
+        return True
+
+    def reload_main_params_from_model(self) -> None:
+        """After a weights-only load: start the fp32 main params from the loaded model, not from the init."""
+        if self.mixed:
+            with torch.no_grad():
+                for main, (_, p) in zip(self.main, self.named):
+                    main.copy_(p.float())
+
+    def _named_main(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, main) for main, (name, _) in zip(self.main, self.named)]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Name-keyed optimizer slots, plus the fp32 main params when they shadow the model."""
+        out = optim_tensors(self._named_main(), self.optimizer)
+        if self.mixed:
+            out.update({f"{name}.{MAIN_PARAM}": main.detach() for name, main in self._named_main()})
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        load_optim_tensors(self._named_main(), self.optimizer, tensors)
+        if self.mixed:
+            with torch.no_grad():
+                for name, main in self._named_main():
+                    main.copy_(tensors[f"{name}.{MAIN_PARAM}"])
