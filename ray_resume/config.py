@@ -20,13 +20,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Optional, Union
 
+import numpy as np
 import yaml
 
 logger = logging.getLogger(__name__)
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 DTYPES = ("float32", "bfloat16", "float16")
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp",)  # fsdp: planned (FSDP2 fully_shard), refused until it exists
 FAULT_PHASES = ("after_optimizer_step", "mid_shard_write", "before_report", "commit_before_tracker", "retention_delete")
 
 
@@ -40,6 +41,14 @@ class ConfigError(ValueError):
         else:
             msg = f"{len(self.problems)} config problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(msg)
+
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _import_path(problems: list[str], key: str, value: str) -> None:
+    if value and not _IMPORT_PATH.match(value):
+        problems.append(f"{key} must look like 'package.module:function', got {value!r}")
 
 
 def _raise_if(problems: list[str]) -> None:
@@ -81,9 +90,12 @@ class ModelConfig(_Section):
     n_heads: int = 4  # attention heads
     dtype: str = "float32"  # parameter/compute dtype: float32 | bfloat16 | float16
     dropout: float = 0.0  # dropout probability in [0, 1)
+    builder: str = ""  # "pkg.module:fn" returning your nn.Module, called with this section as a dict ("" = built-in GPT)
+    args: dict[str, Any] = field(default_factory=dict)  # free-form settings for your builder
 
     def _check(self) -> list[str]:
         p: list[str] = []
+        _import_path(p, "model.builder", self.builder)
         _at_least(p, "model.vocab_size", self.vocab_size, 2)
         for k in ("seq_len", "d_model", "n_layers", "n_heads"):
             _at_least(p, f"model.{k}", getattr(self, k), 1)
@@ -115,9 +127,21 @@ class DataConfig(_Section):
     shuffle: bool = True  # shuffle sample order each epoch
     seed: int = 1234  # shuffle seed
     synthetic: Optional[SyntheticDataConfig] = None  # if set, generate the dataset at `path` when missing
+    columns: dict[str, str] = field(default_factory=dict)  # parquet column -> numpy dtype for the batch ({} = input_ids: int32)
+    collate: str = ""  # "pkg.module:fn" turning a dict of numpy arrays into the batch your loss takes
 
     def _check(self) -> list[str]:
-        return [] if self.path else ["data.path must be a non-empty string"]
+        p = [] if self.path else ["data.path must be a non-empty string"]
+        _import_path(p, "data.collate", self.collate)
+        for name, dtype in self.columns.items():
+            if name == "sample_id":
+                p.append("data.columns.sample_id: sample_id is always read (it audits sample exactness); leave it out")
+            try:
+                if np.dtype(dtype).kind not in "biuf":
+                    raise TypeError
+            except TypeError:
+                p.append(f"data.columns.{name} must be a numeric numpy dtype such as float32 or int64, got {dtype!r}")
+        return p
 
 
 @dataclass(kw_only=True)
@@ -127,14 +151,16 @@ class TrainingConfig(_Section):
     train_steps: int = 200  # total optimizer steps (>= 1)
     lr: float = 3.0e-4  # peak learning rate (> 0)
     seed: int = 42  # model-init / dropout seed
-    strategy: str = "ddp"  # data-parallel strategy: ddp | fsdp
+    strategy: str = "ddp"  # data-parallel strategy: ddp (fsdp is planned)
     warmup_steps: int = 0  # linear LR warmup steps (>= 0)
     weight_decay: float = 0.0  # AdamW weight decay (>= 0)
     log_every: int = 10  # log metrics every N steps (>= 1)
     log_sample_ids: bool = False  # record every step's sample ids in the metrics (for audits and tests)
+    loss: str = ""  # "pkg.module:fn" called as fn(model, batch) -> scalar tensor ("" = next-token loss)
 
     def _check(self) -> list[str]:
         p: list[str] = []
+        _import_path(p, "training.loss", self.loss)
         for k in ("global_batch_size", "micro_batch_size", "train_steps", "log_every"):
             _at_least(p, f"training.{k}", getattr(self, k), 1)
         if not self.lr > 0:
@@ -208,6 +234,7 @@ class CheckpointConfig(_Section):
     load_path: str = ""  # directory to resume from ("" = start fresh)
     no_load_optim: bool = False  # ignore optimizer state when loading
     load_balanced: bool = False  # spread checkpoint reads across ranks
+    async_save: bool = True  # write shards in a background thread; training only waits for a snapshot copy
     prefix: str = "ckpt"  # shard file name prefix
     storage: StorageConfig = field(default_factory=StorageConfig)  # s3:// connection settings
 
@@ -305,7 +332,7 @@ _EXP_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 def _describe(tp: Any) -> str:
     if typing.get_origin(tp) is list:
         return "a list of integers" if typing.get_args(tp) == (int,) else "a list"
-    if dataclasses.is_dataclass(tp):
+    if dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict:
         return "a mapping"
     return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -336,7 +363,16 @@ def _convert(tp: Any, value: Any, key: str, problems: list[str], bad: list[str])
             problems.append(f"{key} must be a mapping, {_got(value)}")
             return False, None
         return True, _build(tp, value, key + ".", problems, bad)
-    if origin is list:
+    if origin is dict:
+        _, item = typing.get_args(tp)
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            if item is Any:
+                return True, dict(value)
+            converted = {k: _convert(item, v, f"{key}.{k}", problems, bad) for k, v in value.items()}
+            if all(ok for ok, _ in converted.values()):
+                return True, {k: v for k, (_, v) in converted.items()}
+            return False, None
+    elif origin is list:
         (item,) = typing.get_args(tp)
         if isinstance(value, list) and all(_convert(item, v, key, [], [])[0] for v in value):
             return True, [_convert(item, v, key, [], [])[1] for v in value]

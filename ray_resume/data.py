@@ -89,7 +89,7 @@ __all__ = [
 
 SAMPLE_ID = "sample_id"
 INPUT_IDS = "input_ids"
-COLUMNS = [SAMPLE_ID, INPUT_IDS]
+DEFAULT_COLUMNS = {INPUT_IDS: "int32"}  # the built-in GPT's batch; data.columns replaces it
 _UNIT_COL = "__unit_index"  # internal column used to verify block order
 
 
@@ -253,21 +253,28 @@ def ensure_dataset(path: Union[str, os.PathLike], synthetic: Any, seq_len: int, 
 # Units and order (pure functions)
 # --------------------------------------------------------------------------
 
-def _check_schema(file: str, schema: pa.Schema) -> None:
+def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str]) -> None:
+    """`sample_id` int64 (sample exactness is audited by it) and every configured column.
+
+    A column's arrow type must be exactly the configured dtype, or a list of
+    it (one fixed-length vector per row): a silent cast could lose data.
+    """
     names = schema.names
     if SAMPLE_ID not in names:
         raise DataError(f"{file}: missing column {SAMPLE_ID!r} (expected int64)")
-    if INPUT_IDS not in names:
-        raise DataError(f"{file}: missing column {INPUT_IDS!r} (expected list<int32>)")
     t = schema.field(SAMPLE_ID).type
     if t != pa.int64():
         raise DataError(f"{file}: column {SAMPLE_ID!r} has type {t}, expected int64")
-    t = schema.field(INPUT_IDS).type
-    if not (pa.types.is_list(t) and t.value_type == pa.int32()):
-        raise DataError(f"{file}: column {INPUT_IDS!r} has type {t}, expected list<int32>")
+    for name, dtype in columns.items():
+        want = pa.from_numpy_dtype(np.dtype(dtype))
+        if name not in names:
+            raise DataError(f"{file}: missing column {name!r} (data.columns wants {dtype} or list<{dtype}>)")
+        t = schema.field(name).type
+        if not (t == want or (pa.types.is_list(t) and t.value_type == want)):
+            raise DataError(f"{file}: column {name!r} has type {t}, expected {want} or list<{want}> (data.columns.{name}: {dtype})")
 
 
-def scan_units(path: Union[str, os.PathLike]) -> List[ReadUnit]:
+def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] = None) -> List[ReadUnit]:
     """One :class:`ReadUnit` per (non-empty) row group, files sorted by name; footers only."""
     p = Path(path)
     if not p.is_dir():
@@ -280,7 +287,7 @@ def scan_units(path: Union[str, os.PathLike]) -> List[ReadUnit]:
             pf = pq.ParquetFile(fs)
         except Exception as e:  # noqa: BLE001
             raise DataError(f"{fs}: cannot read parquet footer: {e}") from e
-        _check_schema(fs, pf.schema_arrow)
+        _check_schema(fs, pf.schema_arrow, columns or DEFAULT_COLUMNS)
         md = pf.metadata
         for rg in range(md.num_row_groups):
             n = md.row_group(rg).num_rows
@@ -344,54 +351,63 @@ def plan_epoch_units(units: Sequence[ReadUnit], seed: int, epoch: int, shuffle: 
 # Ray Data reading
 # --------------------------------------------------------------------------
 
-def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shuffle: bool
-                     ) -> Dict[str, np.ndarray]:
+def _column_array(table: pa.Table, name: str, dtype: str, where: str) -> np.ndarray:
+    """A scalar column as [rows], a list column as [rows, width] (every row the same width)."""
+    column = table.column(name).combine_chunks()
+    if not pa.types.is_list(column.type):
+        return column.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    offsets = np.asarray(column.offsets)
+    lens = np.diff(offsets)
+    if len(lens) and not np.all(lens == lens[0]):
+        raise DataError(f"{where}: rows of {name!r} have different lengths")
+    width = int(lens[0]) if len(lens) else 0
+    flat = np.asarray(column.values)[offsets[0]: offsets[-1]]
+    return flat.astype(dtype, copy=False).reshape(len(lens), width)
+
+
+def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shuffle: bool,
+                     columns: Dict[str, str]) -> Dict[str, np.ndarray]:
     """map_batches UDF: read the one row group described by ``batch`` (batch_size=1)."""
-    outs = []
+    outs: List[Dict[str, np.ndarray]] = []
     for i in range(len(batch["unit_index"])):
         file = str(batch["file"][i])
         rg = int(batch["row_group"][i])
         ui = int(batch["unit_index"][i])
         row_start = int(batch["row_start"][i])
         num_rows = int(batch["num_rows"][i])
-        table = pq.ParquetFile(file).read_row_group(rg, columns=COLUMNS)
+        table = pq.ParquetFile(file).read_row_group(rg, columns=[SAMPLE_ID, *columns])
+        where = f"{file} row group {rg}"
         if table.num_rows != num_rows:
-            raise DataError(f"{file} row group {rg}: has {table.num_rows} rows, footer scan said {num_rows}")
-        sid = table.column(SAMPLE_ID).to_numpy()
-        lists = table.column(INPUT_IDS).combine_chunks()
-        offsets = np.asarray(lists.offsets)
-        lens = np.diff(offsets)
-        if len(lens) and not np.all(lens == lens[0]):
-            raise DataError(f"{file} row group {rg}: rows of {INPUT_IDS!r} have different lengths")
-        width = int(lens[0]) if len(lens) else 0
-        flat = np.asarray(lists.values)[offsets[0]: offsets[-1]] if len(lens) else np.zeros(0, np.int32)
-        ids = flat.astype(np.int32, copy=False).reshape(num_rows, width)
+            raise DataError(f"{where}: has {table.num_rows} rows, footer scan said {num_rows}")
         idx = unit_row_order(num_rows, seed, epoch, ui, shuffle)[row_start:]
-        outs.append((sid[idx], ids[idx], np.full(len(idx), ui, dtype=np.int64)))
-    return {
-        SAMPLE_ID: np.concatenate([o[0] for o in outs]),
-        INPUT_IDS: np.concatenate([o[1] for o in outs]),
-        _UNIT_COL: np.concatenate([o[2] for o in outs]),
-    }
+        arrays = {SAMPLE_ID: table.column(SAMPLE_ID).to_numpy()}
+        arrays.update({name: _column_array(table, name, dtype, where) for name, dtype in columns.items()})
+        out = {name: a[idx] for name, a in arrays.items()}
+        out[_UNIT_COL] = np.full(len(idx), ui, dtype=np.int64)
+        outs.append(out)
+    return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
 
 
 class SampleStream:
     """Infinite stream of this rank's slice of each global batch.
 
     ``SampleStream(source, seed, shuffle, global_batch_size, rank=0,
-    world_size=1, start_sample=0)`` where ``source`` is a dataset path or a
-    list of :class:`ReadUnit`. Iterating yields, per global step,
-    ``{"sample_id": int64[b], "input_ids": int32[b, L+1]}`` with
-    ``b = global_batch_size // world_size``. :attr:`position` is the global
+    world_size=1, start_sample=0, columns=None)`` where ``source`` is a dataset
+    path or a list of :class:`ReadUnit`. Iterating yields, per global step,
+    ``{"sample_id": int64[b], column: array[b, ...] for each column}`` with
+    ``b = global_batch_size // world_size`` (default column: ``input_ids``
+    int32 [b, L+1]). :attr:`position` is the global
     position (samples consumed) after the last yielded step -- store it in a
     checkpoint and pass it back as ``start_sample`` to resume exactly.
     """
 
     def __init__(self, source: Union[str, os.PathLike, Sequence[ReadUnit]], seed: int, shuffle: bool,
                  global_batch_size: int, rank: int = 0, world_size: int = 1, start_sample: int = 0,
+                 columns: Optional[Dict[str, str]] = None,
                  *, prefetch_batches: int = 2, read_num_cpus: float = 0.25):
+        self.columns = dict(columns or DEFAULT_COLUMNS)
         if isinstance(source, (str, os.PathLike)):
-            self.units: List[ReadUnit] = scan_units(source)
+            self.units: List[ReadUnit] = scan_units(source, self.columns)
         else:
             self.units = list(source)
             if not self.units:
@@ -415,7 +431,7 @@ class SampleStream:
         self.read_num_cpus = float(read_num_cpus)
 
     # -- one epoch through Ray Data -------------------------------------
-    def _epoch_blocks(self, epoch: int, start_in_epoch: int) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+    def _epoch_blocks(self, epoch: int, start_in_epoch: int) -> Iterator[Dict[str, np.ndarray]]:
         import ray
         import ray.data
 
@@ -432,7 +448,7 @@ class SampleStream:
         ds = ray.data.from_items(items, override_num_blocks=len(items))
         ds = ds.map_batches(
             _read_unit_batch, batch_size=1, batch_format="numpy",
-            fn_kwargs={"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle},
+            fn_kwargs={"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle, "columns": self.columns},
             num_cpus=self.read_num_cpus,
         )
         # Verify that rows arrive exactly in plan order (guards determinism).
@@ -454,11 +470,11 @@ class SampleStream:
                 if left == 0:
                     k += 1
                     left = expected[k][1] if k < len(expected) else 0
-            yield batch[SAMPLE_ID], batch[INPUT_IDS]
+            yield {name: batch[name] for name in (SAMPLE_ID, *self.columns)}
         if k != len(expected):
             raise DataError(f"epoch {epoch}: fewer rows than planned ({k}/{len(expected)} units complete)")
 
-    def _global_blocks(self) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+    def _global_blocks(self) -> Iterator[Dict[str, np.ndarray]]:
         epoch, start_in_epoch = divmod(self.start_sample, self.num_samples)
         while True:
             yield from self._epoch_blocks(epoch, start_in_epoch)
@@ -469,22 +485,16 @@ class SampleStream:
         gbs = self.global_batch_size
         lo = self.rank * self.local_batch_size
         hi = lo + self.local_batch_size
-        sids: List[np.ndarray] = []
-        toks: List[np.ndarray] = []
+        pending: List[Dict[str, np.ndarray]] = []
         have = 0
         self.position = self.start_sample
-        for sid, tok in self._global_blocks():
-            sids.append(sid)
-            toks.append(tok)
-            have += len(sid)
+        for block in self._global_blocks():
+            pending.append(block)
+            have += len(block[SAMPLE_ID])
             while have >= gbs:
-                all_sid = np.concatenate(sids) if len(sids) > 1 else sids[0]
-                all_tok = np.concatenate(toks) if len(toks) > 1 else toks[0]
-                out = {
-                    SAMPLE_ID: np.ascontiguousarray(all_sid[lo:hi], dtype=np.int64),
-                    INPUT_IDS: np.ascontiguousarray(all_tok[lo:hi], dtype=np.int32),
-                }
-                sids, toks = [all_sid[gbs:]], [all_tok[gbs:]]
+                joined = {k: np.concatenate([b[k] for b in pending]) if len(pending) > 1 else pending[0][k] for k in block}
+                out = {k: np.ascontiguousarray(v[lo:hi]) for k, v in joined.items()}
+                pending = [{k: v[gbs:] for k, v in joined.items()}]
                 have -= gbs
                 self.position += gbs
                 yield out

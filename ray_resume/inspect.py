@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from .checkpoint import layout
-from .checkpoint.reader import Iteration, open_iteration, read_tracker, read_verified, shard_header
+from .checkpoint.reader import Iteration, check_no_extra_shards, open_iteration, read_tracker, read_verified, shard_header
 from .checkpoint.schema import CKPT_STATUS_OK, CheckpointError, parse_json
 from .checkpoint.storage import LocalStorage, storage_for
 
@@ -153,10 +153,10 @@ def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
         bad = _piece_problems(it, name, header, pieces_by_file.get(name, []))
         problems += bad
         entry["ok"] = not bad
-    listed = set(it.metadata["files"])
-    for name in storage.listdir(it.path):
-        if layout.parse_shard_filename(name) and name not in listed:
-            problems.append(f"{layout.join(it.path, name)}: shard file not listed in metadata.json; remove it or restore the matching metadata.json")
+    try:
+        check_no_extra_shards(storage, it)
+    except CheckpointError as exc:
+        problems.append(str(exc))
     return {"ok": not problems, "problems": problems, "files": files}
 
 

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import ray
 import ray.train
@@ -27,6 +27,7 @@ from .checkpoint.schema import CheckpointError
 from .checkpoint.storage import storage_for
 from .config import Config, ConfigError, load_config
 from .data import DataError, ensure_dataset, scan_units
+from .plugins import resolve
 from .train_loop import train_func
 
 logger = logging.getLogger("ray_resume")
@@ -36,8 +37,9 @@ USER_ERRORS = (ConfigError, CheckpointError, DataError)
 
 @dataclass
 class RunResult:
-    committed_iteration: int | None
-    checkpoint_path: str | None
+    committed_iteration: int | None  # the newest iteration this job committed
+    checkpoint_path: str | None  # its directory
+    metrics: dict = field(default_factory=dict)  # rank 0's last step: step, loss
     error: BaseException | None = None
 
 
@@ -59,9 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(cfg: Config, address: str | None = None) -> RunResult:
-    """Run the job to the end (with Ray Train's restarts) and report what was committed."""
+def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None, collate=None) -> RunResult:
+    """Run the job to the end (with Ray Train's restarts) and report what was committed.
+
+    `build_model`, `loss` and `collate` override the config's import paths
+    (see ray_resume.plugins); all are checked here, before Ray starts.
+    """
     cfg = absolute_paths(cfg)
+    plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
     load = preflight(cfg)
     init_ray(address, cfg)
     job_id = uuid.uuid4().hex[:12]
@@ -73,7 +80,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     workers = cfg.scaling.num_workers
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"config": cfg.to_dict(), "coordinator": coordinator, "load": load, "job_id": job_id},
+        train_loop_config={"config": cfg.to_dict(), "coordinator": coordinator, "load": load, "job_id": job_id, "plugins": plugins},
         scaling_config=ray.train.ScalingConfig(
             num_workers=tuple(workers) if isinstance(workers, list) else workers, use_gpu=cfg.scaling.use_gpu
         ),
@@ -87,11 +94,12 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         trainer.fit()
     except Exception as exc:  # Ray wraps worker errors; report them, keep what was committed
         error = exc
-    committed = ray.get(coordinator.last_committed.remote())
+    outcome = ray.get(coordinator.result.remote())
+    committed = outcome["committed"]
     path = layout.iteration_dir(cfg.checkpoint.save_path, committed) if committed is not None else None
     if error is None:
         logger.info("[%s] finished: last committed iteration %s%s", cfg.name, committed, f" at {path}" if path else "")
-    return RunResult(committed, path, error)
+    return RunResult(committed, path, outcome["metrics"], error)
 
 
 def absolute_paths(cfg: Config) -> Config:
@@ -107,7 +115,7 @@ def absolute_paths(cfg: Config) -> Config:
 def preflight(cfg: Config) -> tuple[str, int | None] | None:
     """Check data and checkpoints on the driver; return what to load: (root, step), (export_dir, None) or None."""
     ensure_dataset(cfg.data.path, cfg.data.synthetic, cfg.model.seq_len, cfg.model.vocab_size)
-    scan_units(cfg.data.path)
+    scan_units(cfg.data.path, cfg.data.columns or None)
     ckpt = cfg.checkpoint
     if not ckpt.enable_save:
         logger.warning("[%s] checkpoints are off (checkpoint.enable_save: false): nothing will be saved", cfg.name)

@@ -25,8 +25,8 @@ from .config import Config
 from .data import SampleStream
 from .faults import FaultInjector
 from .metrics import MetricsWriter
-from .model import build_model, lm_loss
 from .optim import MainParamsOptimizer
+from .plugins import make_model
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ def train_func(args: dict) -> None:
     checkpointer = Checkpointer(cfg, coordinator, rank, world, attempt, faults)
 
     seed_everything(train.seed)  # identical initial weights on every rank
-    model = DistributedDataParallel(build_model(cfg.model))
+    plugins = args["plugins"]
+    model = DistributedDataParallel(make_model(plugins, cfg))
     optimizer = MainParamsOptimizer(model, lr=train.lr, weight_decay=train.weight_decay)
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
 
@@ -53,7 +54,8 @@ def train_func(args: dict) -> None:
     else:
         source, full = args.get("load"), not cfg.checkpoint.no_load_optim
     resume = checkpointer.restore(model, optimizer, source, full=full)
-    stream = SampleStream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world, resume.consumed_samples)
+    stream = SampleStream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
+                          resume.consumed_samples, columns=cfg.data.columns or None)
     progress = Progress(cfg, rank, attempt, args["job_id"], coordinator)
     progress.resumed(resume, world, attempt)
 
@@ -63,7 +65,7 @@ def train_func(args: dict) -> None:
         batch = next(batches)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(train, step)
-        loss = train_step(model, optimizer, batch["input_ids"], train.micro_batch_size, accumulation, world)
+        loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world)
         faults.maybe_kill("after_optimizer_step", step)
         consumed = stream.position
         saved = checkpointer.maybe_save(step, model, optimizer, {
@@ -75,6 +77,12 @@ def train_func(args: dict) -> None:
             **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
         })
         progress.step(step, loss, batch["sample_id"], saved)
+    # The last (async) save must be written and reported before this worker returns; raises its error.
+    final_wait = checkpointer.finish()
+    if checkpointer.stalls:
+        progress._record({"event": "save_wait", "step": train.train_steps, "save_stall_s": final_wait}, flush=True)
+    if rank == 0:
+        ray.get(coordinator.finish.remote(progress.last))
 
 
 def learning_rate(train, step: int) -> float:
@@ -84,16 +92,17 @@ def learning_rate(train, step: int) -> float:
     return train.lr
 
 
-def train_step(model, optimizer, input_ids, micro_batch: int, accumulation: int, world: int) -> float:
+def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumulation: int, world: int) -> float:
     """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
-    ids = torch.tensor(input_ids, dtype=torch.long)  # a copy: Ray Data hands out read-only arrays
+    columns = {k: v for k, v in batch.items() if k != "sample_id"}
     optimizer.zero_grad()
     total = torch.zeros(())
     for i in range(accumulation):
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
         sync = model.no_sync() if i < accumulation - 1 else nullcontext()
         with sync:
-            loss = lm_loss(model, ids[i * micro_batch : (i + 1) * micro_batch]) / accumulation
+            micro = plugins.collate({k: v[i * micro_batch : (i + 1) * micro_batch] for k, v in columns.items()})
+            loss = plugins.loss(model, micro) / accumulation
             optimizer.backward(loss)
         total += loss.detach().float()
     optimizer.step()
@@ -123,6 +132,7 @@ class Progress:
         self.window_start = time.monotonic()
         self.window_steps = 0
         self.metrics = None
+        self.last: dict = {}
         if cfg.checkpoint.enable_save:
             self.metrics = MetricsWriter(cfg.checkpoint.save_path, cfg.checkpoint.storage, job=job_id, attempt=attempt, rank=rank)
 
@@ -137,7 +147,8 @@ class Progress:
             print(f"[{self.cfg.name}] {text}", flush=True)
 
     def resumed(self, resume, world: int, attempt: int) -> None:
-        self._record({"event": "start", "step": resume.global_step, "source": resume.source, "world_size": world}, flush=True)
+        self._record({"event": "start", "step": resume.global_step, "source": resume.source, "world_size": world,
+                      "consumed_samples": resume.consumed_samples, "bytes_read": resume.bytes_read}, flush=True)
         if resume.source is None:
             if not self.cfg.checkpoint.enable_save:
                 self._say("checkpoints are off (checkpoint.enable_save: false): nothing will be saved")
@@ -145,13 +156,15 @@ class Progress:
             return
         self._say(
             f"resumed from {resume.source} (attempt {attempt}, world size {world}): global_step {resume.global_step}, "
-            f"consumed samples {resume.consumed_samples}; continuing at step {resume.global_step + 1}"
+            f"consumed samples {resume.consumed_samples}; continuing at step {resume.global_step + 1} "
+            f"(rank 0 read {resume.bytes_read} bytes from storage, load_balanced={self.cfg.checkpoint.load_balanced})"
         )
         if resume.global_step >= self.total:
             self._say(f"training already reached train_steps={self.total}: nothing left to do")
 
     def step(self, step: int, loss: float, sample_ids, saved: bool) -> None:
         record = {"step": step, "loss": loss, "saved": saved}
+        self.last = dict(record)
         if self.cfg.training.log_sample_ids:
             record["sample_ids"] = sample_ids.tolist()
         log_now = step % self.cfg.training.log_every == 0 or step == self.total

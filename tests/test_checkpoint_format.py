@@ -11,7 +11,7 @@ import torch
 
 from ray_resume.checkpoint import layout, state
 from ray_resume.checkpoint.plan import TensorSpec, split_replicated
-from ray_resume.checkpoint.reader import find_committed, load_rank_extras, load_state, open_iteration, read_verified
+from ray_resume.checkpoint.reader import check_no_extra_shards, find_committed, load_rank_extras, load_state, open_iteration, read_verified
 from ray_resume.checkpoint.schema import CheckpointError, build_metadata, dumps
 from ray_resume.checkpoint.storage import LocalStorage, storage_for
 from ray_resume.checkpoint.writer import save_shards
@@ -116,6 +116,7 @@ def tree(root: Path) -> dict[str, bytes]:
 def load_everything(root: Path):
     storage = LocalStorage()
     it = open_iteration(storage, str(root), find_committed(storage, str(root)))
+    check_no_extra_shards(storage, it)
     for kind in ("model", "opt"):
         load_state(storage, it, kind)
 
@@ -150,6 +151,7 @@ def _status(d: Path):
         (_flip_byte, "ckpt-model-0000001-0000002.safetensors: sha256 does not match metadata.json"),
         (_truncate, "ckpt-opt-0000000-0000002.safetensors: size is"),
         (lambda d: (d / "ckpt-opt-0000001-0000002.safetensors").unlink(), "shard listed in metadata.json is missing"),
+        (lambda d: (d / "ckpt-opt-0000002-0000003.safetensors").write_bytes(b"x"), "ckpt-opt-0000002-0000003.safetensors: shard file not listed in metadata.json"),
         (_escape, "file name '../../etc/passwd' points outside the iteration directory"),
         (_status, "ckpt_status is 'saving', not 'ok'"),
         (lambda d: (d / "common.json").write_text("{not json"), "common.json: not valid JSON"),

@@ -8,16 +8,19 @@ from the driver, so all ranks of a group agree on it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
 import torch
 
 from . import layout, state
-from .reader import load_rank_extras, load_state, open_iteration, read_export
+from .fetch import ShardFetcher
+from .reader import check_no_extra_shards, load_rank_extras, load_state, open_iteration, read_export
 from .schema import CheckpointError
+from .async_save import BackgroundSave
 from .storage import storage_for
-from .writer import save_shards
+from .writer import SnapshotBuffers, live_data, shard_layouts, write_shards
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ class ResumePoint:
     global_step: int = 0
     consumed_samples: int = 0
     source: str | None = None  # the iteration dir loaded, None for a fresh start
+    bytes_read: int = 0  # bytes this rank read from storage to load it
 
 
 class Checkpointer:
@@ -40,6 +44,10 @@ class Checkpointer:
         self.world_size = world_size
         self.attempt = attempt
         self.faults = faults
+        self.snapshots = SnapshotBuffers()  # async: reused host copies of this rank's share
+        self.background = BackgroundSave(f"ckpt-writer-{rank}")
+        self.last_stall_s: float | None = None  # seconds the last save blocked the training loop
+        self.stalls: list[tuple[int, float]] = []  # (step, stall seconds) of every save, in order
 
     def restore(self, model, optimizer, source: tuple[str, int | None] | None, *, full: bool) -> ResumePoint:
         """Load `source = (root, step)`, or `(export_dir, None)` for consolidated safetensors weights.
@@ -57,47 +65,106 @@ class Checkpointer:
             optimizer.reload_main_params_from_model()
             return ResumePoint(source=root)
         it = open_iteration(storage, root, step)
-        load_weights(model, load_state(storage, it, layout.MODEL_KIND), layout.join(it.path, layout.METADATA))
+        check_no_extra_shards(storage, it)
+        fetch = ShardFetcher(storage, it, self.rank, self.world_size, self.ckpt.load_balanced)
+        load_weights(model, load_state(storage, it, layout.MODEL_KIND, fetch), layout.join(it.path, layout.METADATA))
         if not full:
             optimizer.reload_main_params_from_model()
-            return ResumePoint(source=it.path)
+            return ResumePoint(source=it.path, bytes_read=fetch.bytes_read)
         if optimizer is None:
             raise CheckpointError(f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only")
-        point = ResumePoint(it.common["global_step"], it.common["consumed_samples"], it.path)
-        if not it.common["has_optimizer"]:
+        point = self._progress(it)
+        if it.common["has_optimizer"]:
+            optimizer.load_state_tensors(load_state(storage, it, layout.OPTIM_KIND, fetch))
+            if optimizer.scaler:
+                optimizer.scaler.load(it.common)
+            if it.common["world_size"] == self.world_size:
+                state.restore_rng(load_rank_extras(storage, it, self.rank, fetch))
+            else:
+                logger.warning("world size changed (%d -> %d): RNG streams are reseeded, not restored", it.common["world_size"], self.world_size)
+        else:
             # Only reachable on a restart inside a job saved with no_save_optim: keep
             # the progress, but the optimizer starts over (nothing else to resume).
             logger.warning("%s has no optimizer state (no_save_optim): resuming weights and progress, fresh optimizer", it.path)
             optimizer.reload_main_params_from_model()
-            return point
-        optimizer.load_state_tensors(load_state(storage, it, layout.OPTIM_KIND))
-        if optimizer.scaler:
-            optimizer.scaler.load(it.common)
-        if it.common["world_size"] == self.world_size:
-            state.restore_rng(load_rank_extras(storage, it, self.rank))
-        else:
-            logger.warning("world size changed (%d -> %d): RNG streams are reseeded, not restored", it.common["world_size"], self.world_size)
+        point.bytes_read = fetch.bytes_read
         return point
+
+    def _progress(self, it) -> ResumePoint:
+        """Step and data cursor to continue from, rescaled when global_batch_size changed (spec 1.4).
+
+        resume_step = saved_step x saved_gbs / current_gbs keeps the consumed
+        samples equal. When that is not a whole number the step is rounded
+        down but the data cursor stays at the exact consumed-sample count, so
+        no sample is skipped or repeated.
+        """
+        c = it.common
+        saved_gbs, gbs, consumed = c["global_batch_size"], self.cfg.training.global_batch_size, c["consumed_samples"]
+        if saved_gbs == gbs:
+            return ResumePoint(c["global_step"], consumed, it.path)
+        step, leftover = divmod(consumed, gbs)
+        logger.warning(
+            "global_batch_size changed %d -> %d: resume step = %d x %d / %d = %s%s; data continues at sample %d",
+            saved_gbs, gbs, c["global_step"], saved_gbs, gbs, f"{consumed / gbs:g}",
+            f", rounded down to {step}" if leftover else "", consumed,
+        )
+        return ResumePoint(step, consumed, it.path)
 
     def should_save(self, step: int) -> bool:
         c = self.ckpt
         return c.enable_save and (step % c.save_interleaved_steps == 0 or step == self.cfg.training.train_steps)
 
     def maybe_save(self, step: int, model, optimizer, common: dict) -> bool:
-        """Write this rank's shards of `step` and report them to the driver. True if it saved."""
+        """Save this rank's shards of `step` and report them to the driver. True if it saved.
+
+        With `checkpoint.async_save` (default) the share is copied into the
+        reused snapshot buffers and a background thread writes and reports
+        it; otherwise both happen here. Either way the time the loop was
+        blocked here (a previous save still being written included) is
+        logged and left in `last_stall_s`. An error of a background save is
+        raised here (or by `finish()`), never dropped.
+        """
+        self.background.poll()
         if not self.should_save(step):
             return False
-        manifest = save_shards(
+        start = time.perf_counter()
+        waited = self.background.wait()  # a new save waits for the previous one (its buffers are reused)
+        states = {layout.MODEL_KIND: state.model_tensors(model),
+                  layout.OPTIM_KIND: None if self.ckpt.no_save_optim else optimizer.state_tensors()}
+        shards = shard_layouts(states, self.rank, self.world_size)
+        rng = state.capture_rng()  # on the training thread: the state at this step
+        common = dict(common)
+        if self.ckpt.async_save:
+            shards = [(s, self.snapshots.take(s, states[s.kind])) for s in shards]
+            self.background.submit(step, lambda: self._write_and_report(step, shards, rng, common))
+        else:
+            self._write_and_report(step, [(s, live_data(s, states[s.kind])) for s in shards], rng, common)
+        stall = time.perf_counter() - start
+        self.last_stall_s = stall
+        self.stalls.append((step, stall))
+        logger.info("rank %d: save of iteration %d blocked training %.3f s (%s; %.3f s of it waiting for the previous save)",
+                    self.rank, step, stall, "async" if self.ckpt.async_save else "sync", waited)
+        return True
+
+    def finish(self) -> float:
+        """Wait for the save in flight (so its commit happens before the worker returns); seconds blocked.
+
+        Raises the error of a failed background save.
+        """
+        waited = self.background.close()
+        if waited:
+            logger.info("rank %d: waited %.3f s for the last save to finish", self.rank, waited)
+        return waited
+
+    def _write_and_report(self, step: int, shards, rng: dict[str, str], common: dict) -> None:
+        manifest = write_shards(
             storage_for(self.ckpt.save_path, self.ckpt.storage), self.ckpt.save_path, step,
             prefix=self.ckpt.prefix, rank=self.rank, world_size=self.world_size,
-            model_state=state.model_tensors(model),
-            optim_state=None if self.ckpt.no_save_optim else optimizer.state_tensors(),
-            rank_extras=state.capture_rng(),
+            shards=shards, rank_extras=rng,
             on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step),
         )
         self.faults.maybe_kill("before_report", step)
         ray.get(self.coordinator.report.remote(self.attempt, step, manifest, common))
-        return True
 
 
 def load_weights(model, weights: dict[str, torch.Tensor], where: str) -> None:
@@ -115,4 +182,5 @@ def load_weights(model, weights: dict[str, torch.Tensor], where: str) -> None:
     extra = sorted(set(weights) - set(current))
     if extra:
         raise CheckpointError(f"{where}: tensor {extra[0]!r} is not a tensor of the model")
-    state.unwrap(model).load_state_dict(weights)
+    tied = {alias: weights[name] for alias, name in state.tied_aliases(model).items()}
+    state.unwrap(model).load_state_dict({**weights, **tied})

@@ -43,6 +43,7 @@ class CheckpointCoordinator:
         self.pending: dict[int, dict[int, dict]] = {}
         self.committed_by_job: list[int] = []
         self.fault_claimed = False
+        self.final_metrics: dict = {}
 
     def start_attempt(self) -> dict:
         """Called once per worker-group start by rank 0: a new attempt id, and what to resume."""
@@ -57,6 +58,13 @@ class CheckpointCoordinator:
             return False
         self.fault_claimed = True
         return True
+
+    def finish(self, metrics: dict) -> None:
+        """Rank 0's last step metrics, for the driver's result."""
+        self.final_metrics = metrics
+
+    def result(self) -> dict:
+        return {"committed": self.last_committed(), "metrics": self.final_metrics}
 
     def last_committed(self) -> int | None:
         return self.committed_by_job[-1] if self.committed_by_job else None

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import safetensors.torch
@@ -116,13 +117,21 @@ def _parse_shard(data: bytes, where: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{where}: not a valid safetensors file ({exc})") from None
 
 
-def load_state(storage: LocalStorage, it: Iteration, kind: str) -> dict[str, torch.Tensor]:
-    """Assemble every full tensor of `kind` from the pieces in metadata.json."""
+Fetch = Callable[[list[str]], dict[str, bytes]]  # file names -> verified bytes
+
+
+def load_state(storage: LocalStorage, it: Iteration, kind: str, fetch: Fetch | None = None) -> dict[str, torch.Tensor]:
+    """Assemble every full tensor of `kind` from the pieces in metadata.json.
+
+    `fetch` supplies verified file bytes (default: read them here); the
+    load_balanced fetcher gets them from other ranks instead.
+    """
+    fetch = fetch or (lambda names: read_verified(storage, it, names))
     tensors = it.metadata["tensors"].get(kind)
     if tensors is None:
         raise CheckpointError(f"{layout.join(it.path, layout.METADATA)}: holds no {kind!r} tensors")
     files = sorted({p["file"] for t in tensors.values() for p in t["pieces"]})
-    parsed = {name: _parse_shard(data, layout.join(it.path, name)) for name, data in read_verified(storage, it, files).items()}
+    parsed = {name: _parse_shard(data, layout.join(it.path, name)) for name, data in fetch(files).items()}
     out = {}
     for name, spec in tensors.items():
         dtype, shape = DTYPES[spec["dtype"]], spec["shape"]
@@ -144,10 +153,10 @@ def load_state(storage: LocalStorage, it: Iteration, kind: str) -> dict[str, tor
     return out
 
 
-def load_rank_extras(storage: LocalStorage, it: Iteration, rank: int) -> dict[str, str]:
+def load_rank_extras(storage: LocalStorage, it: Iteration, rank: int, fetch: Fetch | None = None) -> dict[str, str]:
     """This rank's RNG strings from its opt shard (same world size only)."""
     name = layout.shard_filename(it.metadata.get("prefix", "ckpt"), layout.OPTIM_KIND, rank, it.metadata["world_size"])
-    data = read_verified(storage, it, [name])[name]
+    data = (fetch or (lambda names: read_verified(storage, it, names)))([name])[name]
     header = shard_header(data, layout.join(it.path, name))
     extras = (header.get("__metadata__") or {}).get(RANK_EXTRAS_KEY)
     if not isinstance(extras, str):

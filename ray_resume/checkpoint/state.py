@@ -21,7 +21,26 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.detach() for name, t in unwrap(model).state_dict().items()}
+    """The model's state by name, each tied (shared) tensor once, under its first name.
+
+    safetensors refuses tensors that share storage, and a tied weight written
+    under two names would store its bytes twice; `tied_aliases` restores it.
+    """
+    aliases = tied_aliases(model)
+    return {name: t.detach() for name, t in unwrap(model).state_dict().items() if name not in aliases}
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: first name} for state_dict entries that are the same tensor as an earlier one."""
+    first: dict[tuple, str] = {}
+    aliases = {}
+    for name, t in unwrap(model).state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
 
 
 def optim_tensors(named_params, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -4,30 +4,210 @@ Each rank computes the same save plan from the same tensor list and writes
 only its own share, so no byte is written twice (replicated DDP state) and
 every rank does 1/W of the work. The returned manifest is what the driver
 needs to commit: file sizes and checksums, and which pieces went where.
+
+A shard file is a safetensors file that we stream ourselves: the header is
+built here (byte for byte what `safetensors.torch.save` writes, which
+`tests/test_async_save.py` checks) and the data section is written straight
+from memory, with no serialized copy of it. The data comes from one of two
+places, and the bytes on disk are the same either way:
+
+- sync save: views of the live tensors (the training loop is blocked, so
+  they cannot change while they are written: zero copies);
+- async save: a snapshot in `SnapshotBuffers`, one flat buffer per kind laid
+  out exactly as the file's data section, allocated once and reused.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import struct
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-import safetensors.torch
 import torch
 
 from . import layout
-from .plan import TensorSpec, split_replicated
-from .schema import DTYPE_TAGS
+from .plan import Piece, TensorSpec, split_replicated
+from .schema import DTYPE_TAGS, DTYPES
 from .storage import LocalStorage
 
 logger = logging.getLogger(__name__)
 
 RANK_EXTRAS_KEY = "rank_extras"
 
+# safetensors orders a file's tensors by dtype, largest first (the order of its
+# Rust `Dtype` enum, descending), then by name; data offsets follow that order.
+_SAFETENSORS_DTYPE_RANK = {"BOOL": 0, "U8": 1, "I8": 2, "I16": 3, "F16": 4, "BF16": 5, "I32": 6, "F32": 7, "F64": 8, "I64": 9}
+
 
 def tensor_specs(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
     """Specs in the state's own (deterministic) key order."""
     return [TensorSpec(name, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size()) for name, t in state.items()]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor piece in a shard file: bytes [offset, offset + nbytes) of its data section."""
+
+    piece: Piece
+    dtype: str
+    itemsize: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.piece.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """This rank's shard file of one kind: which pieces, in which file order, how many data bytes."""
+
+    kind: str
+    specs: tuple[TensorSpec, ...]  # every tensor of the kind (rank 0 reports them)
+    pieces: tuple[Piece, ...]  # this rank's share, in plan order (the manifest's order)
+    entries: tuple[Entry, ...]  # the same pieces in safetensors file order, with offsets
+    nbytes: int  # size of the data section
+
+    @property
+    def key(self) -> tuple:
+        """What a reusable snapshot buffer must match: names, dtypes and element ranges."""
+        return tuple((e.piece.name, e.dtype, e.piece.start, e.piece.numel) for e in self.entries)
+
+
+def shard_layouts(states: dict[str, dict[str, torch.Tensor] | None], rank: int, world_size: int) -> list[ShardLayout]:
+    """The layout of every shard file this rank writes, model first, for the kinds present."""
+    out = []
+    for kind, state in states.items():
+        if state is None:
+            continue
+        specs = tensor_specs(state)
+        by_name = {s.name: s for s in specs}
+        share = split_replicated(specs, world_size)[rank]
+        order = sorted(share, key=lambda p: (-_SAFETENSORS_DTYPE_RANK[by_name[p.name].dtype], p.name.encode()))
+        entries, offset = [], 0
+        for p in order:
+            spec = by_name[p.name]
+            entries.append(Entry(p, spec.dtype, spec.itemsize, offset))
+            offset += p.numel * spec.itemsize
+        out.append(ShardLayout(kind, tuple(specs), tuple(share), tuple(entries), offset))
+    return out
+
+
+def safetensors_header(shard: ShardLayout, metadata: dict[str, str] | None) -> bytes:
+    """The 8-byte length and the JSON header of a safetensors file, exactly as safetensors writes it."""
+    if metadata is not None and len(metadata) > 1:
+        # safetensors writes a metadata map in hash order: only one key is reproducible.
+        raise ValueError("a shard header holds at most one metadata key (byte-reproducible files)")
+    items = []
+    if metadata is not None:
+        items.append(_json("__metadata__") + ":{" + ",".join(f"{_json(k)}:{_json(v)}" for k, v in metadata.items()) + "}")
+    for e in shard.entries:
+        items.append(
+            f'{_json(e.piece.name)}:{{"dtype":"{e.dtype}","shape":[{e.piece.numel}],'
+            f'"data_offsets":[{e.offset},{e.offset + e.nbytes}]}}'
+        )
+    header = ("{" + ",".join(items) + "}").encode()
+    header += b" " * (-len(header) % 8)  # safetensors pads the header to 8 bytes with spaces
+    return struct.pack("<Q", len(header)) + header
+
+
+def _json(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor, without a copy when it is contiguous."""
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def live_data(shard: ShardLayout, state: dict[str, torch.Tensor]) -> list[memoryview]:
+    """The data section as views of the live tensors, in file order (sync save: no copy)."""
+    return [_bytes_of(state[e.piece.name].detach().reshape(-1)[e.piece.start : e.piece.start + e.piece.numel]) for e in shard.entries]
+
+
+class SnapshotBuffers:
+    """One flat byte buffer per shard kind, allocated once and reused by every async save.
+
+    A buffer is keyed by its layout (tensor names, dtypes, element ranges);
+    the same model and optimizer give the same layout every save, so after
+    the first save nothing is allocated. A changed layout (say, optimizer
+    state that appears later) gets a new buffer for that kind, logged.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self.allocations = 0  # buffers allocated so far (tests, logs)
+
+    def buffer(self, shard: ShardLayout) -> torch.Tensor:
+        held = self._buffers.get(shard.kind)
+        if held is not None and held[0] == shard.key:
+            return held[1]
+        if held is not None:
+            logger.info("snapshot buffer for %s shards: layout changed, reallocating %d bytes", shard.kind, shard.nbytes)
+        self._buffers.pop(shard.kind, None)  # free the old one before allocating the new one
+        buf = torch.empty(shard.nbytes, dtype=torch.uint8)
+        self._buffers[shard.kind] = (shard.key, buf)
+        self.allocations += 1
+        return buf
+
+    def take(self, shard: ShardLayout, state: dict[str, torch.Tensor]) -> list[memoryview]:
+        """Copy this rank's share of `state` into the kind's buffer; return the data section's views."""
+        buf = self.buffer(shard)
+        with torch.no_grad():
+            for e in shard.entries:
+                src = state[e.piece.name].detach().reshape(-1)[e.piece.start : e.piece.start + e.piece.numel]
+                buf[e.offset : e.offset + e.nbytes].view(DTYPES[e.dtype]).copy_(src)
+        whole = memoryview(buf.numpy()) if shard.nbytes else memoryview(b"")
+        return [whole]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buf.numel() for _, buf in self._buffers.values())
+
+
+def write_shards(
+    storage: LocalStorage,
+    root: str,
+    step: int,
+    *,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    shards: list[tuple[ShardLayout, list[memoryview]]],
+    rank_extras: dict[str, str],
+    on_mid_write: Callable[[], None] = lambda: None,
+) -> dict:
+    """Write this rank's shard files of iteration `step` from their data sections; return its manifest.
+
+    `rank_extras` (RNG states, as strings) go into the opt shard's safetensors
+    header: they belong to this rank and to the optimizer-resume path only.
+    Runs on the training thread (sync save) or the writer thread (async).
+    """
+    iter_dir = layout.iteration_dir(root, step)
+    storage.makedirs(iter_dir)
+    if rank == 0:
+        # A crash may have left this (uncommitted) iteration half written by an
+        # earlier attempt. Its JSON must not describe the shards we write now.
+        for name in (layout.METADATA, layout.COMMON):
+            storage.remove(layout.join(iter_dir, name))
+    manifest: dict = {"rank": rank, "world_size": world_size, "files": {}, "pieces": {}, "specs": {}}
+    for shard, data in shards:
+        # One header key: safetensors writes header maps in hash order, and a
+        # single entry keeps the file bytes reproducible (exact-resume tests
+        # compare bytes).
+        header = {RANK_EXTRAS_KEY: json.dumps(rank_extras, sort_keys=True)} if shard.kind == layout.OPTIM_KIND else None
+        name = layout.shard_filename(prefix, shard.kind, rank, world_size)
+        chunks = [memoryview(safetensors_header(shard, header)), *data]
+        size, sha256 = storage.write_durable(layout.join(iter_dir, name), _halves(chunks, on_mid_write))
+        manifest["files"][name] = {"size": size, "sha256": sha256, "kind": shard.kind, "rank": rank}
+        manifest["pieces"][shard.kind] = [[p.name, p.start, p.numel, name] for p in shard.pieces]
+        if rank == 0:
+            manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape)] for s in shard.specs]
+    logger.debug("rank %d wrote %s", rank, json.dumps(manifest["files"]))
+    return manifest
 
 
 def save_shards(
@@ -43,44 +223,24 @@ def save_shards(
     rank_extras: dict[str, str],
     on_mid_write: Callable[[], None] = lambda: None,
 ) -> dict:
-    """Write this rank's shard files of iteration `step`; return its manifest.
-
-    `rank_extras` (RNG states, as strings) go into the opt shard's safetensors
-    header: they belong to this rank and to the optimizer-resume path only.
-    """
-    iter_dir = layout.iteration_dir(root, step)
-    storage.makedirs(iter_dir)
-    if rank == 0:
-        # A crash may have left this (uncommitted) iteration half written by an
-        # earlier attempt. Its JSON must not describe the shards we write now.
-        for name in (layout.METADATA, layout.COMMON):
-            storage.remove(layout.join(iter_dir, name))
-    manifest: dict = {"rank": rank, "world_size": world_size, "files": {}, "pieces": {}, "specs": {}}
-    kinds = [(layout.MODEL_KIND, model_state, None)]
-    if optim_state is not None:
-        # One header key: safetensors writes header maps in hash order, and a
-        # single entry keeps the file bytes reproducible (exact-resume tests
-        # compare bytes).
-        kinds.append((layout.OPTIM_KIND, optim_state, {RANK_EXTRAS_KEY: json.dumps(rank_extras, sort_keys=True)}))
-    for kind, state, header in kinds:
-        specs = tensor_specs(state)
-        share = split_replicated(specs, world_size)[rank]
-        # clone(): a snapshot that owns its memory (safetensors refuses shared storage).
-        tensors = {p.name: state[p.name].detach().reshape(-1)[p.start : p.start + p.numel].clone() for p in share}
-        data = safetensors.torch.save(tensors, metadata=header)
-        name = layout.shard_filename(prefix, kind, rank, world_size)
-        size, sha256 = storage.write_durable(layout.join(iter_dir, name), _halves(data, on_mid_write))
-        manifest["files"][name] = {"size": size, "sha256": sha256, "kind": kind, "rank": rank}
-        manifest["pieces"][kind] = [[p.name, p.start, p.numel, name] for p in share]
-        if rank == 0:
-            manifest["specs"][kind] = [[s.name, s.dtype, list(s.shape)] for s in specs]
-    logger.debug("rank %d wrote %s", rank, json.dumps(manifest["files"]))
-    return manifest
+    """Synchronous save: write this rank's shards straight from the live tensors; return its manifest."""
+    states = {layout.MODEL_KIND: model_state, layout.OPTIM_KIND: optim_state}
+    shards = [(s, live_data(s, states[s.kind])) for s in shard_layouts(states, rank, world_size)]
+    return write_shards(storage, root, step, prefix=prefix, rank=rank, world_size=world_size,
+                        shards=shards, rank_extras=rank_extras, on_mid_write=on_mid_write)
 
 
-def _halves(data: bytes, between: Callable[[], None]) -> Iterator[bytes]:
-    """The file's bytes in two writes, with a hook between them (fault injection)."""
-    half = len(data) // 2
-    yield data[:half]
-    between()
-    yield data[half:]
+def _halves(chunks: list[memoryview], between: Callable[[], None]) -> Iterator[memoryview]:
+    """The file's bytes, with a hook called once half of them are written (fault injection)."""
+    half = sum(c.nbytes for c in chunks) // 2
+    written, fired = 0, False
+    for chunk in chunks:
+        if not fired and written + chunk.nbytes >= half:
+            cut = half - written
+            if cut:
+                yield chunk[:cut]
+            between()
+            fired, chunk, written = True, chunk[cut:], half
+        if chunk.nbytes:
+            yield chunk
+        written += chunk.nbytes

@@ -1,0 +1,94 @@
+"""Your model, loss and batch by import path, or as Python callables.
+
+`model.builder: "pkg.module:fn"` is called with the `model` section as a dict
+and returns an `nn.Module`; `training.loss: "pkg.module:fn"` is called as
+`fn(model, batch)` and returns a scalar tensor; `data.collate` turns a dict of
+numpy arrays (the configured `data.columns`, one micro-batch) into that
+batch. Everything is resolved and its signature checked on the driver, before
+any worker starts, so a typo fails in a second with the key that holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import Config, ConfigError
+from .model import DTYPES, build_model, lm_loss
+
+
+@dataclass
+class Plugins:
+    build_model: Callable
+    loss: Callable
+    collate: Callable
+
+
+def default_collate(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Numpy columns to tensors (a copy: Ray Data hands out read-only arrays)."""
+    return {name: torch.tensor(a) for name, a in arrays.items()}
+
+
+def next_token_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return lm_loss(model, batch["input_ids"])
+
+
+def build_builtin(model_section: dict):
+    return build_model(_Section(**model_section))
+
+
+class _Section:
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+def load_callable(key: str, path: str) -> Callable:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or any error the module raises while importing
+        raise ConfigError(f"{key}: cannot import module {module_name!r} of {path!r}: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r} (from {path!r})")
+    if not callable(fn):
+        raise ConfigError(f"{key}: {path!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def check_signature(key: str, fn: Callable, params: tuple[str, ...]) -> None:
+    """`fn` must be callable with exactly these positional arguments."""
+    try:
+        inspect.signature(fn).bind(*params)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ConfigError(f"{key}: {name} must accept ({', '.join(params)}): {exc}") from None
+    except ValueError:
+        pass  # builtins without a signature: trust them
+
+
+def resolve(cfg: Config, *, build_model=None, loss=None, collate=None) -> Plugins:
+    """The callables of this job: explicit arguments win, then import paths, then the built-ins."""
+    chosen = {}
+    for key, given, path, builtin, params in (
+        ("model.builder", build_model, cfg.model.builder, build_builtin, ("model_section",)),
+        ("training.loss", loss, cfg.training.loss, next_token_loss, ("model", "batch")),
+        ("data.collate", collate, cfg.data.collate, default_collate, ("arrays",)),
+    ):
+        fn = given or (load_callable(key, path) if path else builtin)
+        check_signature(key, fn, params)
+        chosen[key] = fn
+    return Plugins(chosen["model.builder"], chosen["training.loss"], chosen["data.collate"])
+
+
+def make_model(plugins: Plugins, cfg: Config) -> torch.nn.Module:
+    model = plugins.build_model(dataclasses.asdict(cfg.model))
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model.builder returned {type(model).__name__}, not a torch.nn.Module")
+    return model.to(DTYPES[cfg.model.dtype])

@@ -1,0 +1,31 @@
+"""User code for the plug-in tests (imported by path, as a user's package would be)."""
+
+import torch
+from torch import nn
+
+NOT_A_FUNCTION = 42
+
+
+class TiedLM(nn.Module):
+    """Input embedding and output head share one weight (the usual weight tying)."""
+
+    def __init__(self, vocab: int = 16, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def build_tied(model_section):
+    return TiedLM(**model_section["args"])
+
+
+def loss_one_arg(batch):
+    return torch.zeros(())
+
+
+def build_not_a_module(model_section):
+    return "a string"

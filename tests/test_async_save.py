@@ -1,0 +1,219 @@
+"""Async checkpoint save: same bytes as a sync save, reused buffers, errors that surface, crash safety.
+
+The unit tests drive the real `Checkpointer.maybe_save` without Ray: a fake
+coordinator records the manifests it is sent. The end-to-end tests run real
+jobs on the shared 2-worker Ray and compare shard bytes with the reference
+run (which saves asynchronously: `async_save` is on by default).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import safetensors.torch
+import torch
+
+from conftest import FINAL, read_metrics, run_job, shard_bytes, tiny_config
+from ray_resume.checkpoint import checkpointer as checkpointer_module
+from ray_resume.checkpoint import layout, state
+from ray_resume.checkpoint.async_save import AsyncSaveError
+from ray_resume.checkpoint.checkpointer import Checkpointer
+from ray_resume.checkpoint.reader import load_rank_extras, load_state, open_iteration
+from ray_resume.checkpoint.schema import build_metadata, dumps
+from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.writer import RANK_EXTRAS_KEY, live_data, safetensors_header, shard_layouts
+from ray_resume.config import Config
+from ray_resume.faults import FaultInjector
+from ray_resume.model import GPT
+from ray_resume.optim import MainParamsOptimizer
+
+
+def make_state(dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2).to(dtype)
+    opt = MainParamsOptimizer(model, lr=1e-2, weight_decay=0.0)
+    opt.backward(model(torch.randint(0, 32, (2, 8))).float().sum())
+    opt.step()
+    return model, opt
+
+
+class FakeCoordinator:
+    """Stands in for the driver's actor: `.report.remote(...)` records and returns a plain value."""
+
+    def __init__(self):
+        self.reports: list[tuple] = []
+        self.threads: set[str] = set()
+        self.report = SimpleNamespace(remote=self._report)
+
+    def _report(self, attempt, step, manifest, common):
+        self.reports.append((attempt, step, manifest, common))
+        self.threads.add(threading.current_thread().name)
+        return True
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    monkeypatch.setattr(checkpointer_module.ray, "get", lambda value: value)
+
+
+def checkpointer_for(root: Path, rank: int, world: int, *, async_save: bool, coordinator=None, **checkpoint):
+    cfg = Config.from_dict(tiny_config(root.parent, checkpoint={"save_path": str(root), "async_save": async_save,
+                                                               "save_interleaved_steps": 1, **checkpoint}))
+    return Checkpointer(cfg, coordinator or FakeCoordinator(), rank, world, attempt=0, faults=FaultInjector(None, rank, lambda: True))
+
+
+def files_of(root: Path, step: int) -> dict[str, bytes]:
+    return shard_bytes(root, step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_streamed_shards_are_exactly_what_safetensors_writes(dtype):
+    """Our header + raw data section is byte for byte `safetensors.torch.save` of the same pieces."""
+    model, opt = make_state(dtype)
+    states = {"model": state.model_tensors(model), "opt": opt.state_tensors()}
+    for world in (1, 2, 3):
+        for rank in range(world):
+            for shard in shard_layouts(states, rank, world):
+                extras = {RANK_EXTRAS_KEY: '{"rng": "x\\"y"}'} if shard.kind == "opt" else None
+                ours = b"".join(bytes(c) for c in [safetensors_header(shard, extras), *live_data(shard, states[shard.kind])])
+                pieces = {p.name: states[shard.kind][p.name].reshape(-1)[p.start : p.start + p.numel].clone() for p in shard.pieces}
+                assert ours == safetensors.torch.save(pieces, metadata=extras), (shard.kind, rank, world)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_async_and_sync_saves_write_identical_files(tmp_path, no_ray, dtype):
+    model, opt = make_state(dtype)
+    common = {"global_step": 3}
+    roots = {mode: tmp_path / mode / "ckpt" for mode in ("sync", "async")}
+    coordinators = {}
+    for mode, root in roots.items():
+        for rank in range(2):
+            coordinators[mode, rank] = FakeCoordinator()
+            ck = checkpointer_for(root, rank, 2, async_save=mode == "async", coordinator=coordinators[mode, rank])
+            torch.manual_seed(1234)  # same RNG state captured into the opt shard's header
+            assert ck.maybe_save(3, model, opt, common)
+            assert ck.last_stall_s is not None and ck.stalls[0][0] == 3
+            ck.finish()
+    assert files_of(roots["sync"], 3) == files_of(roots["async"], 3)
+    assert len(files_of(roots["sync"], 3)) == 4
+    # The background thread reported, with the same manifest as the sync save.
+    for rank in range(2):
+        (sync_report,), (async_report,) = coordinators["sync", rank].reports, coordinators["async", rank].reports
+        assert sync_report == async_report
+        assert any(name.startswith(f"ckpt-writer-{rank}") for name in coordinators["async", rank].threads)
+        assert coordinators["sync", rank].threads == {threading.current_thread().name}
+    # And what was written loads back to the very state.
+    manifests = [coordinators["async", r].reports[0][2] for r in range(2)]
+    iter_dir = Path(layout.iteration_dir(str(roots["async"]), 3))
+    (iter_dir / layout.METADATA).write_bytes(dumps(build_metadata(3, "ckpt", manifests)))
+    (iter_dir / layout.COMMON).write_bytes(dumps({
+        "format_version": 1, "global_step": 3, "global_batch_size": 16, "step_num": 3, "epoch_num": 0, "loss_scale": 1.0,
+        "ckpt_status": "ok", "consumed_samples": 48, "world_size": 2, "has_optimizer": True, "job_id": "t"}))
+    it = open_iteration(LocalStorage(), str(roots["async"]), 3)
+    for name, tensor in load_state(LocalStorage(), it, "model").items():
+        assert torch.equal(tensor, state.model_tensors(model)[name])
+    for name, tensor in load_state(LocalStorage(), it, "opt").items():
+        assert torch.equal(tensor, opt.state_tensors()[name])
+    assert set(load_rank_extras(LocalStorage(), it, 1)) == {"rng_torch", "rng_numpy", "rng_python"}
+
+
+def test_snapshot_is_taken_at_the_save_step_and_buffers_are_reused(tmp_path, no_ray):
+    model, opt = make_state()
+    expected = checkpointer_for(tmp_path / "sync" / "ckpt", 0, 2, async_save=False)
+    torch.manual_seed(5)
+    expected.maybe_save(1, model, opt, {"global_step": 1})
+    ck = checkpointer_for(tmp_path / "async" / "ckpt", 0, 2, async_save=True)
+    torch.manual_seed(5)
+    ck.maybe_save(1, model, opt, {"global_step": 1})
+    # Training goes on at once, while the write may still be in flight: the snapshot must not see it.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    pointers = {k: buf.data_ptr() for k, (_, buf) in ck.snapshots._buffers.items()}
+    assert set(pointers) == {"model", "opt"} and ck.snapshots.allocations == 2
+    ck.maybe_save(2, model, opt, {"global_step": 2})  # waits for save 1, then snapshots into the same buffers
+    ck.finish()
+    assert files_of(tmp_path / "async" / "ckpt", 1) == files_of(tmp_path / "sync" / "ckpt", 1)
+    assert files_of(tmp_path / "async" / "ckpt", 2) != files_of(tmp_path / "async" / "ckpt", 1)
+    assert {k: buf.data_ptr() for k, (_, buf) in ck.snapshots._buffers.items()} == pointers
+    assert ck.snapshots.allocations == 2  # nothing grown or reallocated by the second save
+    assert [step for step, _ in ck.stalls] == [1, 2]
+
+
+def test_a_failed_background_write_surfaces_at_the_next_save(tmp_path, no_ray, monkeypatch):
+    model, opt = make_state()
+    ck = checkpointer_for(tmp_path / "ckpt", 0, 1, async_save=True)
+    real = checkpointer_module.write_shards
+    gate = threading.Event()
+
+    def broken(*args, **kwargs):
+        gate.wait(5)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointer_module, "write_shards", broken)
+    assert ck.maybe_save(1, model, opt, {"global_step": 1})  # returns at once: the write is in the thread
+    gate.set()
+    with pytest.raises(AsyncSaveError, match="iteration 1 failed.*No space left") as info:
+        ck.maybe_save(2, model, opt, {"global_step": 2})
+    assert isinstance(info.value.__cause__, OSError)
+    # Raised once: the loop may go on, and a later save works again.
+    monkeypatch.setattr(checkpointer_module, "write_shards", real)
+    assert ck.maybe_save(2, model, opt, {"global_step": 2})
+    ck.finish()
+    assert len(files_of(tmp_path / "ckpt", 2)) == 2
+
+
+def test_a_failed_last_write_surfaces_at_the_final_wait(tmp_path, no_ray, monkeypatch):
+    model, opt = make_state()
+    ck = checkpointer_for(tmp_path / "ckpt", 0, 1, async_save=True)
+    monkeypatch.setattr(checkpointer_module, "write_shards", lambda *a, **k: 1 / 0)
+    ck.maybe_save(1, model, opt, {"global_step": 1})
+    with pytest.raises(AsyncSaveError, match="iteration 1") as info:
+        ck.finish()
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert ck.finish() == 0.0  # nothing left in flight
+
+
+def test_a_failure_is_raised_even_at_a_step_that_does_not_save(tmp_path, no_ray, monkeypatch):
+    model, opt = make_state()
+    ck = checkpointer_for(tmp_path / "ckpt", 0, 1, async_save=True, save_interleaved_steps=4)
+    monkeypatch.setattr(checkpointer_module, "write_shards", lambda *a, **k: 1 / 0)
+    assert ck.maybe_save(4, model, opt, {"global_step": 4})
+    ck.background._pending[1].exception()  # let the thread fail
+    with pytest.raises(AsyncSaveError):
+        ck.maybe_save(5, model, opt, {"global_step": 5})
+
+
+# ---------------------------------------------------------------- end to end (real Ray, 2 workers)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_sync_run_writes_the_same_shards_as_the_async_reference(tmp_path, reference):
+    assert Config.from_dict(tiny_config(tmp_path)).checkpoint.async_save  # the reference run saved asynchronously
+    cfg = tiny_config(tmp_path, checkpoint={"async_save": False})
+    cfg["data"]["path"] = reference["data"]
+    run_job(cfg)
+    for step in (4, 8, FINAL):
+        assert shard_bytes(cfg["checkpoint"]["save_path"], step) == shard_bytes(reference["root"], step), step
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_kill_during_an_async_write_never_commits_it_and_resumes_exactly(tmp_path, reference):
+    cfg = tiny_config(tmp_path, fault={"phase": "mid_shard_write", "step": 8, "rank": 1})
+    cfg["data"]["path"] = reference["data"]
+    run_job(cfg)
+    root = cfg["checkpoint"]["save_path"]
+    records = read_metrics(root)
+    starts = [r for r in records if r.get("event") == "start" and r["rank"] == 0]
+    assert [r["step"] for r in starts] == [0, 4]  # iteration 8 was in flight on rank 1: never committed
+    assert starts[1]["source"].endswith("iteration_00000004")
+    for step in (4, 8, FINAL):
+        assert shard_bytes(root, step) == shard_bytes(reference["root"], step), step
+    # The final wait was recorded by every rank of the last attempt.
+    waits = [r for r in records if r.get("event") == "save_wait"]
+    assert {r["rank"] for r in waits if r["attempt"] == starts[1]["attempt"]} == {0, 1}

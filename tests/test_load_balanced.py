@@ -1,0 +1,58 @@
+"""load_balanced over a real gloo process group (2 processes, no Ray): same state, each byte read once."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ray_resume.checkpoint.fetch import ShardFetcher, deal_by_size
+from ray_resume.checkpoint.reader import load_rank_extras, load_state, open_iteration
+from ray_resume.checkpoint.storage import LocalStorage
+from test_checkpoint_format import make_state, write_iteration
+
+WORLD = 2
+
+
+def _load(rank: int, root: str, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    storage = LocalStorage()
+    it = open_iteration(storage, root, 5)
+    report = {}
+    for balanced in (False, True):
+        fetch = ShardFetcher(storage, it, rank, WORLD, balanced)
+        tensors = {f"{kind}/{n}": t for kind in ("model", "opt") for n, t in load_state(storage, it, kind, fetch).items()}
+        extras = load_rank_extras(storage, it, rank, fetch)
+        report[str(balanced)] = {
+            "bytes_read": fetch.bytes_read,
+            "bits": {n: t.reshape(-1).contiguous().view(torch.uint8).tolist() for n, t in tensors.items()},
+            "extras": extras,
+        }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def test_load_balanced_reads_each_byte_once_and_loads_the_same_state(tmp_path):
+    model, opt = make_state()
+    directory = write_iteration(tmp_path / "root", world=3, model=model, opt=opt)
+    init = f"file://{tmp_path / 'pg'}"
+    mp.spawn(_load, args=(str(tmp_path / "root"), init, str(tmp_path)), nprocs=WORLD, join=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    assert [r["False"]["bytes_read"] for r in reports] == [total, total]  # direct: W x the checkpoint
+    assert sum(r["True"]["bytes_read"] for r in reports) == total  # balanced: once in total
+    assert all(r["True"]["bytes_read"] > 0 for r in reports)  # and both ranks share the work
+    for r, report in enumerate(reports):
+        assert report["True"]["bits"] == report["False"]["bits"]  # bit-identical state
+        assert report["True"]["extras"] == report["False"]["extras"] == {"rank": str(r)}
+
+
+def test_deal_by_size_balances():
+    assert deal_by_size([5, 5, 5, 5], 2) == [0, 1, 0, 1]
+    owners = deal_by_size([100, 1, 1, 1, 97], 2)
+    loads = [sum(s for s, o in zip([100, 1, 1, 1, 97], owners) if o == r) for r in range(2)]
+    assert sorted(loads) == [100, 100]

@@ -1,0 +1,126 @@
+"""Your own model, loss and data: import paths, signatures, tied weights, the example, the Python API."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, env_for_subprocess, shard_bytes
+from ray_resume import train
+from ray_resume.checkpoint import state
+from ray_resume.checkpoint.checkpointer import load_weights
+from ray_resume.checkpoint.reader import load_state, open_iteration
+from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.writer import save_shards
+from ray_resume.checkpoint.schema import build_metadata, dumps
+from ray_resume.config import Config, ConfigError, load_config
+from ray_resume.plugins import make_model, resolve
+from examples.tabular_mlp import build, loss, make_data
+from plugin_models import TiedLM
+
+
+def config(**sections) -> Config:
+    base = {"name": "p", "checkpoint": {"save_path": "/tmp/unused"}}
+    base.update(sections)
+    return Config.from_dict(base)
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"model": {"builder": "no_such_pkg.mod:build"}}, "model.builder: cannot import module 'no_such_pkg.mod' of 'no_such_pkg.mod:build': ModuleNotFoundError"),
+    ({"model": {"builder": "plugin_models:missing"}}, "model.builder: module 'plugin_models' has no attribute 'missing'"),
+    ({"model": {"builder": "plugin_models:NOT_A_FUNCTION"}}, "model.builder: 'plugin_models:NOT_A_FUNCTION' is a int, not a function"),
+    ({"training": {"loss": "plugin_models:loss_one_arg"}}, "training.loss: loss_one_arg must accept (model, batch): too many positional arguments"),
+    ({"data": {"collate": "examples.tabular_mlp:loss"}}, "data.collate: loss must accept (arrays): missing a required argument: 'batch'"),
+])
+def test_bad_plugins_are_refused_naming_the_key(sections, message):
+    with pytest.raises(ConfigError) as err:
+        resolve(config(**sections))
+    assert message in str(err.value)
+
+
+def test_malformed_import_path_is_a_config_error():
+    with pytest.raises(ConfigError, match="model.builder must look like 'package.module:function', got 'pkg.module.fn'"):
+        config(model={"builder": "pkg.module.fn"})
+
+
+def test_builder_must_return_a_module():
+    cfg = config(model={"builder": "plugin_models:build_not_a_module"})
+    with pytest.raises(ConfigError, match="model.builder returned str, not a torch.nn.Module"):
+        make_model(resolve(cfg), cfg)
+
+
+def test_tied_weights_are_stored_once_and_restored_tied(tmp_path):
+    cfg = config(model={"builder": "plugin_models:build_tied", "args": {"vocab": 16, "width": 8}})
+    torch.manual_seed(0)
+    model = make_model(resolve(cfg), cfg)
+    saved = state.model_tensors(model)
+    assert set(saved) == {"embed.weight"}  # head.weight is the same tensor
+    storage = LocalStorage()
+    manifests = [save_shards(storage, str(tmp_path), 1, prefix="ckpt", rank=r, world_size=2, model_state=saved,
+                             optim_state=None, rank_extras={}) for r in range(2)]
+    (tmp_path / "iteration_00000001" / "metadata.json").write_bytes(dumps(build_metadata(1, "ckpt", manifests)))
+    (tmp_path / "iteration_00000001" / "common.json").write_bytes(dumps({
+        "format_version": 1, "global_step": 1, "global_batch_size": 1, "step_num": 1, "epoch_num": 0, "loss_scale": 1.0,
+        "ckpt_status": "ok", "consumed_samples": 1, "world_size": 2, "has_optimizer": False, "job_id": "t"}))
+    loaded = load_state(storage, open_iteration(storage, str(tmp_path), 1), "model")
+    torch.manual_seed(1)
+    fresh = TiedLM(vocab=16, width=8)
+    load_weights(fresh, loaded, "here")
+    assert torch.equal(fresh.embed.weight, model.embed.weight)
+    assert fresh.head.weight is fresh.embed.weight  # still tied after the load
+
+
+def test_example_config_validates():
+    cfg = load_config(str(REPO / "examples" / "tabular_mlp.yaml"))
+    assert cfg.data.columns == {"x": "float32", "y": "float32"} and cfg.model.builder == "examples.tabular_mlp:build"
+    plugins = resolve(cfg)
+    assert plugins.build_model is build and plugins.loss is loss
+
+
+def example_config(tmp: Path, data: str, **checkpoint) -> dict:
+    cfg = yaml.safe_load((REPO / "examples" / "tabular_mlp.yaml").read_text())
+    cfg["data"]["path"] = data
+    cfg["training"].update(train_steps=12, log_sample_ids=True)
+    cfg["checkpoint"].update(save_path=str(tmp / "ckpt"), load_path=str(tmp / "ckpt"), save_interleaved_steps=4, **checkpoint)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tabular(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tabular") / "data"
+    make_data(str(out), samples=512)
+    return str(out)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_example_via_python_api_resumes_byte_identically(tmp_path, tabular):
+    clean = example_config(tmp_path / "clean", tabular)
+    result = train(clean)
+    assert result.error is None and result.committed_iteration == 12
+    assert result.checkpoint_path.endswith("iteration_00000012") and result.metrics["step"] == 12
+    assert result.metrics["loss"] < 5.0
+    killed = example_config(tmp_path / "killed", tabular)
+    killed["fault"] = {"phase": "after_optimizer_step", "step": 6, "rank": 1}
+    # The API also takes the callables themselves instead of import paths.
+    result = train(killed, build_model=build, loss=loss)
+    assert result.error is None and result.committed_iteration == 12
+    for step in (4, 8, 12):
+        assert shard_bytes(tmp_path / "killed" / "ckpt", step) == shard_bytes(tmp_path / "clean" / "ckpt", step)
+    names = set(load_state(LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / "clean" / "ckpt"), 12), "model"))
+    assert names == {"0.weight", "0.bias", "3.weight", "3.bias"}  # parameter names from the user's module
+
+
+@pytest.mark.slow
+def test_example_via_the_cli(tmp_path, tabular):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(example_config(tmp_path, tabular)))
+    done = subprocess.run([sys.executable, "-m", "ray_resume.run", str(path)], cwd=REPO, env=env_for_subprocess(),
+                          capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
