@@ -237,6 +237,8 @@ class CheckpointConfig(_Section):
     async_save: bool = True  # write shards in a background thread; training only waits for a snapshot copy
     prefix: str = "ckpt"  # shard file name prefix
     storage: StorageConfig = field(default_factory=StorageConfig)  # s3:// connection settings
+    fallback: bool = True  # if the tracker's iteration is damaged, load the newest older one that verifies
+    lease_ttl_s: float = 60.0  # the writer lease on save_path expires this long after a dead job's last renewal
 
     def _check(self) -> list[str]:
         p: list[str] = []
@@ -244,6 +246,8 @@ class CheckpointConfig(_Section):
         _at_least(p, "checkpoint.save_max", self.save_max, 1)
         if not _SAFE_NAME.match(self.prefix):
             p.append(f"checkpoint.prefix must be non-empty and use only [A-Za-z0-9._-], got {self.prefix!r}")
+        if not self.lease_ttl_s > 0:
+            p.append(f"checkpoint.lease_ttl_s must be > 0, got {self.lease_ttl_s!r}")
         if self.enable_save and not self.save_path:
             p.append("checkpoint.save_path must be set when checkpoint.enable_save is true")
         return p

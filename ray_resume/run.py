@@ -22,6 +22,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .checkpoint import layout
 from .checkpoint.commit import CheckpointCoordinator
+from .checkpoint.fallback import select_iteration
+from .checkpoint.lease import Lease
 from .checkpoint.reader import find_committed, is_export, open_iteration
 from .checkpoint.schema import CheckpointError
 from .checkpoint.storage import storage_for
@@ -69,9 +71,18 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
     """
     cfg = absolute_paths(cfg)
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
-    load = preflight(cfg)
-    init_ray(address, cfg)
     job_id = uuid.uuid4().hex[:12]
+    lease = None
+    if cfg.checkpoint.enable_save:  # before anything under save_path is read for writing or moved
+        lease = Lease(storage_for(cfg.checkpoint.save_path, cfg.checkpoint.storage), cfg.checkpoint.save_path, job_id, cfg.checkpoint.lease_ttl_s)
+        lease.acquire()
+    try:
+        load = preflight(cfg)
+        init_ray(address, cfg)
+    except BaseException:
+        if lease:
+            lease.release()
+        raise
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # On the driver's node: the commit must run where the driver does (it dies with it).
     coordinator = CheckpointCoordinator.options(scheduling_strategy=here).remote(
@@ -95,6 +106,7 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
     except Exception as exc:  # Ray wraps worker errors; report them, keep what was committed
         error = exc
     outcome = ray.get(coordinator.result.remote())
+    ray.get(coordinator.release.remote())
     committed = outcome["committed"]
     path = layout.iteration_dir(cfg.checkpoint.save_path, committed) if committed is not None else None
     if error is None:
@@ -132,19 +144,25 @@ def preflight(cfg: Config) -> tuple[str, int | None] | None:
 
 
 def find_load_source(ckpt) -> tuple[str, int | None] | None:
+    """What `checkpoint.load_path` names: (root, iteration), (export dir, None), or None (nothing yet)."""
     storage = storage_for(ckpt.load_path, ckpt.storage)
     resuming_own_root = ckpt.load_path == ckpt.save_path
-    if resuming_own_root and not storage.is_dir(ckpt.load_path):
-        logger.info("nothing to resume in %s yet: starting from step 0", ckpt.load_path)
-        return None
-    if storage.is_dir(ckpt.load_path) and is_export(storage, ckpt.load_path):
+    if not storage.is_dir(ckpt.load_path):
+        if resuming_own_root:  # the first run of a "resume if there is anything" config
+            logger.info("nothing to resume in %s yet: starting from step 0", ckpt.load_path)
+            return None
+        raise CheckpointError(
+            f"checkpoint.load_path {ckpt.load_path!r} does not exist or is not a directory; "
+            "point it at the save_path of the run to resume (its root, not an iteration_* directory)"
+        )
+    if is_export(storage, ckpt.load_path):
         if not ckpt.no_load_optim:
             raise CheckpointError(
                 f"checkpoint.load_path {ckpt.load_path!r} is a weights-only safetensors export (no optimizer state); "
                 "set checkpoint.no_load_optim: true to start from its weights"
             )
         return ckpt.load_path, None
-    step = find_committed(storage, ckpt.load_path)
+    step = select_iteration(storage, ckpt.load_path, fallback=ckpt.fallback)
     if step is None:
         if resuming_own_root:
             logger.info("nothing to resume in %s yet: starting from step 0", ckpt.load_path)

@@ -23,6 +23,7 @@ import ray
 import yaml
 
 from . import layout
+from .lease import Lease
 from .schema import CKPT_STATUS_OK, build_metadata, dumps
 from .storage import storage_for
 
@@ -44,6 +45,11 @@ class CheckpointCoordinator:
         self.committed_by_job: list[int] = []
         self.fault_claimed = False
         self.final_metrics: dict = {}
+        self.lease = None
+        if self.storage and config["checkpoint"]["enable_save"]:
+            # The driver took the lease; this actor outlives worker restarts, so it renews it.
+            self.lease = Lease(self.storage, save_path, job_id, config["checkpoint"]["lease_ttl_s"])
+            self.lease.keep_renewed()
 
     def start_attempt(self) -> dict:
         """Called once per worker-group start by rank 0: a new attempt id, and what to resume."""
@@ -58,6 +64,11 @@ class CheckpointCoordinator:
             return False
         self.fault_claimed = True
         return True
+
+    def release(self) -> None:
+        """The job is over: stop renewing and give the save_path back."""
+        if self.lease:
+            self.lease.release()
 
     def finish(self, metrics: dict) -> None:
         """Rank 0's last step metrics, for the driver's result."""

@@ -109,6 +109,10 @@ class LocalStorage:
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(_local(path), ignore_errors=True)
 
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(_local(src), _local(dst))
+        _fsync_dir(os.path.dirname(_local(dst)) or ".")
+
 
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -192,6 +196,9 @@ class ArrowStorage:
     def remove_tree(self, path: str) -> None:
         if self.is_dir(path):
             self.fs.delete_dir(self._key(path))
+
+    def rename(self, src: str, dst: str) -> None:
+        raise NotImplementedError("object storage has no atomic rename of a prefix")
 
 
 Storage = LocalStorage | ArrowStorage

@@ -1,0 +1,137 @@
+"""Fallback to an older iteration, and refusals of broken input that leave storage untouched."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from conftest import FINAL, run_job, shard_bytes, tiny_config
+from ray_resume.checkpoint import layout
+from ray_resume.checkpoint.fallback import select_iteration
+from ray_resume.checkpoint.schema import CheckpointError
+from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.config import Config
+from ray_resume.run import find_load_source
+from test_checkpoint_format import make_state, tree, write_iteration
+
+
+@pytest.fixture
+def root(tmp_path):
+    """Iterations 5 and 10 of one run, tracker on 10."""
+    model, opt = make_state()
+    write_iteration(tmp_path / "ckpt", world=2, step=5, model=model, opt=opt)
+    write_iteration(tmp_path / "ckpt", world=2, step=10, model=model, opt=opt)
+    return tmp_path / "ckpt"
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_intact_tracker_iteration_is_used(root):
+    assert select_iteration(LocalStorage(), str(root), fallback=True) == 10
+
+
+def test_damaged_newest_falls_back_loudly_and_is_set_aside(root, caplog):
+    flip_byte(root / "iteration_00000010" / "ckpt-opt-0000001-0000002.safetensors")
+    with caplog.at_level(logging.WARNING):
+        assert select_iteration(LocalStorage(), str(root), fallback=True) == 5
+    assert "ckpt-opt-0000001-0000002.safetensors: sha256 does not match metadata.json" in caplog.text
+    assert "Resuming from iteration 5 instead" in caplog.text
+    names = sorted(p.name for p in root.iterdir())
+    assert "iteration_00000010" not in names and any(n.startswith("iteration_00000010.damaged-") for n in names)
+
+
+def test_no_fallback_lists_the_valid_iterations_and_changes_nothing(root):
+    flip_byte(root / "iteration_00000010" / "ckpt-model-0000000-0000002.safetensors")
+    before = tree(root)
+    with pytest.raises(CheckpointError) as err:
+        select_iteration(LocalStorage(), str(root), fallback=False)
+    assert "sha256 does not match" in str(err.value) and "Iterations that verify: [5]" in str(err.value)
+    assert tree(root) == before
+
+
+@pytest.mark.parametrize("tracker", ["", "abc", "-1", "99", None])
+def test_missing_or_garbled_tracker_with_valid_iterations(root, tracker):
+    if tracker is None:
+        (root / layout.TRACKER).unlink()
+    else:
+        (root / layout.TRACKER).write_text(tracker)
+    assert select_iteration(LocalStorage(), str(root), fallback=True) == 10
+    with pytest.raises(CheckpointError, match=r"Iterations that verify: \[10, 5\]"):
+        select_iteration(LocalStorage(), str(root), fallback=False)
+
+
+def lie_about_offsets(directory: Path) -> None:
+    """A shard whose safetensors header claims more bytes than the file holds (sizes/sha fixed up to match)."""
+    shard = directory / "ckpt-model-0000000-0000002.safetensors"
+    data = shard.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"][1] += 4096
+    raw = json.dumps(header).encode()
+    raw += b" " * (length - len(raw)) if len(raw) <= length else b""
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
+    import hashlib
+
+    meta = json.loads((directory / "metadata.json").read_text())
+    meta["files"][shard.name].update(size=shard.stat().st_size, sha256=hashlib.sha256(shard.read_bytes()).hexdigest())
+    (directory / "metadata.json").write_text(json.dumps(meta))
+
+
+def shape_mismatch(directory: Path) -> None:
+    meta = json.loads((directory / "metadata.json").read_text())
+    meta["tensors"]["model"]["head.weight"]["shape"] = [16, 32]
+    (directory / "metadata.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lie_about_offsets, "not a valid safetensors file"),
+    (shape_mismatch, "head.weight"),
+])
+def test_lying_shards_are_refused_by_name_through_the_loader(root, damage, message):
+    from ray_resume.checkpoint.checkpointer import Checkpointer
+
+    damage(root / "iteration_00000010")
+    before = tree(root)
+    model, opt = make_state(seed=4)
+    cfg = Config.from_dict(tiny_config(root.parent))
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(cfg, None, 0, 1, 0, None).restore(model, opt, (str(root), 10), full=True)
+    assert message in str(err.value) and "iteration_00000010" in str(err.value)
+    assert tree(root) == before
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: str(tmp / "nowhere"), "does not exist or is not a directory"),
+    (lambda tmp: (tmp / "file.txt").write_text("x") and str(tmp / "file.txt"), "does not exist or is not a directory"),
+    (lambda tmp: (tmp / "empty").mkdir() or str(tmp / "empty"), "holds neither latest_checkpointed_iteration.txt nor model.safetensors"),
+])
+def test_bad_load_path_is_refused_by_key(tmp_path, make, message):
+    path = make(tmp_path)
+    cfg = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": path}))
+    with pytest.raises(CheckpointError) as err:
+        find_load_source(cfg.checkpoint)
+    assert "checkpoint.load_path" in str(err.value) and message in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, reference):
+    root = tmp_path / "ckpt"
+    shutil.copytree(reference["root"], root)
+    flip_byte(root / "iteration_00000012" / "ckpt-model-0000001-0000002.safetensors")
+    (root / layout.TRACKER).write_text("12\n")
+    cfg = tiny_config(tmp_path, training={"train_steps": FINAL}, checkpoint={"load_path": str(root)})
+    cfg["data"]["path"] = reference["data"]
+    run_job(cfg)
+    assert any(p.name.startswith("iteration_00000012.damaged-") for p in root.iterdir())
+    assert shard_bytes(root, FINAL) == shard_bytes(reference["root"], FINAL)  # redone from 8, the same bytes
