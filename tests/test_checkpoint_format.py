@@ -185,3 +185,14 @@ def test_atomic_write_replaces_and_leaves_no_temp_file(tmp_path):
 def test_unsupported_storage_scheme_is_named():
     with pytest.raises(ValueError, match="storage scheme 'gs'"):
         storage_for("gs://bucket/ckpt")
+
+
+def test_no_pickle_anywhere_in_the_package():
+    """Checkpoints are safetensors and JSON only: nothing in the package may unpickle."""
+    package = Path(__file__).resolve().parent.parent / "ray_resume"
+    import re
+
+    unpickling = re.compile(r"import pickle|pickle\.loads?\(|cloudpickle|(^|[^.\w])torch\.load\(", re.M)
+    offenders = [p.name for p in package.rglob("*.py") if unpickling.search(p.read_text())]
+    assert offenders == []
+    assert unpickling.search("x = torch.load(f)") and not unpickling.search("safetensors.torch.load(data)")
