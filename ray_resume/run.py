@@ -9,9 +9,12 @@ clear line instead of a traceback from inside a worker.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, field, replace
 
@@ -102,16 +105,39 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
     )
     error = None
     try:
-        trainer.fit()
+        with stop_on_sigterm(coordinator, cfg.name):
+            trainer.fit()
     except Exception as exc:  # Ray wraps worker errors; report them, keep what was committed
         error = exc
     outcome = ray.get(coordinator.result.remote())
     ray.get(coordinator.release.remote())
     committed = outcome["committed"]
     path = layout.iteration_dir(cfg.checkpoint.save_path, committed) if committed is not None else None
-    if error is None:
+    if error is None and outcome["metrics"].get("stopped"):
+        logger.warning("[%s] stopped at step %s on request: committed iteration %s; run again with "
+                       "checkpoint.load_path=%s to continue", cfg.name, outcome["metrics"]["step"], committed, cfg.checkpoint.save_path)
+    elif error is None:
         logger.info("[%s] finished: last committed iteration %s%s", cfg.name, committed, f" at {path}" if path else "")
     return RunResult(committed, path, outcome["metrics"], error)
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(coordinator, name: str):
+    """SIGTERM (a preemption notice, `kill`, a scheduler's grace period) becomes a clean stop:
+    the ranks save and commit at the next step boundary and the run returns."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed from the main thread
+        return
+
+    def on_sigterm(signum, frame):
+        logger.warning("[%s] SIGTERM: saving a checkpoint at the next step boundary, then stopping", name)
+        coordinator.request_stop.remote()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def absolute_paths(cfg: Config) -> Config:

@@ -68,7 +68,8 @@ def train_func(args: dict) -> None:
         loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world)
         faults.maybe_kill("after_optimizer_step", step)
         consumed = stream.position
-        saved = checkpointer.maybe_save(step, model, optimizer, {
+        stop = step < train.train_steps and _agree_to_stop(coordinator, rank)
+        saved = checkpointer.maybe_save(step, model, optimizer, force=stop, common={
             "global_step": step,
             "global_batch_size": train.global_batch_size,
             "consumed_samples": consumed,
@@ -77,6 +78,9 @@ def train_func(args: dict) -> None:
             **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
         })
         progress.step(step, loss, batch["sample_id"], saved)
+        if stop:
+            progress.stopped(step)
+            break
     # The last (async) save must be written and reported before this worker returns; raises its error.
     final_wait = checkpointer.finish()
     if checkpointer.stalls:
@@ -108,6 +112,13 @@ def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumul
     optimizer.step()
     dist.all_reduce(total)
     return total.item() / world
+
+
+def _agree_to_stop(coordinator, rank: int) -> bool:
+    """Did the driver ask to stop (SIGTERM)? Rank 0 asks; all ranks stop at the same step."""
+    flag = torch.tensor([1 if rank == 0 and ray.get(coordinator.should_stop.remote()) else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _agree_on_attempt(coordinator, rank: int) -> tuple[int, int | None]:
@@ -161,6 +172,11 @@ class Progress:
         )
         if resume.global_step >= self.total:
             self._say(f"training already reached train_steps={self.total}: nothing left to do")
+
+    def stopped(self, step: int) -> None:
+        self.last["stopped"] = True
+        self._record({"event": "stop", "step": step}, flush=True)
+        self._say(f"stop requested: saved step {step} and stopping")
 
     def step(self, step: int, loss: float, sample_ids, saved: bool) -> None:
         record = {"step": step, "loss": loss, "saved": saved}

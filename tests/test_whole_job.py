@@ -7,7 +7,9 @@ processes they started.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,3 +151,34 @@ def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path
     # The resumed job keeps its own newest (12) and leaves the first job's 8 alone.
     kept = sorted(p.name for p in Path(root).iterdir() if p.name.startswith("iteration_"))
     assert kept[-2:] == ["iteration_00000008", "iteration_00000012"]
+
+
+def test_sigterm_to_the_driver_saves_commits_and_exits_cleanly(tmp_path, reference):
+    config = write_config(tmp_path, reference, training={"train_steps": 200, "log_every": 2},
+                          checkpoint={"save_interleaved_steps": 1000})
+    root = str(tmp_path / "ckpt")
+    driver = start([sys.executable, "-m", "ray_resume.run", str(config)])
+    lines: list[str] = []
+    try:
+        for line in driver.stdout:  # wait until training is under way, then preempt
+            lines.append(line)
+            if "| loss " in line:
+                driver.send_signal(signal.SIGTERM)
+                break
+        code, rest = finish(driver, timeout=300)
+    finally:
+        end_group(driver)
+    out = "".join(lines) + rest
+    assert code == 0, out[-3000:]
+    match = re.search(r"stopped at step (\d+) on request: committed iteration (\d+)", out)
+    assert match and match.group(1) == match.group(2), out[-3000:]
+    stopped = int(match.group(1))
+    assert 0 < stopped < 200 and tracker(root) == str(stopped)
+    common = json.loads((Path(layout.iteration_dir(root, stopped)) / "common.json").read_text())
+    assert common["global_step"] == stopped and common["consumed_samples"] == 16 * stopped
+
+    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--set", f"training.train_steps={stopped + 2}",
+                              "--set", f"checkpoint.load_path={root}"]), timeout=300)
+    assert code == 0, out[-3000:]
+    assert f"resumed from {root}/iteration_{stopped:08d}" in out
+    assert tracker(root) == str(stopped + 2)

@@ -114,7 +114,7 @@ class Checkpointer:
         c = self.ckpt
         return c.enable_save and (step % c.save_interleaved_steps == 0 or step == self.cfg.training.train_steps)
 
-    def maybe_save(self, step: int, model, optimizer, common: dict) -> bool:
+    def maybe_save(self, step: int, model, optimizer, common: dict, *, force: bool = False) -> bool:
         """Save this rank's shards of `step` and report them to the driver. True if it saved.
 
         With `checkpoint.async_save` (default) the share is copied into the
@@ -125,7 +125,7 @@ class Checkpointer:
         raised here (or by `finish()`), never dropped.
         """
         self.background.poll()
-        if not self.should_save(step):
+        if not (self.should_save(step) or (force and self.ckpt.enable_save)):
             return False
         start = time.perf_counter()
         waited = self.background.wait()  # a new save waits for the previous one (its buffers are reused)

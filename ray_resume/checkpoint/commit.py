@@ -45,6 +45,7 @@ class CheckpointCoordinator:
         self.committed_by_job: list[int] = []
         self.fault_claimed = False
         self.final_metrics: dict = {}
+        self.stop_requested = False
         self.lease = None
         if self.storage and config["checkpoint"]["enable_save"]:
             # The driver took the lease; this actor outlives worker restarts, so it renews it.
@@ -64,6 +65,13 @@ class CheckpointCoordinator:
             return False
         self.fault_claimed = True
         return True
+
+    def request_stop(self) -> None:
+        """Preemption: the ranks save at the next step boundary and end the run cleanly."""
+        self.stop_requested = True
+
+    def should_stop(self) -> bool:
+        return self.stop_requested
 
     def release(self) -> None:
         """The job is over: stop renewing and give the save_path back."""
