@@ -68,7 +68,7 @@ def train_func(args: dict) -> None:
         loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world)
         faults.maybe_kill("after_optimizer_step", step)
         consumed = stream.position
-        stop = step < train.train_steps and _agree_to_stop(coordinator, rank)
+        stop = step < train.train_steps and _agree_to_stop(coordinator, rank, check_ray_notice=step % train.log_every == 0)
         saved = checkpointer.maybe_save(step, model, optimizer, force=stop, common={
             "global_step": step,
             "global_batch_size": train.global_batch_size,
@@ -77,7 +77,7 @@ def train_func(args: dict) -> None:
             "step_num": (consumed % stream.num_samples) // train.global_batch_size,
             **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
         })
-        progress.step(step, loss, batch["sample_id"], saved)
+        progress.step(step, loss, batch["sample_id"], saved, checkpointer.last_stall_s if saved else None)
         if stop:
             progress.stopped(step)
             break
@@ -114,9 +114,14 @@ def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumul
     return total.item() / world
 
 
-def _agree_to_stop(coordinator, rank: int) -> bool:
-    """Did the driver ask to stop (SIGTERM)? Rank 0 asks; all ranks stop at the same step."""
-    flag = torch.tensor([1 if rank == 0 and ray.get(coordinator.should_stop.remote()) else 0])
+def _agree_to_stop(coordinator, rank: int, *, check_ray_notice: bool) -> bool:
+    """Stop after this step? The driver got SIGTERM, or Ray Train reports a node about to be
+    preempted (checked every log_every steps: ~7 ms, and a barrier every rank must reach).
+    All ranks stop at the same step."""
+    stop = rank == 0 and ray.get(coordinator.should_stop.remote())
+    if check_ray_notice and ray.train.get_preemption_info() is not None:
+        stop = True
+    flag = torch.tensor([1 if stop else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -178,8 +183,10 @@ class Progress:
         self._record({"event": "stop", "step": step}, flush=True)
         self._say(f"stop requested: saved step {step} and stopping")
 
-    def step(self, step: int, loss: float, sample_ids, saved: bool) -> None:
+    def step(self, step: int, loss: float, sample_ids, saved: bool, stall: float | None = None) -> None:
         record = {"step": step, "loss": loss, "saved": saved}
+        if stall is not None:
+            record["save_stall_s"] = round(stall, 6)  # how long this save blocked training
         self.last = dict(record)
         if self.cfg.training.log_sample_ids:
             record["sample_ids"] = sample_ids.tolist()

@@ -1,0 +1,32 @@
+"""The checkpoint benchmark runs in its small mode (seconds) and reports every row. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO, env_for_subprocess
+
+from benchmarks.checkpoint import ROWS, TRAIN_ROWS
+
+
+def test_small_benchmark_writes_every_row(tmp_path):
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.checkpoint", "--small", "--out", str(out), "--dir", str(tmp_path / "work")],
+        cwd=REPO, env=env_for_subprocess(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert list(results["sizes"]) == ["tiny"]
+    tiny = results["sizes"]["tiny"]
+    for row in ROWS:
+        assert tiny.get(row) is not None, f"row {row!r} missing"
+    for row in TRAIN_ROWS:
+        assert tiny["training"].get(row) is not None, f"training row {row!r} missing"
+    # Facts, not timings: load_balanced reads the checkpoint once in total, a direct load once per rank.
+    assert tiny["load_balanced_bytes_read_vs_checkpoint"] == 1.0
+    assert tiny["load_bytes_read_vs_checkpoint"] == 2.0
+    assert "| ours async: stall (buffers reused) |" in proc.stdout
+    assert not list((tmp_path / "work").iterdir())  # checkpoints of the benchmark are cleaned up
