@@ -18,7 +18,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 import yaml

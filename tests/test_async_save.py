@@ -27,17 +27,7 @@ from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import RANK_EXTRAS_KEY, live_data, safetensors_header, shard_layouts
 from ray_resume.config import Config
 from ray_resume.faults import FaultInjector
-from ray_resume.model import GPT
-from ray_resume.optim import MainParamsOptimizer
-
-
-def make_state(dtype=torch.float32, seed: int = 0):
-    torch.manual_seed(seed)
-    model = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2).to(dtype)
-    opt = MainParamsOptimizer(model, lr=1e-2, weight_decay=0.0)
-    opt.backward(model(torch.randint(0, 32, (2, 8))).float().sum())
-    opt.step()
-    return model, opt
+from test_checkpoint_format import make_state
 
 
 class FakeCoordinator:
@@ -72,7 +62,7 @@ def files_of(root: Path, step: int) -> dict[str, bytes]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_streamed_shards_are_exactly_what_safetensors_writes(dtype):
     """Our header + raw data section is byte for byte `safetensors.torch.save` of the same pieces."""
-    model, opt = make_state(dtype)
+    model, opt = make_state(dtype=dtype)
     states = {"model": state.model_tensors(model), "opt": opt.state_tensors()}
     for world in (1, 2, 3):
         for rank in range(world):
@@ -85,7 +75,7 @@ def test_streamed_shards_are_exactly_what_safetensors_writes(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_async_and_sync_saves_write_identical_files(tmp_path, no_ray, dtype):
-    model, opt = make_state(dtype)
+    model, opt = make_state(dtype=dtype)
     common = {"global_step": 3}
     roots = {mode: tmp_path / mode / "ckpt" for mode in ("sync", "async")}
     coordinators = {}

@@ -26,38 +26,16 @@ import pytest
 import ray
 import ray._private.state
 
-from conftest import FINAL, env_for_subprocess, per_step, read_metrics, shard_bytes, tiny_config
+from conftest import FINAL, assert_same_as_reference, env_for_subprocess, tiny_config
 from ray_resume.checkpoint import layout
 from ray_resume.config import Config
 from ray_resume.plugins import next_token_loss
 from ray_resume.run import run
+from test_whole_job import end_group
 
 pytestmark = pytest.mark.slow
 
 MICRO_BATCHES = 2  # tiny_config: global batch 16 = 2 workers x micro batch 4 x 2 accumulation steps
-
-
-def assert_same_as_reference(root, reference) -> list[dict]:
-    """Same bytes at every saved iteration, same loss at every step run, before or after a crash."""
-    for step in (4, 8, FINAL):
-        assert shard_bytes(root, step) == shard_bytes(reference["root"], step), f"iteration {step} differs"
-    assert len(shard_bytes(root, FINAL)) == 4  # model + opt for each of 2 ranks
-    common = json.loads((Path(layout.iteration_dir(str(root), FINAL)) / "common.json").read_text())
-    assert common["global_step"] == FINAL and common["consumed_samples"] == FINAL * 16
-    records = read_metrics(root)
-    restarts = [r for r in records if r.get("event") == "start" and r["rank"] == 0]
-    steps = per_step(records)
-    assert sorted(steps) == list(range(1, FINAL + 1))
-    last_resume = restarts[-1]["step"]
-    for step, runs in steps.items():
-        (expected,) = reference["steps"][step]
-        for again in runs:  # a step run before and after the crash gives the same loss and samples
-            assert again["loss"] == expected["loss"], f"step {step}: loss {again['loss']} != {expected['loss']}"
-            # A killed rank loses the records it had not flushed yet: its share may be missing.
-            assert set(again["ids"]) <= set(expected["ids"]), f"step {step}: sample ids differ"
-        if step > last_resume:  # run by the last worker group, which ended normally
-            assert runs[-1]["ids"] == expected["ids"], f"step {step}: sample ids of the final run differ"
-    return restarts
 
 
 def slow_loss(step_sleep: float, marks: Path | None = None):
@@ -179,6 +157,7 @@ from ray_resume.checkpoint import layout
 from ray_resume.config import Config
 from ray_resume.plugins import next_token_loss
 from ray_resume.run import run
+from test_whole_job import end_group
 
 
 def free_port():
@@ -252,16 +231,6 @@ def main():
 if __name__ == "__main__":
     main()
 '''
-
-
-def end_group(proc: subprocess.Popen) -> None:
-    """End the driver and every Ray process of its cluster (they share its process group)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        time.sleep(2)
 
 
 def test_node_holding_the_workers_removed_mid_run(tmp_path, reference):

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from conftest import FINAL, per_step, read_metrics, run_job, shard_bytes, tiny_config
+from conftest import FINAL, assert_same_as_reference, read_metrics, run_job, tiny_config
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.reader import load_state, open_iteration, read_verified
 from ray_resume.checkpoint.storage import LocalStorage
@@ -29,21 +29,6 @@ def faulty_run(tmp, reference, phase: str, step: int, rank: int = 1) -> dict:
 
 def starts(records):
     return [r for r in records if r.get("event") == "start" and r["rank"] == 0]
-
-
-def assert_same_as_reference(root, reference):
-    for step in (4, 8, FINAL):
-        assert shard_bytes(root, step) == shard_bytes(reference["root"], step), f"iteration {step} differs"
-    assert len(shard_bytes(root, FINAL)) == 4  # model + opt for each of 2 ranks
-    steps = per_step(read_metrics(root))
-    assert sorted(steps) == list(range(1, FINAL + 1))
-    for step, runs in steps.items():
-        (expected,) = reference["steps"][step]
-        for again in runs:  # a step run before and after the crash gives the same loss and samples
-            assert again["loss"] == expected["loss"], f"step {step}: loss {again['loss']} != {expected['loss']}"
-            # A rank killed right after this step never logged it: its share may be missing.
-            assert set(again["ids"]) <= set(expected["ids"]), f"step {step}: sample ids differ"
-        assert runs[-1]["ids"] == expected["ids"], f"step {step}: sample ids of the final run differ"
 
 
 def test_uninterrupted_run_commits_every_interval(reference):
