@@ -166,7 +166,24 @@ def preflight(cfg: Config) -> tuple[str, int | None] | None:
                 f"checkpoint.save_path {ckpt.save_path!r} already holds committed iteration {existing} of an earlier run; "
                 "set checkpoint.load_path to the same directory to resume it, or choose an empty save_path"
             )
+    if ckpt.enable_save and load and load[1] is not None and load[0] == ckpt.save_path and not ckpt.no_load_optim:
+        refuse_step_rewind(cfg, *load)
     return load
+
+
+def refuse_step_rewind(cfg: Config, root: str, step: int) -> None:
+    """A smaller resume step (a larger global_batch_size, spec 1.4) would save into the
+    iteration directories of the run it resumes, committed ones included, while the
+    tracker still names them: a crash then could leave the tracker on a half-rewritten
+    iteration. Such a resume must write to a new save_path."""
+    it = open_iteration(storage_for(root, cfg.checkpoint.storage), root, step)
+    resume_step = it.common["consumed_samples"] // cfg.training.global_batch_size
+    if resume_step < step:
+        raise CheckpointError(
+            f"global_batch_size {it.common['global_batch_size']} -> {cfg.training.global_batch_size} resumes iteration {step} "
+            f"at step {resume_step}, and its saves would overwrite iterations up to {step} in {root}; "
+            "set checkpoint.save_path to a new directory (checkpoint.load_path stays where it is)"
+        )
 
 
 def find_load_source(ckpt) -> tuple[str, int | None] | None:

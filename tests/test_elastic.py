@@ -10,6 +10,9 @@ import pytest
 
 from conftest import per_step, read_metrics, run_job, tiny_config
 from ray_resume.checkpoint import layout
+from ray_resume.checkpoint.schema import CheckpointError
+from ray_resume.config import Config
+from ray_resume.run import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
@@ -63,10 +66,15 @@ def test_resume_on_another_world_size(tmp_path, reference24, workers, balanced):
 @pytest.mark.parametrize("new_gbs, final, saved_step, resume_step", [(32, 6, 8, 4), (24, 7, 8, 5)])
 def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, reference, new_gbs, final, saved_step, resume_step):
     """Spec 1.4: 8 steps at gbs 16 = 128 samples -> step 4 at gbs 32; at gbs 24, 128/24 = 5.33 -> step 5, cursor 128."""
-    root = resume_root(reference["root"], saved_step, tmp_path / "ckpt")
-    cfg = tiny_config(tmp_path, training={"global_batch_size": new_gbs, "train_steps": final}, checkpoint={"load_path": root})
+    loaded = resume_root(reference["root"], saved_step, tmp_path / "old")
+    cfg = tiny_config(tmp_path, training={"global_batch_size": new_gbs, "train_steps": final}, checkpoint={"load_path": loaded})
     cfg["data"]["path"] = reference["data"]
+    with pytest.raises(CheckpointError) as err:  # the rescaled steps would overwrite the run being resumed
+        run(Config.from_dict({**cfg, "checkpoint": {**cfg["checkpoint"], "save_path": loaded}}))
+    assert f"resumes iteration {saved_step} at step {resume_step}" in str(err.value)
+    assert "set checkpoint.save_path to a new directory" in str(err.value)
     run_job(cfg)
+    root = cfg["checkpoint"]["save_path"]
     begun = starts(root)
     assert {(r["step"], r["consumed_samples"]) for r in begun} == {(resume_step, 128)}
     steps = per_step(read_metrics(root))
