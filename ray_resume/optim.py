@@ -78,7 +78,7 @@ class MainParamsOptimizer:
                 main.grad = None if p.grad is None else p.grad.float() / self.loss_scale
         if self.scaler:
             finite = all(torch.isfinite(m.grad).all() for m in self.main if m.grad is not None)
-            finite_flag = torch.tensor([1.0 if finite else 0.0])
+            finite_flag = torch.tensor([1.0 if finite else 0.0], device=self.main[0].device)
             if torch.distributed.is_initialized():  # every rank must agree to skip
                 torch.distributed.all_reduce(finite_flag, op=torch.distributed.ReduceOp.MIN)
             finite = bool(finite_flag.item())

@@ -15,11 +15,13 @@ from contextlib import nullcontext
 
 import ray
 import ray.train
+import ray.train.torch
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.fetch import collective_device
 from .checkpoint.state import seed_everything
 from .config import Config
 from .data import SampleStream
@@ -39,13 +41,15 @@ def train_func(args: dict) -> None:
     torch.set_num_threads(1)  # deterministic and fair on small CPU hosts
     train = cfg.training
 
-    attempt, resume_step = _agree_on_attempt(coordinator, rank)
+    attempt, resume_step = _agree_on_attempt(coordinator, rank, collective_device())
     faults = FaultInjector(cfg.fault, rank, lambda: ray.get(coordinator.claim_fault.remote()))
     checkpointer = Checkpointer(cfg, coordinator, rank, world, attempt, faults)
 
     seed_everything(train.seed)  # identical initial weights on every rank
     plugins = args["plugins"]
-    model = DistributedDataParallel(make_model(plugins, cfg))
+    device = ray.train.torch.get_device()  # cuda:N with use_gpu (NCCL), else cpu (gloo)
+    model = make_model(plugins, cfg).to(device)
+    model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer = MainParamsOptimizer(model, lr=train.lr, weight_decay=train.weight_decay)
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
 
@@ -65,7 +69,7 @@ def train_func(args: dict) -> None:
         batch = next(batches)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(train, step)
-        loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world)
+        loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world, device)
         faults.maybe_kill("after_optimizer_step", step)
         consumed = stream.position
         stop = step < train.train_steps and _agree_to_stop(coordinator, rank, check_ray_notice=step % train.log_every == 0)
@@ -96,16 +100,17 @@ def learning_rate(train, step: int) -> float:
     return train.lr
 
 
-def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumulation: int, world: int) -> float:
+def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumulation: int, world: int, device) -> float:
     """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
     columns = {k: v for k, v in batch.items() if k != "sample_id"}
     optimizer.zero_grad()
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     for i in range(accumulation):
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
         sync = model.no_sync() if i < accumulation - 1 else nullcontext()
         with sync:
             micro = plugins.collate({k: v[i * micro_batch : (i + 1) * micro_batch] for k, v in columns.items()})
+            micro = {k: t.to(device, non_blocking=True) for k, t in micro.items()}
             loss = plugins.loss(model, micro) / accumulation
             optimizer.backward(loss)
         total += loss.detach().float()
@@ -121,17 +126,17 @@ def _agree_to_stop(coordinator, rank: int, *, check_ray_notice: bool) -> bool:
     stop = rank == 0 and ray.get(coordinator.should_stop.remote())
     if check_ray_notice and ray.train.get_preemption_info() is not None:
         stop = True
-    flag = torch.tensor([1 if stop else 0])
+    flag = torch.tensor([1 if stop else 0], device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
-def _agree_on_attempt(coordinator, rank: int) -> tuple[int, int | None]:
+def _agree_on_attempt(coordinator, rank: int, device) -> tuple[int, int | None]:
     """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None)."""
-    facts = torch.tensor([-1, -1])
+    facts = torch.tensor([-1, -1], device=device)
     if rank == 0:
         reply = ray.get(coordinator.start_attempt.remote())
-        facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"]])
+        facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"]], device=device)
     dist.broadcast(facts, src=0)
     attempt, step = facts.tolist()
     return attempt, None if step < 0 else step

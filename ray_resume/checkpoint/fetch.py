@@ -22,6 +22,13 @@ from .schema import CheckpointError
 logger = logging.getLogger(__name__)
 
 
+def collective_device() -> torch.device:
+    """Where tensors for the process group's collectives must live (the GPU under NCCL)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def deal_by_size(sizes: list[int], world_size: int) -> list[int]:
     """Owner rank of each item: largest first to the least-loaded rank (ties to the lowest rank)."""
     owners = [0] * len(sizes)
@@ -41,6 +48,7 @@ class ShardFetcher:
         self.rank, self.world_size = rank, world_size
         self.balanced = balanced and world_size > 1
         self.cache: dict[str, bytes] = {}
+        self.device = collective_device()
         self.bytes_read = 0
 
     def __call__(self, names: list[str]) -> dict[str, bytes]:
@@ -65,7 +73,7 @@ class ShardFetcher:
         except CheckpointError as exc:
             error = exc
         # Agree before broadcasting: a rank that found damage must not leave the others waiting.
-        failed = torch.tensor([1 if error else 0])
+        failed = torch.tensor([1 if error else 0], device=self.device)
         dist.all_reduce(failed)
         if error:
             raise error
@@ -73,7 +81,10 @@ class ShardFetcher:
             raise CheckpointError(f"{self.it.path}: another rank found a damaged shard while loading (load_balanced); see its error")
         out = {}
         for name, size, owner in zip(names, sizes, owners):
-            buffer = torch.frombuffer(bytearray(mine[name]), dtype=torch.uint8) if owner == self.rank else torch.empty(size, dtype=torch.uint8)
-            dist.broadcast(buffer, src=owner)
-            out[name] = mine[name] if owner == self.rank else buffer.numpy().tobytes()
+            if owner == self.rank:
+                buffer = torch.frombuffer(bytearray(mine[name]), dtype=torch.uint8).to(self.device)
+            else:
+                buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            dist.broadcast(buffer, src=owner)  # NCCL needs the bytes on the GPU, gloo takes them on the host
+            out[name] = mine[name] if owner == self.rank else buffer.cpu().numpy().tobytes()
         return out

@@ -72,6 +72,7 @@ def capture_rng() -> dict[str, str]:
         "rng_torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
         "rng_numpy": json.dumps([keys.tolist(), int(pos), int(has_gauss), float(gauss)]),
         "rng_python": json.dumps(random.getstate()[1]),
+        **({"rng_cuda": base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()} if torch.cuda.is_available() else {}),
     }
 
 
@@ -80,6 +81,8 @@ def restore_rng(saved: dict[str, str]) -> None:
     keys, pos, has_gauss, gauss = json.loads(saved["rng_numpy"])
     np.random.set_state(("MT19937", np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     random.setstate((3, tuple(json.loads(saved["rng_python"])), None))
+    if "rng_cuda" in saved and torch.cuda.is_available():  # dropout on a GPU draws from the CUDA generator
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(saved["rng_cuda"])), dtype=torch.uint8))
 
 
 def seed_everything(seed: int) -> None:

@@ -118,8 +118,9 @@ def _json(text: str) -> str:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor, without a copy when it is contiguous."""
-    flat = t.detach().contiguous().reshape(-1)
+    """The raw bytes of a tensor, without a copy when it is a contiguous CPU tensor (GPU ones come to host)."""
+    flat = t.detach().reshape(-1)
+    flat = flat.cpu().contiguous() if flat.device.type != "cpu" else flat.contiguous()
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
@@ -148,7 +149,8 @@ class SnapshotBuffers:
         if held is not None:
             logger.info("snapshot buffer for %s shards: layout changed, reallocating %d bytes", shard.kind, shard.nbytes)
         self._buffers.pop(shard.kind, None)  # free the old one before allocating the new one
-        buf = torch.empty(shard.nbytes, dtype=torch.uint8)
+        # Pinned host memory when there is a GPU: the snapshot copy is a fast DMA.
+        buf = torch.empty(shard.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         self._buffers[shard.kind] = (shard.key, buf)
         self.allocations += 1
         return buf
