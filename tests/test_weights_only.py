@@ -12,7 +12,7 @@ import torch
 
 from conftest import FINAL, per_step, read_metrics, run_job, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout, state
-from ray_resume.checkpoint.checkpointer import Checkpointer, load_weights
+from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.reader import load_state, open_iteration
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
@@ -71,11 +71,19 @@ def test_loss_scaler_backs_off_skips_and_grows():
 
 
 def test_export_with_a_mismatched_tensor_is_refused_by_name(tmp_path):
-    model, _ = make_state()
-    wrong = {n: t for n, t in state.model_tensors(model).items()}
-    wrong["head.weight"] = torch.zeros(3, 3)
-    with pytest.raises(CheckpointError, match=r"tensor 'head.weight' is torch.float32 \[3, 3\] there but torch.float32 \[32, 16\] in the model"):
-        load_weights(model, wrong, "export/model.safetensors")
+    from ray_resume import inspect
+
+    model, opt = make_state()  # vocab 32
+    write_iteration(tmp_path / "root", world=2, model=model, opt=opt)
+    assert inspect.main(["export", str(tmp_path / "root"), str(tmp_path / "export")]) == 0
+    torch.manual_seed(0)
+    other = GPT(vocab_size=40, seq_len=8, d_model=16, n_layers=1, n_heads=2)  # another vocabulary
+    other_opt = MainParamsOptimizer(other, lr=1e-2, weight_decay=0.0)
+    before = {n: t.clone() for n, t in state.model_tensors(other).items()}
+    cfg = Config.from_dict(tiny_config(tmp_path))
+    with pytest.raises(CheckpointError, match=r"tensor 'tok.weight' is torch.float32 \[32, 16\] there but torch.float32 \[40, 16\] in the model"):
+        Checkpointer(cfg, None, 0, 1, 0, None).restore(other, other_opt, (str(tmp_path / "export"), None), full=False)
+    assert all(torch.equal(before[n], t) for n, t in state.model_tensors(other).items())  # nothing half-loaded
 
 
 def test_export_then_load_as_weights_round_trips_bitwise(tmp_path):
