@@ -157,7 +157,6 @@ from ray_resume.checkpoint import layout
 from ray_resume.config import Config
 from ray_resume.plugins import next_token_loss
 from ray_resume.run import run
-from test_whole_job import end_group
 
 
 def free_port():
