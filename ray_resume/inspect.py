@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from .checkpoint import layout
-from .checkpoint.reader import Iteration, check_no_extra_shards, open_iteration, read_tracker, read_verified, shard_header
+from .checkpoint.reader import Iteration, check_no_extra_shards, iteration_steps, open_iteration, read_tracker, read_verified, shard_header
 from .checkpoint.schema import CKPT_STATUS_OK, CheckpointError, parse_json
 from .checkpoint.storage import LocalStorage, storage_for
 
@@ -82,16 +82,6 @@ def open_root(root: str) -> LocalStorage:
     if not storage.is_dir(root):
         raise CliError(f"checkpoint root {root!r} does not exist or is not a directory", 2)
     return storage
-
-
-def iteration_steps(storage: LocalStorage, root: str) -> list[int]:
-    """Steps of every `iteration_XXXXXXXX` directory, ascending."""
-    steps = []
-    for name in storage.listdir(root):
-        step = layout.parse_iteration_dirname(name)
-        if step is not None and storage.is_dir(layout.join(root, name)):
-            steps.append(step)
-    return sorted(steps)
 
 
 def dir_size(storage: LocalStorage, path: str) -> int:

@@ -27,11 +27,6 @@ class BackgroundSave:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: tuple[int, Future] | None = None  # (step, future) of the save in flight
 
-    @property
-    def in_flight(self) -> int | None:
-        """The step being written, or None."""
-        return self._pending[0] if self._pending else None
-
     def submit(self, step: int, fn: Callable[[], object]) -> None:
         """Run `fn` in the writer thread; the caller must have waited for the previous save."""
         if self._pending is not None:

@@ -14,7 +14,7 @@ import logging
 import time
 
 from . import layout
-from .reader import check_no_extra_shards, find_committed, open_iteration, read_verified
+from .reader import check_no_extra_shards, find_committed, iteration_steps, open_iteration, read_verified
 from .schema import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -32,9 +32,8 @@ def verify(storage, root: str, step: int) -> str | None:
     return None
 
 
-def iteration_steps(storage, root: str) -> list[int]:
-    steps = (layout.parse_iteration_dirname(name) for name in storage.listdir(root))
-    return sorted((s for s in steps if s is not None), reverse=True)
+def newest_first(storage, root: str) -> list[int]:
+    return iteration_steps(storage, root)[::-1]
 
 
 def select_iteration(storage, root: str, *, fallback: bool) -> int | None:
@@ -45,13 +44,13 @@ def select_iteration(storage, root: str, *, fallback: bool) -> int | None:
         if tracked is not None and failure is None:
             return tracked
         if tracked is None:
-            present = iteration_steps(storage, root)
+            present = newest_first(storage, root)
             if not present:
                 return None
             failure = f"{layout.tracker_path(root)}: missing, but iterations {sorted(present)} are present"
     except CheckpointError as exc:  # a garbled tracker, or one naming a missing iteration
         tracked, failure = None, str(exc)
-    candidates = [s for s in iteration_steps(storage, root) if tracked is None or s < tracked]
+    candidates = [s for s in newest_first(storage, root) if tracked is None or s < tracked]
     valid = [s for s in candidates if verify(storage, root, s) is None]
     if not fallback:
         raise CheckpointError(

@@ -9,7 +9,6 @@ Shards are parsed by safetensors (no pickle).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import struct
 from collections.abc import Callable
@@ -164,9 +163,14 @@ def load_rank_extras(storage: LocalStorage, it: Iteration, rank: int, fetch: Fet
     return parse_json(extras.encode(), f"{layout.join(it.path, name)}: {RANK_EXTRAS_KEY}")
 
 
-def describe(it: Iteration) -> str:
-    c = it.common
-    return json.dumps({k: c[k] for k in ("global_step", "consumed_samples", "epoch_num", "step_num", "world_size")})
+def iteration_steps(storage: LocalStorage, root: str) -> list[int]:
+    """Steps of every `iteration_XXXXXXXX` directory under `root`, ascending."""
+    steps = []
+    for name in storage.listdir(root):
+        step = layout.parse_iteration_dirname(name)
+        if step is not None and storage.is_dir(layout.join(root, name)):
+            steps.append(step)
+    return sorted(steps)
 
 
 EXPORT_FILE = "model.safetensors"
