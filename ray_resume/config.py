@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 DTYPES = ("float32", "bfloat16", "float16")
-STRATEGIES = ("ddp",)  # fsdp: planned (FSDP2 fully_shard), refused until it exists
+STRATEGIES = ("ddp", "fsdp")  # DistributedDataParallel, or FSDP2 fully_shard (params and optimizer state sharded on dim 0)
 FAULT_PHASES = ("after_optimizer_step", "mid_shard_write", "before_report", "commit_before_tracker", "retention_delete")
 
 
@@ -92,6 +92,7 @@ class ModelConfig(_Section):
     dropout: float = 0.0  # dropout probability in [0, 1)
     builder: str = ""  # "pkg.module:fn" returning your nn.Module, called with this section as a dict ("" = built-in GPT)
     args: dict[str, Any] = field(default_factory=dict)  # free-form settings for your builder
+    fsdp_units: list[str] = field(default_factory=list)  # strategy fsdp: module class names to shard as units ([] = each module in an nn.ModuleList)
 
     def _check(self) -> list[str]:
         p: list[str] = []
@@ -151,7 +152,7 @@ class TrainingConfig(_Section):
     train_steps: int = 200  # total optimizer steps (>= 1)
     lr: float = 3.0e-4  # peak learning rate (> 0)
     seed: int = 42  # model-init / dropout seed
-    strategy: str = "ddp"  # data-parallel strategy: ddp (fsdp is planned)
+    strategy: str = "ddp"  # data parallelism: ddp (replicated) | fsdp (FSDP2 fully_shard, sharded on dim 0)
     warmup_steps: int = 0  # linear LR warmup steps (>= 0)
     weight_decay: float = 0.0  # AdamW weight decay (>= 0)
     log_every: int = 10  # log metrics every N steps (>= 1)

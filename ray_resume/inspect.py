@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from .checkpoint import layout
-from .checkpoint.reader import Iteration, check_no_extra_shards, iteration_steps, open_iteration, read_tracker, read_verified, shard_header
+from .checkpoint.reader import Iteration, ShardReader, check_no_extra_shards, iteration_steps, open_iteration, read_tracker, saved_pieces
 from .checkpoint.schema import CKPT_STATUS_OK, CheckpointError, parse_json
 from .checkpoint.storage import LocalStorage, storage_for
 
@@ -118,68 +118,30 @@ def resolve_iteration(storage: LocalStorage, root: str, requested: int | None) -
 
 
 def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
-    """Check every file metadata.json lists (size, sha256, safetensors pieces) and look for extra shards.
+    """Check every file metadata.json lists (size, sha256, the pieces its header holds) and look for extra shards.
 
-    Reads one file at a time. Returns {"ok", "problems": [str], "files": {name: {...}}};
+    Streams one file at a time. Returns {"ok", "problems": [str], "files": {name: {...}}};
     every problem names the file it is about.
     """
     problems: list[str] = []
     files: dict[str, dict] = {}
-    pieces_by_file: dict[str, list[tuple[str, dict, dict]]] = {}
-    for kind, tensors in it.metadata["tensors"].items():
-        for name, spec in tensors.items():
-            for piece in spec["pieces"]:
-                pieces_by_file.setdefault(piece["file"], []).append((name, spec, piece))
-            problems += _coverage_problems(it, kind, name, spec)
+    pieces = {file: requests for kind in it.metadata["tensors"] for file, requests in saved_pieces(it, kind).items()}
+    reader = ShardReader(storage, it)
     for name, expected in sorted(it.metadata["files"].items()):
         entry = {"size": expected["size"], "sha256": expected["sha256"], "kind": expected.get("kind"), "rank": expected.get("rank"), "ok": False}
         files[name] = entry
         try:
-            data = read_verified(storage, it, [name])[name]
-            header = shard_header(data, layout.join(it.path, name))
+            reader.check(name, pieces.get(name, []))
+            reader.read_whole(name, [])
         except CheckpointError as exc:
             problems.append(str(exc))
             continue
-        bad = _piece_problems(it, name, header, pieces_by_file.get(name, []))
-        problems += bad
-        entry["ok"] = not bad
+        entry["ok"] = True
     try:
         check_no_extra_shards(storage, it)
     except CheckpointError as exc:
         problems.append(str(exc))
     return {"ok": not problems, "problems": problems, "files": files}
-
-
-def _coverage_problems(it: Iteration, kind: str, name: str, spec: dict) -> list[str]:
-    numel = 1
-    for d in spec["shape"]:
-        numel *= d
-    covered = 0
-    for piece in sorted(spec["pieces"], key=lambda p: p.get("start", -1)):
-        if piece.get("start") != covered or not isinstance(piece.get("numel"), int) or piece["numel"] < 0:
-            break
-        covered += piece["numel"]
-    if covered != numel:
-        return [f"{layout.join(it.path, layout.METADATA)}: tensors.{kind}[{name!r}] pieces cover {covered} of {numel} elements contiguously"]
-    return []
-
-
-def _piece_problems(it: Iteration, file: str, header: dict, pieces: list[tuple[str, dict, dict]]) -> list[str]:
-    """Each piece stored under its tensor's name in `file`, 1-D, with the right dtype and length."""
-    out = []
-    for name, spec, piece in pieces:
-        entry = header.get(name)
-        where = f"{layout.join(it.path, file)}[{name!r}]"
-        if not isinstance(entry, dict):
-            out.append(f"{where}: tensor listed in metadata.json is not in the file")
-            continue
-        shape = entry.get("shape") or []
-        n = 1
-        for d in shape:
-            n *= d
-        if entry.get("dtype") != spec["dtype"] or n != piece["numel"]:
-            out.append(f"{where}: file holds {entry.get('dtype')} {shape}, metadata.json says {spec['dtype']} with {piece['numel']} elements")
-    return out
 
 
 # ----------------------------------------------------------------------------- list
@@ -311,11 +273,12 @@ def cmd_show(args) -> int:
     storage = open_root(args.root)
     step, tracker = resolve_iteration(storage, args.root, args.iteration)
     it = open_iteration(storage, args.root, step)  # CheckpointError -> exit 1
+    pieces = {kind: _pieces_by_tensor(it, kind) for kind in it.metadata["tensors"]}
     tensors = []
     for kind, specs in it.metadata["tensors"].items():
         for name, spec in specs.items():
-            tensors.append({"kind": kind, "name": name, "dtype": spec["dtype"], "shape": spec["shape"],
-                            "pieces": sorted(spec["pieces"], key=lambda p: p["start"])})
+            tensors.append({"kind": kind, "name": name, "dtype": spec["dtype"], "shape": spec["shape"], "layout": spec["layout"],
+                            "pieces": sorted(pieces[kind].get(name, []), key=lambda p: p["start"])})
     if args.json:
         _emit_json({"root": args.root, "iteration": step, "path": it.path, "tracker": step == tracker,
                     "common": it.common, "prefix": it.metadata.get("prefix"), "world_size": it.metadata["world_size"],
@@ -330,16 +293,26 @@ def cmd_show(args) -> int:
     print(table(["file", "kind", "rank", "size"],
                 [[n, f.get("kind"), f.get("rank"), human_size(f["size"])] for n, f in sorted(it.metadata["files"].items())], right={2, 3}))
     print()
-    print("tensors (each piece: elements [start, start+numel) of the flattened tensor, stored under the tensor's name)")
+    print("tensors (layout split: replicated, byte-split across ranks; dim0: FSDP rows. Each piece: elements\n"
+          "[start, start+numel) of the flattened tensor, stored under the tensor's name)")
     rows = []
     for t in tensors:
         first = True
         for piece in t["pieces"] or [None]:
-            head = [t["kind"], t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]"] if first else ["", "", "", ""]
+            head = [t["kind"], t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", t["layout"]] if first else [""] * 5
             rows.append(head + ([piece["file"], piece["start"], piece["numel"]] if piece else ["-", "", ""]))
             first = False
-    print(table(["kind", "name", "dtype", "shape", "file", "start", "numel"], rows, right={5, 6}))
+    print(table(["kind", "name", "dtype", "shape", "layout", "file", "start", "numel"], rows, right={6, 7}))
     return 0
+
+
+def _pieces_by_tensor(it: Iteration, kind: str) -> dict[str, list[dict]]:
+    """{tensor: [{file, start, numel}]}, derived from the layout (metadata.json does not list pieces)."""
+    out: dict[str, list[dict]] = {}
+    for file, requests in saved_pieces(it, kind).items():
+        for r in requests:
+            out.setdefault(r.piece.name, []).append({"file": file, "start": r.piece.start, "numel": r.piece.numel})
+    return out
 
 
 # ----------------------------------------------------------------------------- export
@@ -350,7 +323,7 @@ EXPORT_FILES = ("model.safetensors", "optimizer.safetensors", layout.CONFIG)
 def cmd_export(args) -> int:
     import safetensors.torch  # heavy: only this command needs it
 
-    from .checkpoint.reader import load_state
+    from .checkpoint.fetch import load_state
 
     storage = open_root(args.root)
     out = args.out_dir

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint.state import load_optim_tensors, optim_tensors, unwrap
+from .checkpoint.state import load_optim_tensors, local_tensor, optim_tensors, unwrap
 
 MAIN_PARAM = "main_param"
 
@@ -77,7 +77,7 @@ class MainParamsOptimizer:
             for main, (_, p) in zip(self.main, self.named):
                 main.grad = None if p.grad is None else p.grad.float() / self.loss_scale
         if self.scaler:
-            finite = all(torch.isfinite(m.grad).all() for m in self.main if m.grad is not None)
+            finite = all(torch.isfinite(local_tensor(m.grad)).all() for m in self.main if m.grad is not None)
             finite_flag = torch.tensor([1.0 if finite else 0.0], device=self.main[0].device)
             if torch.distributed.is_initialized():  # every rank must agree to skip
                 torch.distributed.all_reduce(finite_flag, op=torch.distributed.ReduceOp.MIN)
@@ -99,19 +99,21 @@ class MainParamsOptimizer:
                 for main, (_, p) in zip(self.main, self.named):
                     main.copy_(p.float())
 
-    def _named_main(self) -> list[tuple[str, torch.Tensor]]:
+    def named_main(self) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, the tensor AdamW steps): the fp32 main param, or the param itself in fp32."""
         return [(name, main) for main, (name, _) in zip(self.main, self.named)]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Name-keyed optimizer slots, plus the fp32 main params when they shadow the model."""
-        out = optim_tensors(self._named_main(), self.optimizer)
+        out = optim_tensors(self.named_main(), self.optimizer)
         if self.mixed:
-            out.update({f"{name}.{MAIN_PARAM}": main.detach() for name, main in self._named_main()})
+            out.update({f"{name}.{MAIN_PARAM}": main.detach() for name, main in self.named_main()})
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        load_optim_tensors(self._named_main(), self.optimizer, tensors)
+        load_optim_tensors(self.named_main(), self.optimizer, tensors)
         if self.mixed:
             with torch.no_grad():
-                for name, main in self._named_main():
-                    main.copy_(tensors[f"{name}.{MAIN_PARAM}"])
+                for name, main in self.named_main():
+                    local = local_tensor(main)  # this rank's shard under FSDP
+                    local.copy_(tensors[f"{name}.{MAIN_PARAM}"].view(local.shape))

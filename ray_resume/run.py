@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import ray
 import ray.train
+import torch
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -32,7 +33,8 @@ from .checkpoint.schema import CheckpointError
 from .checkpoint.storage import storage_for
 from .config import Config, ConfigError, load_config
 from .data import DataError, ensure_dataset, scan_units
-from .plugins import resolve
+from . import parallel
+from .plugins import make_model, resolve
 from .train_loop import train_func
 
 logger = logging.getLogger("ray_resume")
@@ -74,6 +76,9 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
     """
     cfg = absolute_paths(cfg)
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
+    if cfg.training.strategy == "fsdp" and cfg.model.fsdp_units:
+        with torch.device("meta"):  # check the unit class names without allocating the model
+            parallel.fsdp_units(make_model(plugins, cfg), cfg.model.fsdp_units)
     job_id = uuid.uuid4().hex[:12]
     lease = None
     if cfg.checkpoint.enable_save:  # before anything under save_path is read for writing or moved

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 
 import ray
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
+from . import parallel
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.fetch import collective_device
 from .checkpoint.state import seed_everything
@@ -48,8 +47,7 @@ def train_func(args: dict) -> None:
     seed_everything(train.seed)  # identical initial weights on every rank
     plugins = args["plugins"]
     device = ray.train.torch.get_device()  # cuda:N with use_gpu (NCCL), else cpu (gloo)
-    model = make_model(plugins, cfg).to(device)
-    model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    model = parallel.wrap(make_model(plugins, cfg).to(device), train.strategy, cfg.model.fsdp_units, device, world)
     optimizer = MainParamsOptimizer(model, lr=train.lr, weight_decay=train.weight_decay)
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
 
@@ -106,9 +104,8 @@ def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumul
     optimizer.zero_grad()
     total = torch.zeros((), device=device)
     for i in range(accumulation):
-        # Only the last micro-batch all-reduces gradients; the others accumulate locally.
-        sync = model.no_sync() if i < accumulation - 1 else nullcontext()
-        with sync:
+        # Only the last micro-batch reduces gradients across ranks; the others accumulate locally.
+        with parallel.gradient_sync(model, i == accumulation - 1):
             micro = plugins.collate({k: v[i * micro_batch : (i + 1) * micro_batch] for k, v in columns.items()})
             micro = {k: t.to(device, non_blocking=True) for k, t in micro.items()}
             loss = plugins.loss(model, micro) / accumulation

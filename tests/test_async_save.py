@@ -21,7 +21,8 @@ from ray_resume.checkpoint import checkpointer as checkpointer_module
 from ray_resume.checkpoint import layout, state
 from ray_resume.checkpoint.async_save import AsyncSaveError
 from ray_resume.checkpoint.checkpointer import Checkpointer
-from ray_resume.checkpoint.reader import load_rank_extras, load_state, open_iteration
+from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint.reader import ShardReader, load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import build_metadata, dumps
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import RANK_EXTRAS_KEY, live_data, safetensors_header, shard_layouts
@@ -69,7 +70,7 @@ def test_streamed_shards_are_exactly_what_safetensors_writes(dtype):
             for shard in shard_layouts(states, rank, world):
                 extras = {RANK_EXTRAS_KEY: '{"rng": "x\\"y"}'} if shard.kind == "opt" else None
                 ours = b"".join(bytes(c) for c in [safetensors_header(shard, extras), *live_data(shard, states[shard.kind])])
-                pieces = {p.name: states[shard.kind][p.name].reshape(-1)[p.start : p.start + p.numel].clone() for p in shard.pieces}
+                pieces = {p.name: states[shard.kind][p.name].reshape(-1)[p.start : p.start + p.numel].clone() for p in (e.piece for e in shard.entries)}
                 assert ours == safetensors.torch.save(pieces, metadata=extras), (shard.kind, rank, world)
 
 
@@ -100,14 +101,14 @@ def test_async_and_sync_saves_write_identical_files(tmp_path, no_ray, dtype):
     iter_dir = Path(layout.iteration_dir(str(roots["async"]), 3))
     (iter_dir / layout.METADATA).write_bytes(dumps(build_metadata(3, "ckpt", manifests)))
     (iter_dir / layout.COMMON).write_bytes(dumps({
-        "format_version": 1, "global_step": 3, "global_batch_size": 16, "step_num": 3, "epoch_num": 0, "loss_scale": 1.0,
+        "format_version": layout.FORMAT_VERSION, "global_step": 3, "global_batch_size": 16, "step_num": 3, "epoch_num": 0, "loss_scale": 1.0,
         "ckpt_status": "ok", "consumed_samples": 48, "world_size": 2, "has_optimizer": True, "job_id": "t"}))
     it = open_iteration(LocalStorage(), str(roots["async"]), 3)
     for name, tensor in load_state(LocalStorage(), it, "model").items():
         assert torch.equal(tensor, state.model_tensors(model)[name])
     for name, tensor in load_state(LocalStorage(), it, "opt").items():
         assert torch.equal(tensor, opt.state_tensors()[name])
-    assert set(load_rank_extras(LocalStorage(), it, 1)) == {"rng_torch", "rng_numpy", "rng_python"}
+    assert set(load_rank_extras(ShardReader(LocalStorage(), it), 1)) == {"rng_torch", "rng_numpy", "rng_python"}
 
 
 def test_snapshot_is_taken_at_the_save_step_and_buffers_are_reused(tmp_path, no_ray):

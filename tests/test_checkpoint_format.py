@@ -11,7 +11,8 @@ import torch
 
 from ray_resume.checkpoint import layout, state
 from ray_resume.checkpoint.plan import TensorSpec, split_replicated
-from ray_resume.checkpoint.reader import check_no_extra_shards, find_committed, load_rank_extras, load_state, open_iteration, read_verified
+from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint.reader import ShardReader, check_no_extra_shards, find_committed, load_rank_extras, open_iteration, read_verified
 from ray_resume.checkpoint.schema import CheckpointError, build_metadata, dumps
 from ray_resume.checkpoint.storage import LocalStorage, storage_for
 from ray_resume.checkpoint.writer import save_shards
@@ -72,7 +73,7 @@ def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None)
     ]
     directory = Path(layout.iteration_dir(str(root), step))
     (directory / layout.METADATA).write_bytes(dumps(build_metadata(step, "ckpt", manifests)))
-    common = {"format_version": 1, "global_step": step, "global_batch_size": 8, "step_num": step, "epoch_num": 0,
+    common = {"format_version": layout.FORMAT_VERSION, "global_step": step, "global_batch_size": 8, "step_num": step, "epoch_num": 0,
               "loss_scale": 1.0, "ckpt_status": "ok", "consumed_samples": 8 * step, "world_size": world,
               "has_optimizer": True, "job_id": "test"}
     (directory / layout.COMMON).write_bytes(dumps(common))
@@ -94,7 +95,7 @@ def test_round_trip_restores_every_tensor_bitwise(tmp_path, world):
     assert fresh_opt.state_tensors().keys() == opt.state_tensors().keys()
     for name, t in opt.state_tensors().items():
         assert torch.equal(fresh_opt.state_tensors()[name], t), name
-    assert load_rank_extras(storage, it, world - 1) == {"rank": str(world - 1)}
+    assert load_rank_extras(ShardReader(storage, it), world - 1) == {"rank": str(world - 1)}
     # No file holds a byte of replicated state twice: shards add up to the state itself.
     model_bytes = sum(t.numel() * t.element_size() for t in state.model_tensors(model).values())
     stored = sum(len(b) for n, b in read_verified(storage, it, [f for f in it.metadata["files"] if "-model-" in f]).items())

@@ -150,7 +150,7 @@ def test_bad_enums():
     assert problems(cfg(model={"dtype": "float64"})) == [
         "x.yaml: model.dtype must be one of float32, bfloat16, float16; got 'float64'"]
     assert problems(cfg(training={"strategy": "zero3"})) == [
-        "x.yaml: training.strategy must be one of ddp; got 'zero3'"]
+        "x.yaml: training.strategy must be one of ddp, fsdp; got 'zero3'"]
     assert problems(cfg(fault={"phase": "sometime", "step": 5})) == [
         "x.yaml: fault.phase must be one of after_optimizer_step, mid_shard_write, before_report, "
         "commit_before_tracker, retention_delete; got 'sometime'"]

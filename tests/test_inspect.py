@@ -11,7 +11,8 @@ import safetensors.torch
 import torch
 
 from ray_resume.checkpoint import layout
-from ray_resume.checkpoint.reader import load_state, open_iteration
+from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.inspect import main
 from ray_resume.metrics import read_metrics

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_resume.checkpoint.fetch import ShardFetcher, deal_by_size
-from ray_resume.checkpoint.reader import load_rank_extras, load_state, open_iteration
+from ray_resume.checkpoint.fetch import StateLoader, deal_by_size
+from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
+from ray_resume.checkpoint.schema import tensor_specs
 from ray_resume.checkpoint.storage import LocalStorage
 from test_checkpoint_format import make_state, write_iteration
 
@@ -23,11 +24,15 @@ def _load(rank: int, root: str, init: str, out: str) -> None:
     it = open_iteration(storage, root, 5)
     report = {}
     for balanced in (False, True):
-        fetch = ShardFetcher(storage, it, rank, WORLD, balanced)
-        tensors = {f"{kind}/{n}": t for kind in ("model", "opt") for n, t in load_state(storage, it, kind, fetch).items()}
-        extras = load_rank_extras(storage, it, rank, fetch)
+        loader = StateLoader(storage, it, rank, WORLD, balanced)
+        tensors = {}
+        for kind in ("model", "opt"):
+            whole = {s.name: (0, s.numel) for s in tensor_specs(it.metadata, kind)}
+            tensors.update({f"{kind}/{n}": t for n, t in loader.load(kind, whole, replicated=True).items()})
+        data_bytes = loader.bytes_read
+        extras = load_rank_extras(loader.reader, rank)
         report[str(balanced)] = {
-            "bytes_read": fetch.bytes_read,
+            "bytes_read": data_bytes,
             "bits": {n: t.reshape(-1).contiguous().view(torch.uint8).tolist() for n, t in tensors.items()},
             "extras": extras,
         }

@@ -14,7 +14,8 @@ import pytest
 
 from conftest import FINAL, assert_same_as_reference, read_metrics, run_job, tiny_config
 from ray_resume.checkpoint import layout
-from ray_resume.checkpoint.reader import load_state, open_iteration, read_verified
+from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint.reader import open_iteration, read_verified, saved_pieces
 from ray_resume.checkpoint.storage import LocalStorage
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
@@ -42,8 +43,11 @@ def test_uninterrupted_run_commits_every_interval(reference):
     # Replicated state is split: each tensor element is stored exactly once, by one of the ranks.
     for kind in ("model", "opt"):
         state = load_state(storage, it, kind)
-        for name, spec in it.metadata["tensors"][kind].items():
-            assert sum(p["numel"] for p in spec["pieces"]) == state[name].numel()
+        stored = {}
+        for requests in saved_pieces(it, kind).values():
+            for r in requests:
+                stored[r.piece.name] = stored.get(r.piece.name, 0) + r.piece.numel
+        assert stored == {name: t.numel() for name, t in state.items()}
         assert {f["rank"] for f in it.metadata["files"].values() if f["kind"] == kind} == {0, 1}
     # Samples: every step a fresh global batch; the first 10 steps are one full epoch.
     ids = [i for s in range(1, 11) for i in reference["steps"][s][0]["ids"]]

@@ -16,7 +16,8 @@ import pytest
 
 from conftest import FINAL, per_step, read_metrics, run_job, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout
-from ray_resume.checkpoint.reader import find_committed, load_state, open_iteration, read_verified
+from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint.reader import find_committed, open_iteration, read_verified
 from ray_resume.checkpoint.storage import storage_for
 
 

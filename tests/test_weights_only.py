@@ -13,7 +13,8 @@ import torch
 from conftest import FINAL, per_step, read_metrics, run_job, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
-from ray_resume.checkpoint.reader import load_state, open_iteration
+from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.config import Config

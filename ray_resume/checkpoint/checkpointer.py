@@ -15,9 +15,10 @@ import ray
 import torch
 
 from . import layout, state
-from .fetch import ShardFetcher
-from .reader import check_no_extra_shards, load_rank_extras, load_state, open_iteration, read_export
-from .schema import CheckpointError
+from .fetch import StateLoader
+from .plan import TensorSpec, needed_range
+from .reader import check_no_extra_shards, load_rank_extras, open_iteration, read_export
+from .schema import DTYPE_TAGS, DTYPES, CheckpointError, tensor_specs
 from .async_save import BackgroundSave
 from .storage import storage_for
 from .writer import SnapshotBuffers, live_data, shard_layouts, write_shards
@@ -60,26 +61,36 @@ class Checkpointer:
             return ResumePoint()
         root, step = source
         storage = storage_for(root, self.ckpt.storage)
+        live = state.model_tensors(model)
         if step is None:
-            load_weights(model, read_export(storage, root), root)
+            load_weights(model, read_export(storage, root), root, self.rank, self.world_size)
             optimizer.reload_main_params_from_model()
             return ResumePoint(source=root)
         it = open_iteration(storage, root, step)
         check_no_extra_shards(storage, it)
-        fetch = ShardFetcher(storage, it, self.rank, self.world_size, self.ckpt.load_balanced)
-        load_weights(model, load_state(storage, it, layout.MODEL_KIND, fetch), layout.join(it.path, layout.METADATA))
+        loader = StateLoader(storage, it, self.rank, self.world_size, self.ckpt.load_balanced)
+        where = layout.join(it.path, layout.METADATA)
+        specs = {s.name: s for s in tensor_specs(it.metadata, layout.MODEL_KIND)}
+        check_weights(live, specs, state.tied_aliases(model), where)
+        ranges = {n: _needed(specs[n], t, self.rank, self.world_size) for n, t in live.items()}
+        replicated = self.cfg.training.strategy != "fsdp"  # every rank wants every tensor whole
+        assign(live, loader.load(layout.MODEL_KIND, ranges, replicated=replicated))
         if not full:
             optimizer.reload_main_params_from_model()
-            return ResumePoint(source=it.path, bytes_read=fetch.bytes_read)
+            return ResumePoint(source=it.path, bytes_read=loader.bytes_read)
         if optimizer is None:
             raise CheckpointError(f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only")
         point = self._progress(it)
         if it.common["has_optimizer"]:
-            optimizer.load_state_tensors(load_state(storage, it, layout.OPTIM_KIND, fetch))
+            specs = {s.name: s for s in tensor_specs(it.metadata, layout.OPTIM_KIND)}
+            params = dict(optimizer.named_main())
+            ranges = {n: _needed(spec, params.get(n.rsplit(".", 1)[0]), self.rank, self.world_size) for n, spec in specs.items()}
+            flat = loader.load(layout.OPTIM_KIND, ranges, replicated=replicated)
+            optimizer.load_state_tensors({n: _shaped(flat[n], specs[n]) for n in specs})
             if optimizer.scaler:
                 optimizer.scaler.load(it.common)
             if it.common["world_size"] == self.world_size:
-                state.restore_rng(load_rank_extras(storage, it, self.rank, fetch))
+                state.restore_rng(load_rank_extras(loader.reader, self.rank))
             else:
                 logger.warning("world size changed (%d -> %d): RNG streams are reseeded, not restored", it.common["world_size"], self.world_size)
         else:
@@ -87,7 +98,7 @@ class Checkpointer:
             # the progress, but the optimizer starts over (nothing else to resume).
             logger.warning("%s has no optimizer state (no_save_optim): resuming weights and progress, fresh optimizer", it.path)
             optimizer.reload_main_params_from_model()
-        point.bytes_read = fetch.bytes_read
+        point.bytes_read = loader.bytes_read
         return point
 
     def _progress(self, it) -> ResumePoint:
@@ -167,20 +178,49 @@ class Checkpointer:
         ray.get(self.coordinator.report.remote(self.attempt, step, manifest, common))
 
 
-def load_weights(model, weights: dict[str, torch.Tensor], where: str) -> None:
-    """Load `weights` into `model` after checking names, shapes and dtypes, naming the first misfit."""
-    current = state.model_tensors(model)
-    for name, tensor in current.items():
-        if name not in weights:
+def _needed(spec: TensorSpec, live: torch.Tensor | None, rank: int, world_size: int) -> tuple[int, int]:
+    """What `rank` loads of `spec`: its dim-0 chunk when the live tensor is an FSDP shard of the same shape, else all."""
+    sharded = live is not None and state.dim0_sharded(live) and tuple(live.shape) == spec.shape
+    return needed_range(spec, sharded, world_size, rank)
+
+
+def load_weights(model, weights: dict[str, torch.Tensor], where: str, rank: int = 0, world_size: int = 1) -> None:
+    """Load whole tensors `weights` (an export) into `model`, this rank's shards of them under FSDP."""
+    live = state.model_tensors(model)
+    specs = {n: TensorSpec(n, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size()) for n, t in weights.items()}
+    check_weights(live, specs, state.tied_aliases(model), where)
+    assign(live, {n: _elements(weights[n], _needed(specs[n], t, rank, world_size)) for n, t in live.items()})
+
+
+def check_weights(live: dict[str, torch.Tensor], saved: dict[str, TensorSpec], aliases: dict[str, str], where: str) -> None:
+    """Names, shapes and dtypes of the saved weights against the model's, naming the first misfit."""
+    for name, tensor in live.items():
+        if name not in saved:
             raise CheckpointError(f"{where}: model tensor {name!r} is missing; the model config differs from the one that saved it")
-        got = weights[name]
-        if tuple(got.shape) != tuple(tensor.shape) or got.dtype != tensor.dtype:
+        got = saved[name]
+        if got.shape != tuple(tensor.shape) or got.dtype != DTYPE_TAGS[tensor.dtype]:
             raise CheckpointError(
-                f"{where}: tensor {name!r} is {got.dtype} {list(got.shape)} there but "
+                f"{where}: tensor {name!r} is {DTYPES[got.dtype]} {list(got.shape)} there but "
                 f"{tensor.dtype} {list(tensor.shape)} in the model; the model config differs from the one that saved it"
             )
-    extra = sorted(set(weights) - set(current))
+    extra = sorted(set(saved) - set(live) - set(aliases))
     if extra:
         raise CheckpointError(f"{where}: tensor {extra[0]!r} is not a tensor of the model")
-    tied = {alias: weights[name] for alias, name in state.tied_aliases(model).items()}
-    state.unwrap(model).load_state_dict({**weights, **tied})
+
+
+def assign(live: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
+    """Copy loaded elements into the model's tensors (this rank's shard of each, under FSDP); tied aliases follow."""
+    with torch.no_grad():
+        for name, tensor in live.items():
+            local = state.local_tensor(tensor)
+            local.copy_(loaded[name].view(local.shape))
+
+
+def _elements(t: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
+    start, numel = r
+    return t.reshape(-1)[start : start + numel]
+
+
+def _shaped(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """A loaded range in its tensor's shape: the whole tensor, or a dim-0 chunk of rows."""
+    return flat.reshape(spec.shape) if flat.numel() == spec.numel else flat.reshape(-1, *spec.shape[1:])

@@ -1,11 +1,20 @@
-"""Where a rank's checkpoint bytes come from: storage directly, or load_balanced.
+"""How a rank loads its part of an iteration: which files it reads, whole or by range, and load_balanced.
 
-Under DDP every rank needs every tensor, so a direct load reads the whole
-checkpoint W times. With `load_balanced: true` (spec 2.2, scenario D) the
-shard files are dealt out to ranks by size (largest first, to the least
-loaded rank), each rank reads and verifies only its own, and every file is
-then broadcast from its reader over the process group: each byte comes off
-storage once in total. Both modes count the bytes they read.
+A rank asks for element ranges of tensors (all of each tensor under DDP,
+its own dim-0 chunk under FSDP) and gets them in fresh tensors; every byte
+read from storage is counted.
+
+- Direct: the file of saving rank s is read whole, with its sha256 checked,
+  by loading rank s mod W' (its verifier); any other rank that needs part
+  of it reads just those byte ranges. Every file is verified by exactly one
+  rank, and the ranks agree that all checks passed before anyone returns.
+  FSDP on the same world size reads each file once; DDP reads the whole
+  checkpoint W' times.
+- `load_balanced: true` (spec 2.2, scenario D; replicated targets only): the
+  shard files are dealt out by size (largest first, to the least loaded
+  rank); each rank reads and verifies its own files, then every piece is
+  broadcast from its reader straight into the other ranks' tensors. Each
+  byte comes off storage once in total.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .reader import Iteration, read_verified
+from .reader import Iteration, ShardReader, plan_reads, shard_files
 from .schema import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -40,51 +49,83 @@ def deal_by_size(sizes: list[int], world_size: int) -> list[int]:
     return owners
 
 
-class ShardFetcher:
-    """Verified bytes of shard files, cached for the one load, with a storage byte counter."""
+class StateLoader:
+    """Loads tensors of one iteration for `rank` of a `world_size` group (see the module doc)."""
 
-    def __init__(self, storage, it: Iteration, rank: int, world_size: int, balanced: bool):
-        self.storage, self.it = storage, it
+    def __init__(self, storage, it: Iteration, rank: int = 0, world_size: int = 1, balanced: bool = False):
+        self.it = it
         self.rank, self.world_size = rank, world_size
         self.balanced = balanced and world_size > 1
-        self.cache: dict[str, bytes] = {}
+        self.reader = ShardReader(storage, it)
         self.device = collective_device()
-        self.bytes_read = 0
 
-    def __call__(self, names: list[str]) -> dict[str, bytes]:
-        missing = sorted(n for n in set(names) if n not in self.cache)
-        if missing:
-            self.cache.update(self._balanced(missing) if self.balanced else self._read(missing))
-        return {n: self.cache[n] for n in names}
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
 
-    def _read(self, names: list[str]) -> dict[str, bytes]:
-        data = read_verified(self.storage, self.it, names)
-        self.bytes_read += sum(len(b) for b in data.values())
-        return data
+    def load(self, kind: str, ranges: dict[str, tuple[int, int]], *, replicated: bool) -> dict[str, torch.Tensor]:
+        """Flat tensors holding elements [start, start + numel) of each named tensor.
 
-    def _balanced(self, names: list[str]) -> dict[str, bytes]:
-        # Every rank calls this with the same names (they come from metadata.json),
-        # so all ranks agree on the owners and on the order of the broadcasts.
-        sizes = [self.it.metadata["files"][n]["size"] for n in names]
-        owners = deal_by_size(sizes, self.world_size)
-        mine, error = {}, None
+        `replicated` says every rank asks for the same (whole) tensors, which
+        is what load_balanced needs; all ranks must pass the same value.
+        """
+        dests, reads = plan_reads(self.it, kind, ranges)
+        files = shard_files(self.it, kind)
+        balanced = self.balanced and replicated
+        owners = (deal_by_size([self.it.metadata["files"][f]["size"] for f in files], self.world_size) if balanced
+                  else [saver % self.world_size for saver in range(len(files))])
+        error = None
         try:
-            mine = self._read([n for n, o in zip(names, owners) if o == self.rank])
+            for file, owner in zip(files, owners):
+                if owner == self.rank:
+                    self.reader.read_whole(file, reads.get(file, []))
+                elif not balanced and file in reads:
+                    self.reader.read_ranges(file, reads[file])
         except CheckpointError as exc:
             error = exc
-        # Agree before broadcasting: a rank that found damage must not leave the others waiting.
+        self._agree(error)
+        if balanced:
+            for file, owner in zip(files, owners):
+                for request in reads.get(file, []):
+                    self._broadcast(request.dest, owner)
+        return dests
+
+    def _agree(self, error: CheckpointError | None) -> None:
+        """Every rank learns whether any rank found damage, so none waits for a peer that gave up."""
+        if not (dist.is_initialized() and self.world_size > 1):
+            if error:
+                raise error
+            return
         failed = torch.tensor([1 if error else 0], device=self.device)
         dist.all_reduce(failed)
         if error:
             raise error
         if failed.item():
-            raise CheckpointError(f"{self.it.path}: another rank found a damaged shard while loading (load_balanced); see its error")
-        out = {}
-        for name, size, owner in zip(names, sizes, owners):
-            if owner == self.rank:
-                buffer = torch.frombuffer(bytearray(mine[name]), dtype=torch.uint8).to(self.device)
-            else:
-                buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            dist.broadcast(buffer, src=owner)  # NCCL needs the bytes on the GPU, gloo takes them on the host
-            out[name] = mine[name] if owner == self.rank else buffer.cpu().numpy().tobytes()
-        return out
+            raise CheckpointError(f"{self.it.path}: another rank found a damaged shard while loading; see its error")
+
+    def _broadcast(self, dest: torch.Tensor, owner: int) -> None:
+        if not dest.numel():
+            return
+        if self.device.type == "cpu":
+            dist.broadcast(dest, src=owner)  # straight into this rank's tensor
+            return
+        staged = dest.to(self.device)  # NCCL moves GPU memory only
+        dist.broadcast(staged, src=owner)
+        dest.copy_(staged.cpu())
+
+
+def load_state(storage, it: Iteration, kind: str) -> dict[str, torch.Tensor]:
+    """Every tensor of `kind`, whole and shaped, in this process (tools, tests, exports)."""
+    specs = it.metadata["tensors"].get(kind)
+    if specs is None:
+        raise CheckpointError(f"{it.path}/metadata.json: holds no {kind!r} tensors")
+    ranges = {name: (0, _numel(t["shape"])) for name, t in specs.items()}
+    flat = StateLoader(storage, it).load(kind, ranges, replicated=True)
+    return {name: flat[name].reshape(specs[name]["shape"]) for name in specs}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

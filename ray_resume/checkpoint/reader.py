@@ -9,16 +9,17 @@ Shards are parsed by safetensors (no pickle).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import safetensors.torch
 import torch
 
 from . import layout
-from .schema import DTYPES, CheckpointError, parse_json, validate_common, validate_metadata
+from .plan import Piece, SavePlan, TensorSpec
+from .schema import DTYPES, CheckpointError, parse_json, tensor_specs, validate_common, validate_metadata
 from .storage import LocalStorage
 from .writer import RANK_EXTRAS_KEY
 
@@ -99,14 +100,154 @@ def check_no_extra_shards(storage: LocalStorage, it: Iteration) -> None:
             raise CheckpointError(f"{layout.join(it.path, name)}: shard file not listed in metadata.json; remove it or restore the matching metadata.json")
 
 
-def shard_header(data: bytes, where: str) -> dict:
-    """The JSON header of a safetensors file (its `__metadata__` holds our per-rank extras)."""
-    if len(data) < 8:
-        raise CheckpointError(f"{where}: too short to be a safetensors file")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > len(data) - 8:
-        raise CheckpointError(f"{where}: safetensors header length {length} exceeds the file")
-    return parse_json(data[8 : 8 + length], where)
+# A safetensors header larger than this is not one we wrote (ours are ~100 bytes per tensor).
+MAX_HEADER = 64 << 20
+
+
+@dataclass(frozen=True)
+class Request:
+    """Elements [lo, hi) of a saved piece, to be copied into `dest` (a flat view of the rank's tensor)."""
+
+    piece: Piece
+    spec: TensorSpec
+    lo: int
+    hi: int
+    dest: torch.Tensor | None = None  # None: only checked (verification)
+
+
+class ShardReader:
+    """Reads shard bytes of one iteration into destination tensors, counting the bytes read.
+
+    Two ways to read a file: `read_whole` streams all of it once, checking
+    its sha256 and copying the requested pieces out of the stream (no copy
+    of the file is held); `read_ranges` fetches only the requested byte
+    ranges (used when another rank verifies that file). Headers are read and
+    checked against metadata.json before any piece is copied.
+    """
+
+    def __init__(self, storage: LocalStorage, it: Iteration):
+        self.storage, self.it = storage, it
+        self.bytes_read = 0
+        self._headers: dict[str, tuple[int, dict]] = {}
+
+    def path(self, file: str) -> str:
+        return layout.join(self.it.path, file)
+
+    def _read_range(self, file: str, offset: int, length: int) -> bytes:
+        self.bytes_read += length
+        return self.storage.read_range(self.path(file), offset, length)
+
+    def _check_size(self, file: str) -> int:
+        path, size = self.path(file), self.it.metadata["files"][file]["size"]
+        actual = self.storage.size(path)
+        if actual is None:
+            raise CheckpointError(f"{path}: shard listed in metadata.json is missing")
+        if actual != size:
+            raise CheckpointError(f"{path}: size is {actual} bytes, metadata.json says {size}; the shard is truncated or replaced")
+        return size
+
+    def header(self, file: str, head: bytes = b"") -> tuple[int, dict]:
+        """(offset of the data section, header) of a listed shard file, after checking its size.
+
+        `head` is the file's first bytes when a streamed read already has
+        them; otherwise the header is fetched by two small range reads.
+        """
+        if file in self._headers:
+            return self._headers[file]
+        path, size = self.path(file), self._check_size(file)
+        if size < 8:
+            raise CheckpointError(f"{path}: too short to be a safetensors file")
+        (length,) = struct.unpack("<Q", head[:8] if len(head) >= 8 else self._read_range(file, 0, 8))
+        if length > min(size - 8, MAX_HEADER):
+            raise CheckpointError(f"{path}: safetensors header length {length} exceeds the file")
+        text = head[8 : 8 + length] if len(head) >= 8 + length else self._read_range(file, 8, length)
+        self._headers[file] = (8 + length, parse_json(text, path))
+        return self._headers[file]
+
+    def check(self, file: str, requests: list[Request]) -> list[tuple[int, int, Request]]:
+        """(first byte, end byte, request) in the file for each request, sorted; the header must agree with metadata.json."""
+        data_start, header = self.header(file)
+        size = self.it.metadata["files"][file]["size"]
+        spans = []
+        for r in requests:
+            entry = header.get(r.piece.name)
+            nbytes = r.piece.numel * r.spec.itemsize
+            offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+            if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                    or entry.get("dtype") != r.spec.dtype or entry.get("shape") != [r.piece.numel]
+                    or offsets[1] - offsets[0] != nbytes or offsets[0] < 0 or data_start + offsets[1] > size):
+                raise CheckpointError(f"{self.path(file)}[{r.piece.name!r}]: piece does not match metadata.json (dtype, size or position)")
+            first = data_start + offsets[0] + (r.lo - r.piece.start) * r.spec.itemsize
+            spans.append((first, first + (r.hi - r.lo) * r.spec.itemsize, r))
+        return sorted(spans, key=lambda s: s[0])
+
+    def read_whole(self, file: str, requests: list[Request]) -> None:
+        """Stream the whole file once: check its sha256 and copy every requested piece out of it."""
+        if file not in self._headers:
+            self._check_size(file)
+        blocks = iter(self.storage.read_blocks(self.path(file)))
+        first_block = next(blocks, b"")
+        self.header(file, first_block)  # from the stream itself: no extra request
+        spans = [(first, last, _writable_bytes(r.dest)) for first, last, r in self.check(file, requests)]
+        digest, pos, i = hashlib.sha256(), 0, 0
+        for block in itertools.chain([first_block], blocks):
+            digest.update(block)
+            end = pos + len(block)
+            view = memoryview(block)
+            while i < len(spans) and spans[i][0] < end:
+                first, last, dest = spans[i]
+                lo, hi = max(first, pos), min(last, end)
+                dest[lo - first : hi - first] = view[lo - pos : hi - pos]
+                if last > end:
+                    break  # the span continues in the next block
+                i += 1
+            pos = end
+        self.bytes_read += pos
+        if digest.hexdigest() != self.it.metadata["files"][file]["sha256"]:
+            raise CheckpointError(f"{self.path(file)}: sha256 does not match metadata.json; the shard is corrupt")
+
+    def read_ranges(self, file: str, requests: list[Request]) -> None:
+        """Fetch only the requested byte ranges (the file's sha256 is checked by its verifying rank)."""
+        for first, last, r in self.check(file, requests):
+            _writable_bytes(r.dest)[:] = self._read_range(file, first, last - first)
+
+
+def _writable_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(bytearray())
+
+
+def plan_reads(it: Iteration, kind: str, ranges: dict[str, tuple[int, int]]) -> tuple[dict[str, torch.Tensor], dict[str, list[Request]]]:
+    """Destination tensors for the element `ranges` wanted of each tensor, and the reads (by file) that fill them."""
+    meta = it.metadata
+    if kind not in meta["tensors"]:
+        raise CheckpointError(f"{layout.join(it.path, layout.METADATA)}: holds no {kind!r} tensors")
+    specs = {s.name: s for s in tensor_specs(meta, kind)}
+    plan = SavePlan(list(specs.values()), meta["world_size"])
+    prefix = meta.get("prefix", "ckpt")
+    dests, reads = {}, {}
+    for name, (start, numel) in ranges.items():
+        spec = specs[name]
+        dests[name] = dest = torch.empty(numel, dtype=DTYPES[spec.dtype])
+        for rank, piece in plan.overlaps(name, start, numel):
+            lo, hi = max(start, piece.start), min(start + numel, piece.start + piece.numel)
+            file = layout.shard_filename(prefix, kind, rank, meta["world_size"])
+            reads.setdefault(file, []).append(Request(piece, spec, lo, hi, dest[lo - start : hi - start]))
+    return dests, reads
+
+
+def shard_files(it: Iteration, kind: str) -> list[str]:
+    """The kind's shard files in saving-rank order."""
+    meta = it.metadata
+    return [layout.shard_filename(meta.get("prefix", "ckpt"), kind, r, meta["world_size"]) for r in range(meta["world_size"])]
+
+
+def saved_pieces(it: Iteration, kind: str) -> dict[str, list[Request]]:
+    """Every saved piece of `kind`, by file, as whole-piece requests without a destination (verification)."""
+    specs = tensor_specs(it.metadata, kind)
+    by_name = {s.name: s for s in specs}
+    plan = SavePlan(specs, it.metadata["world_size"])
+    return {file: [Request(p, by_name[p.name], p.start, p.start + p.numel) for p in plan.share(rank)]
+            for rank, file in enumerate(shard_files(it, kind))}
 
 
 def _parse_shard(data: bytes, where: str) -> dict[str, torch.Tensor]:
@@ -116,51 +257,15 @@ def _parse_shard(data: bytes, where: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{where}: not a valid safetensors file ({exc})") from None
 
 
-Fetch = Callable[[list[str]], dict[str, bytes]]  # file names -> verified bytes
-
-
-def load_state(storage: LocalStorage, it: Iteration, kind: str, fetch: Fetch | None = None) -> dict[str, torch.Tensor]:
-    """Assemble every full tensor of `kind` from the pieces in metadata.json.
-
-    `fetch` supplies verified file bytes (default: read them here); the
-    load_balanced fetcher gets them from other ranks instead.
-    """
-    fetch = fetch or (lambda names: read_verified(storage, it, names))
-    tensors = it.metadata["tensors"].get(kind)
-    if tensors is None:
-        raise CheckpointError(f"{layout.join(it.path, layout.METADATA)}: holds no {kind!r} tensors")
-    files = sorted({p["file"] for t in tensors.values() for p in t["pieces"]})
-    parsed = {name: _parse_shard(data, layout.join(it.path, name)) for name, data in fetch(files).items()}
-    out = {}
-    for name, spec in tensors.items():
-        dtype, shape = DTYPES[spec["dtype"]], spec["shape"]
-        numel = 1
-        for d in shape:
-            numel *= d
-        flat = torch.empty(numel, dtype=dtype)
-        covered = 0
-        for piece in sorted(spec["pieces"], key=lambda p: p["start"]):
-            where = f"{layout.join(it.path, piece['file'])}[{name!r}]"
-            part = parsed[piece["file"]].get(name)
-            if part is None or part.dtype != dtype or part.numel() != piece["numel"] or piece["start"] != covered:
-                raise CheckpointError(f"{where}: piece does not match metadata.json (dtype, size or position)")
-            flat[covered : covered + part.numel()] = part.reshape(-1)
-            covered += part.numel()
-        if covered != numel:
-            raise CheckpointError(f"{layout.join(it.path, layout.METADATA)}: tensor {name!r} pieces cover {covered} of {numel} elements")
-        out[name] = flat.reshape(shape)
-    return out
-
-
-def load_rank_extras(storage: LocalStorage, it: Iteration, rank: int, fetch: Fetch | None = None) -> dict[str, str]:
-    """This rank's RNG strings from its opt shard (same world size only)."""
-    name = layout.shard_filename(it.metadata.get("prefix", "ckpt"), layout.OPTIM_KIND, rank, it.metadata["world_size"])
-    data = (fetch or (lambda names: read_verified(storage, it, names)))([name])[name]
-    header = shard_header(data, layout.join(it.path, name))
+def load_rank_extras(reader: ShardReader, rank: int) -> dict[str, str]:
+    """This rank's RNG strings from its opt shard's header (same world size only)."""
+    meta = reader.it.metadata
+    name = layout.shard_filename(meta.get("prefix", "ckpt"), layout.OPTIM_KIND, rank, meta["world_size"])
+    _, header = reader.header(name)
     extras = (header.get("__metadata__") or {}).get(RANK_EXTRAS_KEY)
     if not isinstance(extras, str):
-        raise CheckpointError(f"{layout.join(it.path, name)}: header has no {RANK_EXTRAS_KEY!r} (the rank's RNG state)")
-    return parse_json(extras.encode(), f"{layout.join(it.path, name)}: {RANK_EXTRAS_KEY}")
+        raise CheckpointError(f"{reader.path(name)}: header has no {RANK_EXTRAS_KEY!r} (the rank's RNG state)")
+    return parse_json(extras.encode(), f"{reader.path(name)}: {RANK_EXTRAS_KEY}")
 
 
 def iteration_steps(storage: LocalStorage, root: str) -> list[int]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from . import layout
+from .plan import DIM0, LAYOUTS, TensorSpec
 
 CKPT_STATUS_OK = "ok"
 
@@ -86,8 +87,11 @@ def validate_common(common: dict, where: str) -> None:
 
 
 def validate_metadata(meta: dict, where: str) -> None:
-    """Structure checks, including that no file name can leave the iteration dir."""
+    """Structure checks: no file name can leave the iteration dir, every layout is known, every shard is listed."""
     check_fields(meta, METADATA_FIELDS, where)
+    prefix, world = meta.get("prefix", "ckpt"), meta["world_size"]
+    if world < 1:
+        raise CheckpointError(f"{where}: field 'world_size' has the impossible value {world}")
     for name, info in meta["files"].items():
         if not layout.is_plain_filename(name):
             raise CheckpointError(f"{where}: file name {name!r} points outside the iteration directory; refusing to read it")
@@ -100,22 +104,34 @@ def validate_metadata(meta: dict, where: str) -> None:
             label = f"{where}: tensors.{kind}[{name!r}]"
             if not isinstance(t, dict) or t.get("dtype") not in DTYPES or not isinstance(t.get("shape"), list):
                 raise CheckpointError(f"{label} needs a known 'dtype' and a 'shape' list")
-            for piece in t.get("pieces", []):
-                if not isinstance(piece, dict) or piece.get("file") not in meta["files"]:
-                    raise CheckpointError(f"{label}: a piece names a file not listed in 'files': {piece!r}")
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in t["shape"]):
+                raise CheckpointError(f"{label}: 'shape' must be a list of non-negative integers, got {t['shape']!r}")
+            if t.get("layout") not in LAYOUTS or (t["layout"] == DIM0 and not t["shape"]):
+                raise CheckpointError(f"{label}: 'layout' must be one of {list(LAYOUTS)} (dim0 needs a shape), got {t.get('layout')!r}")
+        for rank in range(world):
+            name = layout.shard_filename(prefix, kind, rank, world)
+            if name not in meta["files"]:
+                raise CheckpointError(f"{where}: shard {name!r} of rank {rank} is not listed in 'files'; the iteration is incomplete")
+
+
+def tensor_specs(meta: dict, kind: str) -> list[TensorSpec]:
+    """The saved tensors of `kind` (validated metadata), as plan specs."""
+    return [TensorSpec(name, t["dtype"], tuple(t["shape"]), DTYPES[t["dtype"]].itemsize, t["layout"])
+            for name, t in meta["tensors"][kind].items()]
 
 
 def build_metadata(iteration: int, prefix: str, manifests: list[dict]) -> dict:
-    """metadata.json from every rank's manifest (ordered by rank): files, tensors, pieces."""
-    files, tensors = {}, {}
-    for kind, specs in manifests[0]["specs"].items():
-        tensors[kind] = {name: {"dtype": dtype, "shape": shape, "pieces": []} for name, dtype, shape in specs}
+    """metadata.json from every rank's manifest (ordered by rank): files and tensor layouts.
+
+    Pieces are not listed: the layout of each tensor and `world_size` fix
+    them (plan.SavePlan), so the file stays O(tensors + files) at any scale.
+    """
+    files = {}
     for manifest in manifests:
         for name, info in manifest["files"].items():
             files[name] = {"size": info["size"], "sha256": info["sha256"], "kind": info["kind"], "rank": manifest["rank"]}
-        for kind, pieces in manifest["pieces"].items():
-            for name, start, numel, file in pieces:
-                tensors[kind][name]["pieces"].append({"file": file, "start": start, "numel": numel})
+    tensors = {kind: {name: {"dtype": dtype, "shape": shape, "layout": how} for name, dtype, shape, how in specs}
+               for kind, specs in manifests[0]["specs"].items()}
     return {
         "format_version": layout.FORMAT_VERSION,
         "iteration": iteration,

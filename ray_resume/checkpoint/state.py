@@ -12,12 +12,28 @@ import random
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 OPTIM_SLOTS = ("exp_avg", "exp_avg_sq", "step")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 shards the module in place: nothing to unwrap)."""
     return getattr(model, "module", model)
+
+
+def dim0_sharded(t: torch.Tensor) -> bool:
+    """An FSDP2 parameter or optimizer slot: a DTensor sharded on dim 0 over the whole (1-D) group."""
+    if not isinstance(t, DTensor):
+        return False
+    if t.device_mesh.ndim != 1 or any(not isinstance(p, (Shard, Replicate)) for p in t.placements):
+        raise ValueError(f"unsupported DTensor layout {t.placements} on a {t.device_mesh.ndim}-D mesh; only 1-D FSDP2 meshes are checkpointed")
+    return isinstance(t.placements[0], Shard) and t.placements[0].dim == 0
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a plain tensor is all local)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -35,7 +51,8 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     first: dict[tuple, str] = {}
     aliases = {}
     for name, t in unwrap(model).state_dict().items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        local = local_tensor(t)
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), tuple(local.stride()), t.dtype)
         if key in first:
             aliases[name] = first[key]
         else:
@@ -58,11 +75,19 @@ def optim_tensors(named_params, optimizer: torch.optim.Optimizer) -> dict[str, t
 def load_optim_tensors(named_params, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
     """Rebuild torch's positional optimizer state from name-keyed tensors."""
     state = {}
-    for index, (name, _) in enumerate(named_params):
-        slots = {slot: tensors[f"{name}.{slot}"] for slot in OPTIM_SLOTS if f"{name}.{slot}" in tensors}
+    for index, (name, param) in enumerate(named_params):
+        slots = {slot: _like(param, tensors[f"{name}.{slot}"]) for slot in OPTIM_SLOTS if f"{name}.{slot}" in tensors}
         if slots:
             state[index] = slots
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """An optimizer slot loaded as this rank's dim-0 chunk becomes a DTensor sharded like its FSDP param."""
+    if isinstance(param, DTensor) and value.dim() == param.dim():
+        local = value.to(local_tensor(param).device)
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False)
+    return value
 
 
 def capture_rng() -> dict[str, str]:

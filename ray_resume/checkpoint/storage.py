@@ -17,9 +17,12 @@ import hashlib
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import pyarrow.fs as pafs
+
+# Streamed reads (verification, whole-shard loads) hold one block at a time.
+READ_BLOCK = 8 << 20
 
 
 def _local(path: str) -> str:
@@ -93,12 +96,14 @@ class LocalStorage:
         _fsync_dir(os.path.dirname(local) or ".")
         return size, digest.hexdigest()
 
-    def sha256(self, path: str, block: int = 8 << 20) -> str:
-        digest = hashlib.sha256()
+    def read_blocks(self, path: str, block: int = READ_BLOCK) -> Iterator[bytes]:
+        """The file's bytes in order, `block` bytes at a time (a streamed read holds one block)."""
         with open(_local(path), "rb") as f:
             while chunk := f.read(block):
-                digest.update(chunk)
-        return digest.hexdigest()
+                yield chunk
+
+    def sha256(self, path: str) -> str:
+        return _sha256(self.read_blocks(path))
 
     def remove(self, path: str) -> None:
         try:
@@ -112,6 +117,13 @@ class LocalStorage:
     def rename(self, src: str, dst: str) -> None:
         os.replace(_local(src), _local(dst))
         _fsync_dir(os.path.dirname(_local(dst)) or ".")
+
+
+def _sha256(blocks: Iterable[bytes]) -> str:
+    digest = hashlib.sha256()
+    for block in blocks:
+        digest.update(block)
+    return digest.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:
@@ -182,12 +194,13 @@ class ArrowStorage:
                 size += len(chunk)
         return size, digest.hexdigest()
 
-    def sha256(self, path: str, block: int = 8 << 20) -> str:
-        digest = hashlib.sha256()
+    def read_blocks(self, path: str, block: int = READ_BLOCK) -> Iterator[bytes]:
         with self.fs.open_input_stream(self._key(path)) as f:
             while chunk := f.read(block):
-                digest.update(chunk)
-        return digest.hexdigest()
+                yield chunk
+
+    def sha256(self, path: str) -> str:
+        return _sha256(self.read_blocks(path))
 
     def remove(self, path: str) -> None:
         if self.size(path) is not None:

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from . import layout
-from .plan import Piece, TensorSpec, split_replicated
+from .plan import DIM0, SPLIT, Piece, SavePlan, TensorSpec
 from .schema import DTYPE_TAGS, DTYPES
+from .state import dim0_sharded, local_tensor
 from .storage import LocalStorage
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,19 @@ _SAFETENSORS_DTYPE_RANK = {"BOOL": 0, "U8": 1, "I8": 2, "I16": 3, "F16": 4, "BF1
 
 
 def tensor_specs(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
-    """Specs in the state's own (deterministic) key order."""
-    return [TensorSpec(name, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size()) for name, t in state.items()]
+    """Specs in the state's own (deterministic) key order; FSDP2 dim-0 shards get the dim0 layout."""
+    return [TensorSpec(name, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size(), DIM0 if dim0_sharded(t) else SPLIT)
+            for name, t in state.items()]
+
+
+def piece_data(t: torch.Tensor, spec: TensorSpec, piece: Piece) -> torch.Tensor:
+    """The elements of `piece` as a flat view of this rank's tensor (its own chunk, for a dim-0 shard)."""
+    if spec.layout == DIM0:
+        flat = local_tensor(t).reshape(-1)
+        if flat.numel() != piece.numel:
+            raise RuntimeError(f"{spec.name}: local shard has {flat.numel()} elements, the dim-0 plan expects {piece.numel}")
+        return flat
+    return local_tensor(t).detach().reshape(-1)[piece.start : piece.start + piece.numel]
 
 
 @dataclass(frozen=True)
@@ -51,13 +63,16 @@ class Entry:
     """One tensor piece in a shard file: bytes [offset, offset + nbytes) of its data section."""
 
     piece: Piece
-    dtype: str
-    itemsize: int
+    spec: TensorSpec
     offset: int
 
     @property
+    def dtype(self) -> str:
+        return self.spec.dtype
+
+    @property
     def nbytes(self) -> int:
-        return self.piece.numel * self.itemsize
+        return self.piece.numel * self.spec.itemsize
 
 
 @dataclass(frozen=True)
@@ -66,7 +81,6 @@ class ShardLayout:
 
     kind: str
     specs: tuple[TensorSpec, ...]  # every tensor of the kind (rank 0 reports them)
-    pieces: tuple[Piece, ...]  # this rank's share, in plan order (the manifest's order)
     entries: tuple[Entry, ...]  # the same pieces in safetensors file order, with offsets
     nbytes: int  # size of the data section
 
@@ -84,14 +98,14 @@ def shard_layouts(states: dict[str, dict[str, torch.Tensor] | None], rank: int, 
             continue
         specs = tensor_specs(state)
         by_name = {s.name: s for s in specs}
-        share = split_replicated(specs, world_size)[rank]
+        share = SavePlan(specs, world_size).share(rank)
         order = sorted(share, key=lambda p: (-_SAFETENSORS_DTYPE_RANK[by_name[p.name].dtype], p.name.encode()))
         entries, offset = [], 0
         for p in order:
             spec = by_name[p.name]
-            entries.append(Entry(p, spec.dtype, spec.itemsize, offset))
+            entries.append(Entry(p, spec, offset))
             offset += p.numel * spec.itemsize
-        out.append(ShardLayout(kind, tuple(specs), tuple(share), tuple(entries), offset))
+        out.append(ShardLayout(kind, tuple(specs), tuple(entries), offset))
     return out
 
 
@@ -126,7 +140,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 def live_data(shard: ShardLayout, state: dict[str, torch.Tensor]) -> list[memoryview]:
     """The data section as views of the live tensors, in file order (sync save: no copy)."""
-    return [_bytes_of(state[e.piece.name].detach().reshape(-1)[e.piece.start : e.piece.start + e.piece.numel]) for e in shard.entries]
+    return [_bytes_of(piece_data(state[e.piece.name], e.spec, e.piece)) for e in shard.entries]
 
 
 class SnapshotBuffers:
@@ -160,7 +174,7 @@ class SnapshotBuffers:
         buf = self.buffer(shard)
         with torch.no_grad():
             for e in shard.entries:
-                src = state[e.piece.name].detach().reshape(-1)[e.piece.start : e.piece.start + e.piece.numel]
+                src = piece_data(state[e.piece.name], e.spec, e.piece)
                 buf[e.offset : e.offset + e.nbytes].view(DTYPES[e.dtype]).copy_(src)
         whole = memoryview(buf.numpy()) if shard.nbytes else memoryview(b"")
         return [whole]
@@ -195,7 +209,7 @@ def write_shards(
         # earlier attempt. Its JSON must not describe the shards we write now.
         for name in (layout.METADATA, layout.COMMON):
             storage.remove(layout.join(iter_dir, name))
-    manifest: dict = {"rank": rank, "world_size": world_size, "files": {}, "pieces": {}, "specs": {}}
+    manifest: dict = {"rank": rank, "world_size": world_size, "files": {}, "specs": {}}
     for shard, data in shards:
         # One header key: safetensors writes header maps in hash order, and a
         # single entry keeps the file bytes reproducible (exact-resume tests
@@ -205,9 +219,8 @@ def write_shards(
         chunks = [memoryview(safetensors_header(shard, header)), *_pieces(data)]
         size, sha256 = storage.write_durable(layout.join(iter_dir, name), _halves(chunks, on_mid_write))
         manifest["files"][name] = {"size": size, "sha256": sha256, "kind": shard.kind, "rank": rank}
-        manifest["pieces"][shard.kind] = [[p.name, p.start, p.numel, name] for p in shard.pieces]
         if rank == 0:
-            manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape)] for s in shard.specs]
+            manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape), s.layout] for s in shard.specs]
     logger.debug("rank %d wrote %s", rank, json.dumps(manifest["files"]))
     return manifest
 
