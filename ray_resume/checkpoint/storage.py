@@ -48,6 +48,10 @@ class LocalStorage:
         except FileNotFoundError:
             return None
 
+    def sizes(self, directory: str, names: list[str]) -> dict[str, int | None]:
+        """The size of each of `names` in `directory` (None: not there): one stat each."""
+        return {n: self.size(f"{directory}/{n}") for n in names}
+
     def listdir(self, path: str) -> list[str]:
         try:
             return sorted(os.listdir(_local(path)))
@@ -164,6 +168,18 @@ class ArrowStorage:
     def size(self, path: str) -> int | None:
         info = self._info(path)
         return info.size if info.type == pafs.FileType.File else None
+
+    def sizes(self, directory: str, names: list[str]) -> dict[str, int | None]:
+        """The size of each of `names` in `directory` (None: not there).
+
+        One listing (a LIST request per 1,000 keys, sizes included) instead
+        of a HEAD per file: 33 requests, not 32,768, for a 16,384-rank
+        commit. A name the listing lacks is asked for by itself, so a
+        lagging listing can only fail a commit, never pass a missing file.
+        """
+        selector = pafs.FileSelector(self._key(directory), allow_not_found=True)
+        listed = {i.base_name: i.size for i in self.fs.get_file_info(selector) if i.type == pafs.FileType.File}
+        return {n: listed[n] if n in listed else self.size(f"{directory}/{n}") for n in names}
 
     def listdir(self, path: str) -> list[str]:
         selector = pafs.FileSelector(self._key(path), allow_not_found=True)
