@@ -28,7 +28,7 @@ def _load(rank: int, root: str, init: str, out: str) -> None:
         tensors = {}
         for kind in ("model", "opt"):
             whole = {s.name: (0, s.numel) for s in tensor_specs(it.metadata, kind)}
-            tensors.update({f"{kind}/{n}": t for n, t in loader.load(kind, whole, replicated=True).items()})
+            tensors.update({f"{kind}/{n}": t for n, t in loader.load(kind, whole, shared=set(whole)).items()})
         data_bytes = loader.bytes_read
         extras = load_rank_extras(loader.reader, rank)
         report[str(balanced)] = {

@@ -72,9 +72,7 @@ class Checkpointer:
         where = layout.join(it.path, layout.METADATA)
         specs = {s.name: s for s in tensor_specs(it.metadata, layout.MODEL_KIND)}
         check_weights(live, specs, state.tied_aliases(model), where)
-        ranges = {n: _needed(specs[n], t, self.rank, self.world_size) for n, t in live.items()}
-        replicated = self.cfg.training.strategy != "fsdp"  # every rank wants every tensor whole
-        assign(live, loader.load(layout.MODEL_KIND, ranges, replicated=replicated))
+        assign(live, self._load(loader, layout.MODEL_KIND, specs, live))
         if not full:
             optimizer.reload_main_params_from_model()
             return ResumePoint(source=it.path, bytes_read=loader.bytes_read)
@@ -83,9 +81,8 @@ class Checkpointer:
         point = self._progress(it)
         if it.common["has_optimizer"]:
             specs = {s.name: s for s in tensor_specs(it.metadata, layout.OPTIM_KIND)}
-            params = dict(optimizer.named_main())
-            ranges = {n: _needed(spec, params.get(n.rsplit(".", 1)[0]), self.rank, self.world_size) for n, spec in specs.items()}
-            flat = loader.load(layout.OPTIM_KIND, ranges, replicated=replicated)
+            params = dict(optimizer.named_main())  # a slot is sharded like its parameter
+            flat = self._load(loader, layout.OPTIM_KIND, specs, {n: params.get(n.rsplit(".", 1)[0]) for n in specs})
             optimizer.load_state_tensors({n: _shaped(flat[n], specs[n]) for n in specs})
             if optimizer.scaler:
                 optimizer.scaler.load(it.common)
@@ -100,6 +97,12 @@ class Checkpointer:
             optimizer.reload_main_params_from_model()
         point.bytes_read = loader.bytes_read
         return point
+
+    def _load(self, loader: StateLoader, kind: str, specs: dict[str, TensorSpec], live: dict) -> dict[str, torch.Tensor]:
+        """This rank's part of every tensor in `specs`: its dim-0 chunk where the live tensor is an FSDP shard, else all."""
+        sharded = {n for n, t in live.items() if _sharded(specs[n], t)}
+        ranges = {n: needed_range(specs[n], n in sharded, self.world_size, self.rank) for n in specs}
+        return loader.load(kind, ranges, shared=set(specs) - sharded)
 
     def _progress(self, it) -> ResumePoint:
         """Step and data cursor to continue from, rescaled when global_batch_size changed (spec 1.4).
@@ -178,10 +181,9 @@ class Checkpointer:
         ray.get(self.coordinator.report.remote(self.attempt, step, manifest, common))
 
 
-def _needed(spec: TensorSpec, live: torch.Tensor | None, rank: int, world_size: int) -> tuple[int, int]:
-    """What `rank` loads of `spec`: its dim-0 chunk when the live tensor is an FSDP shard of the same shape, else all."""
-    sharded = live is not None and state.dim0_sharded(live) and tuple(live.shape) == spec.shape
-    return needed_range(spec, sharded, world_size, rank)
+def _sharded(spec: TensorSpec, live: torch.Tensor | None) -> bool:
+    """The live tensor is an FSDP dim-0 shard of this saved tensor (same global shape)."""
+    return live is not None and state.dim0_sharded(live) and tuple(live.shape) == spec.shape
 
 
 def load_weights(model, weights: dict[str, torch.Tensor], where: str, rank: int = 0, world_size: int = 1) -> None:
@@ -189,7 +191,7 @@ def load_weights(model, weights: dict[str, torch.Tensor], where: str, rank: int 
     live = state.model_tensors(model)
     specs = {n: TensorSpec(n, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size()) for n, t in weights.items()}
     check_weights(live, specs, state.tied_aliases(model), where)
-    assign(live, {n: _elements(weights[n], _needed(specs[n], t, rank, world_size)) for n, t in live.items()})
+    assign(live, {n: _elements(weights[n], needed_range(specs[n], _sharded(specs[n], t), world_size, rank)) for n, t in live.items()})
 
 
 def check_weights(live: dict[str, torch.Tensor], saved: dict[str, TensorSpec], aliases: dict[str, str], where: str) -> None:

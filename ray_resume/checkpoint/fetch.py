@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .reader import Iteration, ShardReader, plan_reads, shard_files
-from .schema import CheckpointError
+from .schema import DTYPES, CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +63,22 @@ class StateLoader:
     def bytes_read(self) -> int:
         return self.reader.bytes_read
 
-    def load(self, kind: str, ranges: dict[str, tuple[int, int]], *, replicated: bool) -> dict[str, torch.Tensor]:
+    def load(self, kind: str, ranges: dict[str, tuple[int, int]], *, shared: set[str]) -> dict[str, torch.Tensor]:
         """Flat tensors holding elements [start, start + numel) of each named tensor.
 
-        `replicated` says every rank asks for the same (whole) tensors, which
-        is what load_balanced needs; all ranks must pass the same value.
+        `shared` names the tensors every rank wants whole (replicated state);
+        all ranks pass the same set. When all are shared (DDP), load_balanced
+        applies. Otherwise (FSDP) the shared ones are small leftovers such as
+        Adam's 0-d steps, spread over many files: only each file's verifier
+        copies them out of the stream it reads anyway, and one all-reduce
+        hands them to every rank, instead of every rank fetching each one.
         """
-        dests, reads = plan_reads(self.it, kind, ranges)
-        files = shard_files(self.it, kind)
+        replicated = shared >= set(ranges)
         balanced = self.balanced and replicated
+        pooled = set() if replicated or self.world_size == 1 or not dist.is_initialized() else shared & set(ranges)
+        packed, dests = self._pool(kind, {n: ranges[n] for n in sorted(pooled)})  # same layout on every rank
+        dests, reads = plan_reads(self.it, kind, ranges, dests)
+        files = shard_files(self.it, kind)
         owners = (deal_by_size([self.it.metadata["files"][f]["size"] for f in files], self.world_size) if balanced
                   else [saver % self.world_size for saver in range(len(files))])
         error = None
@@ -79,8 +86,10 @@ class StateLoader:
             for file, owner in zip(files, owners):
                 if owner == self.rank:
                     self.reader.read_whole(file, reads.get(file, []))
-                elif not balanced and file in reads:
-                    self.reader.read_ranges(file, reads[file])
+                elif not balanced:
+                    mine = [r for r in reads.get(file, []) if r.piece.name not in pooled]
+                    if mine:
+                        self.reader.read_ranges(file, mine)
         except CheckpointError as exc:
             error = exc
         self._agree(error)
@@ -88,7 +97,27 @@ class StateLoader:
             for file, owner in zip(files, owners):
                 for request in reads.get(file, []):
                     self._broadcast(request.dest, owner)
+        if pooled:
+            # Each pooled byte was copied by exactly one rank (its file's verifier), zeros
+            # elsewhere: an integer sum gives every rank the exact bytes.
+            summed = packed.view(torch.int64).to(self.device)
+            dist.all_reduce(summed)
+            packed.view(torch.int64).copy_(summed.cpu())
         return dests
+
+    def _pool(self, kind: str, ranges: dict[str, tuple[int, int]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One zeroed byte buffer holding a destination for each range (8-byte aligned), and the views."""
+        specs = self.it.metadata["tensors"][kind]
+        offsets, total = {}, 0
+        for name, (_, numel) in ranges.items():
+            offsets[name] = total
+            total += -(-numel * DTYPES[specs[name]["dtype"]].itemsize // 8) * 8
+        packed = torch.zeros(total, dtype=torch.uint8)
+        views = {}
+        for name, (_, numel) in ranges.items():
+            dtype = DTYPES[specs[name]["dtype"]]
+            views[name] = packed[offsets[name] : offsets[name] + numel * dtype.itemsize].view(dtype)
+        return packed, views
 
     def _agree(self, error: CheckpointError | None) -> None:
         """Every rank learns whether any rank found damage, so none waits for a peer that gave up."""
@@ -120,7 +149,7 @@ def load_state(storage, it: Iteration, kind: str) -> dict[str, torch.Tensor]:
     if specs is None:
         raise CheckpointError(f"{it.path}/metadata.json: holds no {kind!r} tensors")
     ranges = {name: (0, _numel(t["shape"])) for name, t in specs.items()}
-    flat = StateLoader(storage, it).load(kind, ranges, replicated=True)
+    flat = StateLoader(storage, it).load(kind, ranges, shared=set(ranges))
     return {name: flat[name].reshape(specs[name]["shape"]) for name in specs}
 
 

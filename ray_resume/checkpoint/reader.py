@@ -216,18 +216,20 @@ def _writable_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(bytearray())
 
 
-def plan_reads(it: Iteration, kind: str, ranges: dict[str, tuple[int, int]]) -> tuple[dict[str, torch.Tensor], dict[str, list[Request]]]:
-    """Destination tensors for the element `ranges` wanted of each tensor, and the reads (by file) that fill them."""
+def plan_reads(it: Iteration, kind: str, ranges: dict[str, tuple[int, int]],
+               dests: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, list[Request]]]:
+    """Destination tensors for the element `ranges` wanted of each tensor (new ones unless given
+    in `dests`), and the reads (by file) that fill them."""
     meta = it.metadata
     if kind not in meta["tensors"]:
         raise CheckpointError(f"{layout.join(it.path, layout.METADATA)}: holds no {kind!r} tensors")
     specs = {s.name: s for s in tensor_specs(meta, kind)}
     plan = SavePlan(list(specs.values()), meta["world_size"])
     prefix = meta.get("prefix", "ckpt")
-    dests, reads = {}, {}
+    dests, reads = dict(dests or {}), {}
     for name, (start, numel) in ranges.items():
         spec = specs[name]
-        dests[name] = dest = torch.empty(numel, dtype=DTYPES[spec.dtype])
+        dest = dests.setdefault(name, torch.empty(numel, dtype=DTYPES[spec.dtype]))
         for rank, piece in plan.overlaps(name, start, numel):
             lo, hi = max(start, piece.start), min(start + numel, piece.start + piece.numel)
             file = layout.shard_filename(prefix, kind, rank, meta["world_size"])
