@@ -11,7 +11,8 @@ import torch
 import yaml
 
 from conftest import REPO, env_for_subprocess, shard_bytes
-from ray_resume import train
+from ray_resume import parallel, train
+from ray_resume.run import run
 from ray_resume.checkpoint import layout, state
 from ray_resume.checkpoint.checkpointer import load_weights
 from ray_resume.checkpoint.fetch import load_state
@@ -47,6 +48,17 @@ def test_bad_plugins_are_refused_naming_the_key(sections, message):
 def test_malformed_import_path_is_a_config_error():
     with pytest.raises(ConfigError, match="model.builder must look like 'package.module:function', got 'pkg.module.fn'"):
         config(model={"builder": "pkg.module.fn"})
+
+
+def test_fsdp_units_name_module_classes_and_unknown_ones_are_refused_before_any_worker(tmp_path):
+    model = make_model(resolve(config()), config())
+    assert parallel.fsdp_units(model, []) == list(model.blocks)  # default: each module of an nn.ModuleList
+    assert parallel.fsdp_units(model, ["Block", "LayerNorm"]) == [m for m in model.modules() if type(m).__name__ in ("Block", "LayerNorm")]
+    cfg = config(training={"strategy": "fsdp"}, model={"fsdp_units": ["Blok"]},
+                 checkpoint={"save_path": str(tmp_path / "ckpt")}, data={"path": str(tmp_path / "none")})
+    with pytest.raises(ConfigError, match=r"model.fsdp_units: the model has no module of class 'Blok' \(its classes: .*Block"):
+        run(cfg)  # refused on the driver (a meta-device model), before Ray starts
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_builder_must_return_a_module():
