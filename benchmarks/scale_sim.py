@@ -32,20 +32,31 @@ For each saving world size W it
   plan that `--small` (and, on sampled ranks, the full run) checks equal to
   the per-rank plan.
 
-The read policy simulated is the loader's (`fetch.StateLoader`): the files of
-saving rank s are read whole, with their sha256 checked, by loading rank
-s % W'; of every other file a rank reads only the header and the byte ranges
-of the pieces it needs (one read per piece). With `load_balanced` under DDP
-each kind's files are dealt out by `deal_by_size`, read whole by their owner
-and broadcast. Under FSDP every rank needs different bytes, so
-`load_balanced` changes nothing there. Requests are counted as the reader
-makes them: a size check and one streamed GET per whole file; a size check,
-the header length, the header and one read per piece per ranged file.
+The read policy simulated is the loader's (`fetch.StateLoader.load`, as
+`Checkpointer._load` calls it): the files of saving rank s are read whole,
+with their sha256 checked, by loading rank s % W' (their verifier). Under
+DDP every rank wants every tensor whole, and of every file it does not
+verify it reads the header and one byte range per piece; with
+`load_balanced` each kind's files are instead dealt out by `deal_by_size`,
+read whole by their owner and broadcast. Under FSDP a rank wants its dim-0
+chunk of each `dim0` tensor and the rest (the 0-d `step` tensors) whole:
+those are pooled, i.e. only each file's verifier copies them out of the
+stream it reads anyway and one all-reduce of the packed bytes (8-byte slot
+per tensor) hands them to every rank, so of the files it does not verify a
+rank reads only the header and the ranges of the dim-0 pieces it needs
+(nothing is pooled on a single loading rank). `load_balanced` applies to
+replicated targets only, so under FSDP it changes nothing. Requests are
+counted as the reader makes storage calls: two size checks and one
+streamed GET per whole file; a size check, the header length, the header
+and one read per piece per ranged file.
 
 `--small` asserts only correctness: every element of every tensor is
 written by exactly one rank; every rank's load plan covers exactly the
 elements that rank needs, from pieces its source files hold (both layouts,
-load_balanced on and off, shrinking and growing); the vectorised totals
+load_balanced on and off, shrinking and growing), where a pooled tensor is
+covered by the verifiers together plus the all-reduce: every rank packs
+the same buffer, every pooled piece is copied by exactly one rank (the
+verifier of its file) and the copies tile the tensor; the vectorised totals
 equal the per-rank plans; metadata.json round-trips through the commit and
 `validate_metadata`. No timing is asserted anywhere.
 """
@@ -283,27 +294,61 @@ SIM_CONFIG = {"checkpoint": {"prefix": PREFIX, "save_path": "<sim>", "save_max":
 # --------------------------------------------------------------------------- load side
 
 
-# Storage requests of reader.ShardReader: a whole (verified) file is a size check and one streamed
-# GET; a file read by ranges is a size check, the header length, the header, then one read per piece.
-WHOLE_FILE_REQUESTS = 2
+# Storage requests of reader.ShardReader, checked against the real loader over gloo: a whole
+# (verified) file is two size checks (`read_whole` checks the size, then `header` checks it again)
+# and one streamed GET; a file read by ranges is a size check, the header length, the header,
+# then one read per piece.
+WHOLE_FILE_REQUESTS = 3
 RANGED_FILE_REQUESTS = 3
 
 
 @dataclass
 class LoadPlan:
-    """One loading rank's reads: whole (verified) files, ranged reads, and what arrives by broadcast."""
+    """One loading rank's reads: whole (verified) files, ranged reads, what arrives by broadcast, and the pool.
+
+    `takes` are the element ranges it gets for itself (from files it reads or,
+    under load_balanced, receives by broadcast). Tensors in `allreduced`
+    (FSDP: the replicated leftovers, Adam's 0-d steps) it gets from the one
+    all-reduce instead; `pooled` are the pieces of them it copies into that
+    all-reduce, from the files it verifies.
+    """
 
     rank: int
     whole: list[str] = field(default_factory=list)
     received: list[str] = field(default_factory=list)
     takes: list[tuple[str, str, int, int]] = field(default_factory=list)  # (file, tensor, lo, hi): every element range it gets
     ranged: dict[str, int] = field(default_factory=dict)  # file -> number of range reads (one per piece)
+    pooled: list[tuple[str, str, int, int]] = field(default_factory=list)  # (file, tensor, lo, hi) it copies into the all-reduce
+    allreduced: dict[str, int] = field(default_factory=dict)  # tensor -> its bytes in the packed buffer (8-byte aligned)
     bytes_read: int = 0
     requests: int = 0
 
     @property
     def files_touched(self) -> int:
         return len(self.whole) + len(self.ranged)
+
+    @property
+    def allreduce_bytes(self) -> int:
+        return sum(self.allreduced.values())
+
+
+def pool_bytes(spec: TensorSpec) -> int:
+    """A pooled tensor's slot in `fetch.StateLoader._pool`'s packed buffer: its bytes rounded up to 8."""
+    return -(-spec.nbytes // 8) * 8
+
+
+def load_roles(specs: list[TensorSpec], new_world: int, *, fsdp: bool) -> tuple[bool, set[str]]:
+    """(replicated, pooled) for one kind, as `Checkpointer._load` and `StateLoader.load` decide them.
+
+    A tensor is sharded when the live one is an FSDP dim-0 shard of it (here:
+    FSDP and the `dim0` layout); the rest are `shared` (every rank wants them
+    whole). All shared (DDP) = replicated: direct or load_balanced. Otherwise
+    the shared ones are pooled (verifiers copy them out, one all-reduce),
+    unless there is a single loading rank.
+    """
+    shared = {s.name for s in specs if not (fsdp and s.layout == DIM0)}
+    replicated = len(shared) == len(specs)
+    return replicated, (set() if replicated or new_world == 1 else shared)
 
 
 def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bool, headers: dict[str, int],
@@ -316,35 +361,41 @@ def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bo
     `owners` (load_balanced: file -> dealing rank) may be passed in when
     timing many ranks; each rank computes the same deal.
     """
-    world, files = meta["world_size"], meta["files"]
+    world, files, prefix = meta["world_size"], meta["files"], meta.get("prefix", "ckpt")
     plan = LoadPlan(rank)
-    wanted: dict[str, list[tuple[str, int, int, int]]] = defaultdict(list)  # file -> (tensor, lo, hi, bytes)
+    wanted: dict[str, list[tuple[str, int, int, int]]] = defaultdict(list)  # file -> (tensor, lo, hi, bytes), read by range
     for kind in meta["tensors"]:
         specs = tensor_specs(meta, kind)
         saved = SavePlan(specs, world)
-        for spec in specs:
-            start, numel = needed_range(spec, fsdp and spec.layout == DIM0, new_world, rank)
-            for source, piece in saved.overlaps(spec.name, start, numel):
-                lo, hi = max(start, piece.start), min(start + numel, piece.start + piece.numel)
-                file = layout.shard_filename(meta.get("prefix", "ckpt"), kind, source, world)
-                plan.takes.append((file, spec.name, lo, hi))
-                wanted[file].append((spec.name, lo, hi, (hi - lo) * spec.itemsize))
-    if balanced and not fsdp:
-        owners = owners or lb_owners(meta, new_world)
-        plan.whole = [n for n in sorted(files) if owners[n] == rank]
-        plan.received = [n for n in sorted(files) if owners[n] != rank]
-        plan.bytes_read = sum(files[n]["size"] for n in plan.whole)
-        plan.requests = WHOLE_FILE_REQUESTS * len(plan.whole)
-        return plan
-    for name in sorted(files):
-        if files[name]["rank"] % new_world == rank:  # this rank verifies the file: reads it whole
-            plan.whole.append(name)
+        replicated, pooled = load_roles(specs, new_world, fsdp=fsdp)
+        names = [layout.shard_filename(prefix, kind, r, world) for r in range(world)]
+        if balanced and replicated:  # deal_by_size over this kind's files; each read whole by its owner, then broadcast
+            owners = owners or lb_owners(meta, new_world)
+            mine = {n for n in names if owners[n] == rank}
+            plan.received += [n for n in names if n not in mine]
+        else:  # this rank verifies (reads whole) the files of saving ranks s with s % W' == rank
+            mine = {n for n in names if files[n]["rank"] % new_world == rank}
+        plan.whole += sorted(mine)
+        for name in sorted(mine):
             plan.bytes_read += files[name]["size"]
             plan.requests += WHOLE_FILE_REQUESTS
-    verified = set(plan.whole)
+        for spec in specs:
+            start, numel = needed_range(spec, fsdp and spec.layout == DIM0, new_world, rank)
+            if spec.name in pooled:
+                plan.allreduced[spec.name] = pool_bytes(spec)
+            for source, piece in saved.overlaps(spec.name, start, numel):
+                lo, hi = max(start, piece.start), min(start + numel, piece.start + piece.numel)
+                file = names[source]
+                if spec.name in pooled:  # only the file's verifier copies it out of its stream; the all-reduce does the rest
+                    if file in mine:
+                        plan.pooled.append((file, spec.name, lo, hi))
+                    continue
+                plan.takes.append((file, spec.name, lo, hi))
+                if file not in mine and not (balanced and replicated):
+                    wanted[file].append((spec.name, lo, hi, (hi - lo) * spec.itemsize))
+    plan.whole.sort()
+    plan.received.sort()
     for file, reads in wanted.items():
-        if file in verified:
-            continue
         plan.ranged[file] = len(reads)
         plan.bytes_read += headers[file] + sum(r[3] for r in reads)
         plan.requests += RANGED_FILE_REQUESTS + len(reads)
@@ -366,22 +417,23 @@ def read_totals(specs: dict[str, list[TensorSpec]], world: int, new_world: int, 
 
     The same policy as `load_plan`, in closed form over numpy arrays (one pass
     per distinct (rows, row bytes) of the dim-0 tensors, split pieces from
-    `plan.split_replicated`, the deal from `fetch.deal_by_size`); `--small`
+    `plan.split_replicated` (none read by range when pooled), the deal from
+    `fetch.deal_by_size`); `--small`
     checks it equal to `load_plan` for every rank. Memory: a bool matrix of
     `block_cells` (loading ranks x saved files) at a time.
     """
     out = {k: np.zeros(new_world, np.int64) for k in ("bytes", "requests", "files")}
-    if balanced and not fsdp:
-        for kind in KINDS:
-            owners = np.array(deal_by_size([int(x) for x in sizes[kind]["size"]], new_world))
-            out["bytes"] += np.bincount(owners, sizes[kind]["size"].astype(np.float64), new_world).astype(np.int64)
-            out["requests"] += WHOLE_FILE_REQUESTS * np.bincount(owners, minlength=new_world)
-            out["files"] += np.bincount(owners, minlength=new_world)
-        return out
     saved = np.arange(world, dtype=np.int64)
     ver = saved % new_world  # the loading rank that verifies (reads whole) each saved rank's files
     for kind in KINDS:
         size, header = sizes[kind]["size"], sizes[kind]["header"]
+        replicated, pooled = load_roles(specs[kind], new_world, fsdp=fsdp)
+        if balanced and replicated:
+            owners = np.array(deal_by_size([int(x) for x in size], new_world))
+            out["bytes"] += np.bincount(owners, size.astype(np.float64), new_world).astype(np.int64)
+            out["requests"] += WHOLE_FILE_REQUESTS * np.bincount(owners, minlength=new_world)
+            out["files"] += np.bincount(owners, minlength=new_world)
+            continue
         # Verified files: saving rank s is read whole by loading rank s % W'.
         out["bytes"] += np.bincount(ver, size.astype(np.float64), new_world).astype(np.int64)
         out["requests"] += WHOLE_FILE_REQUESTS * np.bincount(ver, minlength=new_world)
@@ -389,7 +441,7 @@ def read_totals(specs: dict[str, list[TensorSpec]], world: int, new_world: int, 
         itemsize = {s.name: s.itemsize for s in specs[kind]}
         split_pieces = [(r, p.numel * itemsize[p.name]) for r, share in enumerate(split_replicated(split_specs(specs[kind]), world))
                         for p in share]
-        if not fsdp:
+        if replicated:
             # Every rank needs every tensor whole: every piece of every file it does not verify, plus its header.
             npieces = np.bincount(np.array([r for r, _ in split_pieces], np.int64), minlength=world)
             ranged = npieces > 0
@@ -425,7 +477,7 @@ def read_totals(specs: dict[str, list[TensorSpec]], world: int, new_world: int, 
                     touched[idx, s[idx]] = True
                     spans += take * count
                     got += np.where(take, overlap, 0) * row_bytes * count
-            for source, nbytes in split_pieces:  # every rank needs every split tensor whole
+            for source, nbytes in ([] if pooled else split_pieces):  # pooled: only verifiers copy them (no extra reads)
                 not_mine = ranks != ver[source]
                 touched[not_mine, source] = True
                 spans += not_mine
@@ -461,28 +513,71 @@ def _assert_tiles(intervals: list[tuple[int, int]], start: int, end: int, what: 
 
 
 def check_load_plan(meta: dict, plan: LoadPlan, new_world: int, *, fsdp: bool, balanced: bool) -> None:
-    """The plan gets exactly the elements its rank needs, each from a piece its file really holds."""
+    """The plan gets exactly the elements its rank needs, each from a piece its file really holds.
+
+    Tensors it gets from the all-reduce are checked across all ranks by
+    `check_pooled`; here: it gets nothing of them itself, and what it copies
+    into the all-reduce comes from a file it verifies.
+    """
     world = meta["world_size"]
     kinds = {layout.shard_filename(meta["prefix"], k, r, world): (k, r) for k in meta["tensors"] for r in range(world)}
-    shares = {}
-    for kind in meta["tensors"]:
-        saved = SavePlan(tensor_specs(meta, kind), world)
-        shares[kind] = saved
-    available = set(plan.whole) | set(plan.ranged) | set(plan.received)
-    got = defaultdict(list)
-    for file, name, lo, hi in plan.takes:
-        assert file in available, f"rank {plan.rank}: takes {name} from {file}, which it neither reads nor receives"
+    shares = {kind: SavePlan(tensor_specs(meta, kind), world) for kind in meta["tensors"]}
+
+    def assert_held(file: str, name: str, lo: int, hi: int) -> None:
         kind, source = kinds[file]
         holds = [p for p in shares[kind].share(source) if p.name == name]
         assert len(holds) == 1 and holds[0].start <= lo < hi <= holds[0].start + holds[0].numel, \
             f"rank {plan.rank}: {file} holds no piece of {name} with elements [{lo}, {hi})"
+
+    available = set(plan.whole) | set(plan.ranged) | set(plan.received)
+    got = defaultdict(list)
+    for file, name, lo, hi in plan.takes:
+        assert file in available, f"rank {plan.rank}: takes {name} from {file}, which it neither reads nor receives"
+        assert name not in plan.allreduced, f"rank {plan.rank}: reads {name} itself, which the all-reduce brings"
+        assert_held(file, name, lo, hi)
         got[name].append((lo, hi))
+    for file, name, lo, hi in plan.pooled:
+        assert file in plan.whole and file not in plan.ranged, f"rank {plan.rank}: copies {name} out of {file}, which it does not verify"
+        assert name in plan.allreduced
+        assert_held(file, name, lo, hi)
     for kind in meta["tensors"]:
-        for spec in tensor_specs(meta, kind):
+        specs = tensor_specs(meta, kind)
+        _, pooled = load_roles(specs, new_world, fsdp=fsdp)
+        assert pooled == {n for n in plan.allreduced if n in shares[kind].specs}, f"rank {plan.rank}: pools {sorted(plan.allreduced)}"
+        for spec in specs:
             start, numel = needed_range(spec, fsdp and spec.layout == DIM0, new_world, plan.rank)
+            if spec.name in pooled:
+                assert (start, numel) == (0, spec.numel), f"{spec.name} is pooled but rank {plan.rank} needs only part of it"
+                continue
             _assert_tiles(sorted(got.get(spec.name, [])), start, start + numel, f"load plan rank {plan.rank}/{new_world}: {spec.name}")
     if balanced and not fsdp:
         assert set(plan.whole).isdisjoint(plan.received) and set(plan.whole) | set(plan.received) == set(meta["files"])
+
+
+def check_pooled(meta: dict, plans: list[LoadPlan], new_world: int, *, fsdp: bool) -> int:
+    """The all-reduce gives every rank its pooled tensors whole: every rank packs the same tensors into the
+    same buffer (8-byte slots), every pooled piece is copied by exactly one rank (its file's verifier), and
+    those copies tile each tensor. Returns the packed bytes (0: no all-reduce)."""
+    assert len(plans) == new_world
+    layouts = {tuple(p.allreduced.items()) for p in plans}
+    assert len(layouts) == 1, "ranks pack different all-reduce buffers"
+    specs = {s.name: s for kind in meta["tensors"] for s in tensor_specs(meta, kind)}
+    expected = {n: pool_bytes(specs[n]) for kind in meta["tensors"]
+                for n in sorted(load_roles(tensor_specs(meta, kind), new_world, fsdp=fsdp)[1])}
+    assert plans[0].allreduced == expected, "the all-reduce buffer is not the pooled tensors, 8-byte aligned"
+    copies = Counter(c for p in plans for c in p.pooled)
+    twice = [c for c, n in copies.items() if n > 1]
+    assert not twice, f"pooled pieces copied by more than one rank: {twice[:3]}"
+    world = meta["world_size"]
+    for file, _, _, _ in copies:
+        owner = meta["files"][file]["rank"] % new_world
+        assert any(c[0] == file for c in plans[owner].pooled), f"{file}'s pooled pieces are not copied by its verifier {owner}"
+    by_tensor = defaultdict(list)
+    for file, name, lo, hi in copies:
+        by_tensor[name].append((lo, hi))
+    for name in expected:
+        _assert_tiles(sorted(by_tensor.get(name, [])), 0, specs[name].numel, f"all-reduce over {new_world} ranks (from {world}): {name}")
+    return sum(expected.values())
 
 
 def check_vectorised_writes(specs: dict[str, list[TensorSpec]], world: int, sizes) -> None:
@@ -530,13 +625,21 @@ def check_small(tmp: str) -> dict:
             headers = headers_of(sizes, world)
             for balanced in (False, True):
                 totals = read_totals(specs, world, new_world, sizes, fsdp=fsdp, balanced=balanced, block_cells=world * 5)
+                plans = []
                 for rank in range(new_world):
                     plan = load_plan(meta, new_world, rank, fsdp=fsdp, balanced=balanced, headers=headers)
+                    plans.append(plan)
                     check_load_plan(meta, plan, new_world, fsdp=fsdp, balanced=balanced)
                     assert (plan.bytes_read, plan.requests, plan.files_touched) == \
                         (totals["bytes"][rank], totals["requests"][rank], totals["files"][rank]), \
                         f"vectorised read totals differ from load_plan at rank {rank} ({world}->{new_world}, fsdp={fsdp}, balanced={balanced})"
                     checked["load plans"] += 1
+                packed = check_pooled(meta, plans, new_world, fsdp=fsdp)
+                assert (packed > 0) == (fsdp and new_world > 1), f"all-reduce of {packed} bytes ({world}->{new_world}, fsdp={fsdp})"
+                if packed:
+                    steps = [s for s in specs[layout.OPTIM_KIND] if s.name.endswith(".step")]
+                    assert sorted(plans[0].allreduced) == sorted(s.name for s in steps) and packed == 8 * len(steps)
+                    checked["all-reduces"] += 1
             shutil.rmtree(root)
     # A commit that finds a file of the wrong size refuses before writing anything.
     specs = state_specs(TINY, False)
@@ -723,10 +826,14 @@ def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, all_ranks: b
         r[f"read_max_rank_{key}"] = {"rank": worst, "bytes": int(totals["bytes"][worst]), "requests": int(totals["requests"][worst]),
                                       "files": int(totals["files"][worst])}
         r[f"read_max_requests_{key}"] = int(totals["requests"].max())
+        r[f"read_max_files_{key}"] = int(totals["files"].max())
+        r[f"read_mean_rank_{key}"] = {k: round(float(totals[k].mean()), 1) for k in ("bytes", "requests", "files")}
         r[f"read_total_vs_checkpoint_{key}"] = round(float(totals["bytes"].sum()) / r["checkpoint_bytes"], 4)
         r[f"read_requests_total_{key}"] = int(totals["requests"].sum())
         log(f"load {key}: rank plan {r[f'load_plan_rank_s_{key}']:.3f} s, read balance {r[f'read_balance_{key}']}, "
             f"worst rank {r[f'read_max_rank_{key}']}")
+    pool = load_plan(meta, new_world, 0, fsdp=fsdp, balanced=False, headers=headers).allreduced
+    r["allreduce"] = {"tensors": len(pool), "bytes_per_rank": sum(pool.values()), "calls": int(bool(pool))}
     need = needed_bytes(specs, new_world, fsdp)
     r["read_need_balance"] = balance(need)  # what each rank must end up holding: no read policy does better
     r["read_need_max_rank_bytes"] = int(need.max())
@@ -807,6 +914,14 @@ def table(results: dict) -> str:
         row("largest rank read, DDP direct", lambda w: _worst(ddp(w, "read_max_rank_direct"))),
         row("largest rank read, DDP load_balanced", lambda w: _worst(ddp(w, "read_max_rank_lb"))),
         row("largest rank read, FSDP2", lambda w: _worst(fsdp(w, "read_max_rank_direct"))),
+        row("FSDP2 per rank, max / mean: requests; files",
+            lambda w: f"{fsdp(w, 'read_max_requests_direct'):,} / {fsdp(w, 'read_mean_rank_direct')['requests']:,.0f}; "
+                      f"{fsdp(w, 'read_max_files_direct'):,} / {fsdp(w, 'read_mean_rank_direct')['files']:,.1f}"),
+        row("FSDP2 all-reduce per load (the pooled 0-d `step` tensors)",
+            lambda w: f"{fsdp(w, 'allreduce')['calls']} × {fmt_bytes(fsdp(w, 'allreduce')['bytes_per_rank'])} "
+                      f"({fsdp(w, 'allreduce')['tensors']} tensors)"),
+        row("storage requests per load, all ranks: DDP load_balanced / FSDP2",
+            lambda w: f"{ddp(w, 'read_requests_total_lb'):,} / {fsdp(w, 'read_requests_total_direct'):,}"),
         row("bytes read by all ranks / checkpoint: DDP direct / load_balanced / FSDP2",
             lambda w: f"{ddp(w, 'read_total_vs_checkpoint_direct'):,.0f} / {ddp(w, 'read_total_vs_checkpoint_lb'):.2f} / "
                       f"{fsdp(w, 'read_total_vs_checkpoint_direct'):.2f}"),

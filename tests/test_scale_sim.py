@@ -15,16 +15,58 @@ from benchmarks import scale_sim
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.commit import commit_iteration
 from ray_resume.checkpoint.plan import DIM0, SPLIT, SavePlan, TensorSpec, split_replicated, split_specs
-from ray_resume.checkpoint.schema import parse_json, validate_metadata
+from ray_resume.checkpoint.schema import build_metadata, parse_json, validate_metadata
 from ray_resume.checkpoint.storage import storage_for
 
 
 def test_small_mode_covers_every_byte_and_every_rank_need(tmp_path):
     """`--small`: save plans tile every tensor, every rank's load plan (DDP/FSDP, load_balanced on/off,
-    shrinking and growing) gets exactly what it needs, the vectorised totals equal the per-rank plans,
-    and metadata.json round-trips through the real commit."""
+    shrinking and growing) gets exactly what it needs (FSDP's 0-d steps: copied once each by their
+    file's verifier, then one all-reduce), the vectorised totals equal the per-rank plans, and
+    metadata.json round-trips through the real commit."""
     assert scale_sim.main(["--small", "--dir", str(tmp_path)]) == 0
     assert not list(tmp_path.iterdir())  # the sparse shard files are cleaned up
+
+
+def _fsdp_meta(world: int) -> tuple[dict, dict, dict]:
+    specs = scale_sim.state_specs(scale_sim.TINY, fsdp=True)
+    sizes = scale_sim.shard_sizes(specs, world)
+    manifests = scale_sim.manifests_for(specs, world, sizes)
+    return build_metadata(scale_sim.ITERATION, scale_sim.PREFIX, manifests), specs, scale_sim.headers_of(sizes, world)
+
+
+@pytest.mark.parametrize("world", [2, 5, 16])
+def test_fsdp_load_on_the_saving_world_size_reads_only_own_files(world):
+    """As fetch.StateLoader since the steps are pooled (tests/test_fsdp.py checks the real loader):
+    on the saving world size each FSDP rank reads its own two files whole and touches no other file,
+    and the 0-d steps come from one all-reduce of 8 bytes per step."""
+    meta, specs, headers = _fsdp_meta(world)
+    steps = sorted(s.name for s in specs[layout.OPTIM_KIND] if s.name.endswith(".step"))
+    plans = [scale_sim.load_plan(meta, world, r, fsdp=True, balanced=False, headers=headers) for r in range(world)]
+    for rank, plan in enumerate(plans):
+        own = sorted(layout.shard_filename(scale_sim.PREFIX, k, rank, world) for k in scale_sim.KINDS)
+        assert plan.whole == own and not plan.ranged and plan.files_touched == 2
+        assert plan.bytes_read == sum(meta["files"][f]["size"] for f in own)
+        assert plan.requests == 2 * scale_sim.WHOLE_FILE_REQUESTS
+        assert sorted(plan.allreduced) == steps and plan.allreduce_bytes == 8 * len(steps)
+    assert scale_sim.check_pooled(meta, plans, world, fsdp=True) == 8 * len(steps)
+
+
+def test_check_pooled_refuses_a_step_copied_twice_or_by_nobody():
+    meta, _, headers = _fsdp_meta(6)
+    new_world = 4
+    plans = [scale_sim.load_plan(meta, new_world, r, fsdp=True, balanced=False, headers=headers) for r in range(new_world)]
+    scale_sim.check_pooled(meta, plans, new_world, fsdp=True)
+    copy = next(p.pooled[0] for p in plans if p.pooled)
+    twice = [scale_sim.LoadPlan(p.rank, p.whole, p.received, p.takes, p.ranged, list(p.pooled), dict(p.allreduced)) for p in plans]
+    twice[(next(i for i, p in enumerate(plans) if copy in p.pooled) + 1) % new_world].pooled.append(copy)
+    with pytest.raises(AssertionError, match="more than one rank"):
+        scale_sim.check_pooled(meta, twice, new_world, fsdp=True)
+    for p in plans:
+        if copy in p.pooled:
+            p.pooled.remove(copy)
+    with pytest.raises(AssertionError):
+        scale_sim.check_pooled(meta, plans, new_world, fsdp=True)
 
 
 def _random_specs(rng: random.Random) -> list[TensorSpec]:

@@ -9,7 +9,6 @@ Shards are parsed by safetensors (no pickle).
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import struct
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import torch
 from . import layout
 from .plan import Piece, SavePlan, TensorSpec
 from .schema import DTYPES, CheckpointError, parse_json, tensor_specs, validate_common, validate_metadata
-from .storage import LocalStorage
+from .storage import READ_BLOCK, LocalStorage
 from .writer import RANK_EXTRAS_KEY
 
 logger = logging.getLogger(__name__)
@@ -129,6 +128,7 @@ class ShardReader:
         self.storage, self.it = storage, it
         self.bytes_read = 0
         self._headers: dict[str, tuple[int, dict]] = {}
+        self._sized: set[str] = set()
 
     def path(self, file: str) -> str:
         return layout.join(self.it.path, file)
@@ -138,7 +138,11 @@ class ShardReader:
         return self.storage.read_range(self.path(file), offset, length)
 
     def _check_size(self, file: str) -> int:
+        """The listed size, after checking it against storage (once per file)."""
         path, size = self.path(file), self.it.metadata["files"][file]["size"]
+        if file in self._sized:
+            return size
+        self._sized.add(file)
         actual = self.storage.size(path)
         if actual is None:
             raise CheckpointError(f"{path}: shard listed in metadata.json is missing")
@@ -182,34 +186,59 @@ class ShardReader:
         return sorted(spans, key=lambda s: s[0])
 
     def read_whole(self, file: str, requests: list[Request]) -> None:
-        """Stream the whole file once: check its sha256 and copy every requested piece out of it."""
-        if file not in self._headers:
-            self._check_size(file)
-        blocks = iter(self.storage.read_blocks(self.path(file)))
-        first_block = next(blocks, b"")
-        self.header(file, first_block)  # from the stream itself: no extra request
-        spans = [(first, last, _writable_bytes(r.dest)) for first, last, r in self.check(file, requests)]
-        digest, pos, i = hashlib.sha256(), 0, 0
-        for block in itertools.chain([first_block], blocks):
-            digest.update(block)
-            end = pos + len(block)
-            view = memoryview(block)
-            while i < len(spans) and spans[i][0] < end:
-                first, last, dest = spans[i]
-                lo, hi = max(first, pos), min(last, end)
-                dest[lo - first : hi - first] = view[lo - pos : hi - pos]
-                if last > end:
-                    break  # the span continues in the next block
-                i += 1
-            pos = end
-        self.bytes_read += pos
+        """Read the whole file once, checking its sha256; requested pieces land straight in their tensors.
+
+        Each requested span is read into its destination and hashed there;
+        only the bytes between spans pass through a reused scratch block.
+        """
+        size = self._check_size(file)
+        digest = hashlib.sha256()
+        with self.storage.open_read(self.path(file)) as f:
+            head = _read_exactly(f, min(size, READ_BLOCK), self.path(file))
+            digest.update(head)
+            self.header(file, head)  # from the read itself: no extra request
+            pos, scratch = len(head), None
+            spans = [(first, last, _writable_bytes(r.dest)) for first, last, r in self.check(file, requests)]
+            for first, last, dest in spans + [(size, size, None)]:
+                if first < pos:  # inside the head already read
+                    dest[: min(last, pos) - first] = memoryview(head)[first : min(last, pos)]
+                    first = min(last, pos)
+                while pos < first:  # bytes no one asked for: hashed, not kept
+                    scratch = scratch or bytearray(READ_BLOCK)
+                    n = min(first - pos, len(scratch))
+                    digest.update(_readinto_exactly(f, memoryview(scratch)[:n], self.path(file)))
+                    pos += n
+                if last > pos:
+                    digest.update(_readinto_exactly(f, dest[pos - (last - len(dest)) :], self.path(file)))
+                    pos = last
+        self.bytes_read += size
         if digest.hexdigest() != self.it.metadata["files"][file]["sha256"]:
             raise CheckpointError(f"{self.path(file)}: sha256 does not match metadata.json; the shard is corrupt")
 
     def read_ranges(self, file: str, requests: list[Request]) -> None:
         """Fetch only the requested byte ranges (the file's sha256 is checked by its verifying rank)."""
-        for first, last, r in self.check(file, requests):
-            _writable_bytes(r.dest)[:] = self._read_range(file, first, last - first)
+        with self.storage.open_read(self.path(file)) as f:
+            for first, last, r in self.check(file, requests):
+                f.seek(first)
+                _readinto_exactly(f, _writable_bytes(r.dest), self.path(file))
+                self.bytes_read += last - first
+
+
+def _read_exactly(f, n: int, path: str) -> bytes:
+    buf = bytearray(n)
+    _readinto_exactly(f, memoryview(buf), path)
+    return bytes(buf)
+
+
+def _readinto_exactly(f, view: memoryview, path: str) -> memoryview:
+    """Fill `view` from `f` (a file may return short reads); return it. A file shorter than that is damaged."""
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise CheckpointError(f"{path}: ended early (read {done} of {len(view)} bytes); the shard is truncated")
+        done += n
+    return view
 
 
 def _writable_bytes(t: torch.Tensor) -> memoryview:

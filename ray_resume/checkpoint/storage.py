@@ -62,6 +62,10 @@ class LocalStorage:
         with open(_local(path), "rb") as f:
             return f.read()
 
+    def open_read(self, path: str):
+        """A seekable binary file with `readinto` (unbuffered: bytes land in the caller's buffer)."""
+        return open(_local(path), "rb", buffering=0)
+
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         with open(_local(path), "rb") as f:
             f.seek(offset)
@@ -188,6 +192,10 @@ class ArrowStorage:
     def read_bytes(self, path: str) -> bytes:
         with self.fs.open_input_stream(self._key(path)) as f:
             return f.read()
+
+    def open_read(self, path: str):
+        """A seekable binary file with `readinto` (each read a ranged GET)."""
+        return self.fs.open_input_file(self._key(path))
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         with self.fs.open_input_file(self._key(path)) as f:
