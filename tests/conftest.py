@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 import ray
 
@@ -27,6 +29,25 @@ def ray_cluster():
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A moto S3 server on loopback with a bucket `ckpts`; yields the `checkpoint.storage` options."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "region": "us-east-1",
+               "access_key_id": "testing", "secret_access_key": "testing"}
+    fs = pafs.S3FileSystem(endpoint_override=options["endpoint_url"], scheme="http", region="us-east-1",
+                           access_key="testing", secret_key="testing", allow_bucket_creation=True)
+    fs.create_dir("ckpts")
+    yield options
+    server.stop()
 
 
 def tiny_config(tmp: Path, name: str = "tiny", **sections) -> dict:

@@ -6,9 +6,7 @@ No timing is asserted: the measured table lives in docs/scale.md.
 from __future__ import annotations
 
 import random
-import socket
 
-import pyarrow.fs as pafs
 import pytest
 
 from benchmarks import scale_sim
@@ -105,28 +103,10 @@ def test_save_plan_without_every_rank_equals_split_replicated(seed):
                 assert plan.overlaps(spec.name, start, numel) == expected
 
 
-@pytest.fixture(scope="module")
-def s3():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "region": "us-east-1",
-               "access_key_id": "testing", "secret_access_key": "testing"}
-    fs = pafs.S3FileSystem(endpoint_override=options["endpoint_url"], scheme="http", region="us-east-1",
-                           access_key="testing", secret_key="testing", allow_bucket_creation=True)
-    fs.create_dir("scale")
-    yield options
-    server.stop()
-
-
 def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
     """The driver's size check on S3 is a LIST of the iteration prefix, not a HEAD per file; a file
     missing from the listing or of the wrong size still fails the commit before the tracker moves."""
-    root = "s3://scale/run"
+    root = "s3://ckpts/scale-run"
     storage = storage_for(root, s3)
     specs = scale_sim.state_specs(scale_sim.TINY, fsdp=False)
     world = 3

@@ -7,11 +7,9 @@ jobs' workers reach it over HTTP exactly as they would reach S3.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
-import pyarrow.fs as pafs
 import pytest
 
 from conftest import FINAL, per_step, read_metrics, run_job, shard_bytes, tiny_config
@@ -19,24 +17,6 @@ from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.fetch import load_state
 from ray_resume.checkpoint.reader import find_committed, open_iteration, read_verified
 from ray_resume.checkpoint.storage import storage_for
-
-
-@pytest.fixture(scope="session")
-def s3():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "region": "us-east-1",
-               "access_key_id": "testing", "secret_access_key": "testing"}
-    fs = pafs.S3FileSystem(endpoint_override=options["endpoint_url"], scheme="http", region="us-east-1",
-                           access_key="testing", secret_key="testing", allow_bucket_creation=True)
-    fs.create_dir("ckpts")
-    yield options
-    server.stop()
 
 
 def test_object_storage_basics(s3):
