@@ -61,7 +61,6 @@ class Checkpointer:
             return ResumePoint()
         root, step = source
         storage = storage_for(root, self.ckpt.storage)
-        live = state.model_tensors(model)
         if step is None:
             load_weights(model, read_export(storage, root), root, self.rank, self.world_size)
             optimizer.reload_main_params_from_model()
@@ -70,6 +69,7 @@ class Checkpointer:
         check_no_extra_shards(storage, it)
         loader = StateLoader(storage, it, self.rank, self.world_size, self.ckpt.load_balanced)
         where = layout.join(it.path, layout.METADATA)
+        live = state.model_tensors(model)
         specs = {s.name: s for s in tensor_specs(it.metadata, layout.MODEL_KIND)}
         check_weights(live, specs, state.tied_aliases(model), where)
         assign(live, self._load(loader, layout.MODEL_KIND, specs, live))

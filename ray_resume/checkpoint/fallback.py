@@ -14,7 +14,7 @@ import logging
 import time
 
 from . import layout
-from .reader import check_no_extra_shards, find_committed, iteration_steps, open_iteration, read_verified
+from .reader import ShardReader, check_no_extra_shards, find_committed, iteration_steps, open_iteration
 from .schema import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -25,8 +25,9 @@ def verify(storage, root: str, step: int) -> str | None:
     try:
         it = open_iteration(storage, root, step)
         check_no_extra_shards(storage, it)
-        for name in sorted(it.metadata["files"]):  # one file at a time: bounded memory
-            read_verified(storage, it, [name])
+        reader = ShardReader(storage, it)
+        for name in sorted(it.metadata["files"]):  # streamed: one block in memory at a time
+            reader.read_whole(name, [])
     except (CheckpointError, OSError) as exc:
         return str(exc)
     return None

@@ -75,20 +75,13 @@ def open_iteration(storage: LocalStorage, root: str, step: int) -> Iteration:
 
 
 def read_verified(storage: LocalStorage, it: Iteration, names: list[str]) -> dict[str, bytes]:
-    """Read whole files, each checked against the size and sha256 in metadata.json."""
+    """Whole files as bytes (tools and tests), each checked as a loader checks it: size, then sha256."""
+    reader = ShardReader(storage, it)
     out = {}
     for name in names:
-        expected = it.metadata["files"][name]
-        path = layout.join(it.path, name)
-        size = storage.size(path)
-        if size is None:
-            raise CheckpointError(f"{path}: shard listed in metadata.json is missing")
-        if size != expected["size"]:
-            raise CheckpointError(f"{path}: size is {size} bytes, metadata.json says {expected['size']}; the shard is truncated or replaced")
-        data = storage.read_bytes(path)
-        if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-            raise CheckpointError(f"{path}: sha256 does not match metadata.json; the shard is corrupt")
-        out[name] = data
+        reader.check_size(name)
+        out[name] = storage.read_bytes(reader.path(name))
+        reader.check_sha256(name, hashlib.sha256(out[name]).hexdigest())
     return out
 
 
@@ -117,11 +110,11 @@ class Request:
 class ShardReader:
     """Reads shard bytes of one iteration into destination tensors, counting the bytes read.
 
-    Two ways to read a file: `read_whole` streams all of it once, checking
-    its sha256 and copying the requested pieces out of the stream (no copy
-    of the file is held); `read_ranges` fetches only the requested byte
-    ranges (used when another rank verifies that file). Headers are read and
-    checked against metadata.json before any piece is copied.
+    Two ways to read a file: `read_whole` reads all of it once, checking
+    its sha256, with the requested pieces read straight into their tensors
+    (no copy of the file is held); `read_ranges` fetches only the requested
+    byte ranges (used when another rank verifies that file). Headers are
+    read and checked against metadata.json before any piece is read.
     """
 
     def __init__(self, storage: LocalStorage, it: Iteration):
@@ -137,7 +130,7 @@ class ShardReader:
         self.bytes_read += length
         return self.storage.read_range(self.path(file), offset, length)
 
-    def _check_size(self, file: str) -> int:
+    def check_size(self, file: str) -> int:
         """The listed size, after checking it against storage (once per file)."""
         path, size = self.path(file), self.it.metadata["files"][file]["size"]
         if file in self._sized:
@@ -158,7 +151,7 @@ class ShardReader:
         """
         if file in self._headers:
             return self._headers[file]
-        path, size = self.path(file), self._check_size(file)
+        path, size = self.path(file), self.check_size(file)
         if size < 8:
             raise CheckpointError(f"{path}: too short to be a safetensors file")
         (length,) = struct.unpack("<Q", head[:8] if len(head) >= 8 else self._read_range(file, 0, 8))
@@ -191,14 +184,16 @@ class ShardReader:
         Each requested span is read into its destination and hashed there;
         only the bytes between spans pass through a reused scratch block.
         """
-        size = self._check_size(file)
+        size = self.check_size(file)
         digest = hashlib.sha256()
         with self.storage.open_read(self.path(file)) as f:
             head = _read_exactly(f, min(size, READ_BLOCK), self.path(file))
             digest.update(head)
-            self.header(file, head)  # from the read itself: no extra request
+            spans = []
+            if requests:  # a plain verification needs no header
+                self.header(file, head)  # from the read itself: no extra request
+                spans = [(first, last, _writable_bytes(r.dest)) for first, last, r in self.check(file, requests)]
             pos, scratch = len(head), None
-            spans = [(first, last, _writable_bytes(r.dest)) for first, last, r in self.check(file, requests)]
             for first, last, dest in spans + [(size, size, None)]:
                 if first < pos:  # inside the head already read
                     dest[: min(last, pos) - first] = memoryview(head)[first : min(last, pos)]
@@ -212,7 +207,10 @@ class ShardReader:
                     digest.update(_readinto_exactly(f, dest[pos - (last - len(dest)) :], self.path(file)))
                     pos = last
         self.bytes_read += size
-        if digest.hexdigest() != self.it.metadata["files"][file]["sha256"]:
+        self.check_sha256(file, digest.hexdigest())
+
+    def check_sha256(self, file: str, hexdigest: str) -> None:
+        if hexdigest != self.it.metadata["files"][file]["sha256"]:
             raise CheckpointError(f"{self.path(file)}: sha256 does not match metadata.json; the shard is corrupt")
 
     def read_ranges(self, file: str, requests: list[Request]) -> None:
