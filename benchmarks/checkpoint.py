@@ -140,24 +140,19 @@ class BenchWorker:
         return {"model": state.model_tensors(self.model), "optim": self.optimizer.state_tensors()}
 
     # ------------------------------------------------------------------ ours
-    def ours_save(self, step: int, async_save: bool, repeats: int = 1) -> dict:
-        """`repeats` saves of iterations step, step+1, ... through one Checkpointer; the last one is timed to its commit."""
-        ck = self._checkpointer(self.root, async_save=async_save)
-        stalls, totals = [], []
-        for i in range(repeats):
-            self._barrier()
-            start = time.perf_counter()
-            ck.maybe_save(step + i, self.model, self.optimizer, {"global_step": step + i, "global_batch_size": 4,
-                                                                   "consumed_samples": 4 * (step + i), "epoch_num": 0,
-                                                                   "step_num": step + i, "loss_scale": 1.0})
-            stalls.append(time.perf_counter() - start)
-            ck.finish()
-            totals.append(time.perf_counter() - start)
-        last = step + repeats - 1
-        mine = sum(info["size"] for _, info in self._my_files(ck.ckpt.save_path, last))
-        del ck
-        gc.collect()
-        return {"stalls": stalls, "totals": totals, "bytes": mine}
+    def ours_save(self, step: int, async_save: bool) -> dict:
+        """Save iteration `step`, timed to its commit; one Checkpointer per mode, so async snapshot buffers are reused."""
+        cks = self.__dict__.setdefault("_checkpointers", {})
+        ck = cks.setdefault(async_save, self._checkpointer(self.root, async_save=async_save))
+        self._barrier()
+        start = time.perf_counter()
+        ck.maybe_save(step, self.model, self.optimizer, {"global_step": step, "global_batch_size": 4,
+                                                         "consumed_samples": 4 * step, "epoch_num": 0,
+                                                         "step_num": step, "loss_scale": 1.0}, force=True)
+        stall = time.perf_counter() - start
+        ck.finish()
+        total = time.perf_counter() - start
+        return {"stall": stall, "total": total, "bytes": sum(info["size"] for _, info in self._my_files(ck.ckpt.save_path, step))}
 
     def _my_files(self, root: str, step: int) -> list[tuple[str, dict]]:
         from ray_resume.checkpoint import layout
@@ -211,6 +206,7 @@ class BenchWorker:
         import torch.distributed.checkpoint as dcp
 
         path = os.path.join(self.root, f"dcp-{mode}")
+        self.cleanup(f"dcp-{mode}")  # every save writes new files, as ours do
         state = self._state()
         self._barrier()
         start = time.perf_counter()
@@ -240,12 +236,12 @@ class BenchWorker:
         read = _rchar() - before
         del state
         self._barrier()
-        return {"total": elapsed, "rchar": read}
+        return {"total": elapsed, "bytes_read": read}
 
     # ------------------------------------------------------------------ torch.save on rank 0
     def torch_save(self) -> dict:
         path = os.path.join(self.root, "torch", "state.pt")
-        self._barrier()
+        self.cleanup("torch")
         start = time.perf_counter()
         if self.rank == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -271,16 +267,16 @@ class BenchWorker:
         del loaded
         gc.collect()
         self._barrier()
-        return {"total": elapsed, "rchar": read}
+        return {"total": elapsed, "bytes_read": read}
 
-    def cleanup(self, name: str) -> None:
-        """Remove what a phase wrote; a checkpoint root itself stays (its coordinator keeps a lease file there)."""
+    def cleanup(self, name: str, keep: int | None = None) -> None:
+        """Remove what a phase wrote (our iterations but `keep`); a checkpoint root itself stays (its coordinator keeps a lease file there)."""
         self._barrier()
         if self.rank == 0:
             path = os.path.join(self.root, name)
             if name == "ckpt":
                 for entry in os.listdir(path):
-                    if entry.startswith("iteration_"):
+                    if entry.startswith("iteration_") and entry != f"iteration_{keep or 0:08d}":
                         shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
             else:
                 shutil.rmtree(path, ignore_errors=True)
@@ -345,9 +341,17 @@ def _release(coordinator) -> None:
     ray.kill(coordinator)
 
 
-def _median_of_max(per_rank) -> float:
-    """Median over runs of the slowest rank's value (per_rank: one list of runs per rank)."""
-    return statistics.median(max(run) for run in zip(*per_rank))
+def _median_of_max(runs: list[list[dict]], key: str) -> float:
+    """Median over runs of the slowest rank's `key` (each run: one dict per rank)."""
+    return statistics.median(max(x[key] for x in run) for run in runs)
+
+
+def _rounds(repeats: int, phases: dict) -> None:
+    """Run every phase once per round; each round starts one phase later than the previous one."""
+    order = list(phases)
+    for i in range(repeats):
+        for name in order[i % len(order):] + order[: i % len(order)]:
+            phases[name]()
 
 
 def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: int = 1) -> dict:
@@ -367,60 +371,68 @@ def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: 
         print(f"[bench] {size}: {params / 1e6:.1f}M parameters, 2 workers, {root}", flush=True)
         r: dict = {"params": params}
 
-        # Each number is the median over `repeats` runs of the slowest rank (this box may be shared).
-        sync = _all(workers, "ours_save", 1, False, repeats)
-        r["checkpoint_bytes"] = sum(x["bytes"] for x in sync)
-        r["ours_sync_save_s"] = _median_of_max(x["totals"] for x in sync)
-        r["ours_sync_stall_s"] = _median_of_max(x["stalls"] for x in sync)
-        asy = _all(workers, "ours_save", repeats + 1, True, repeats + 1)  # the first allocates the snapshot buffers
-        r["ours_async_first_stall_s"] = max(x["stalls"][0] for x in asy)
-        r["ours_async_stall_s"] = _median_of_max(x["stalls"][1:] for x in asy)
-        r["ours_async_save_s"] = _median_of_max(x["totals"][1:] for x in asy)
+        # Each number is the median over `repeats` rounds of the slowest rank. The contenders take
+        # turns within a round, in an order rotated each round: this VM's disk and page
+        # allocation speed drift by up to 4x within minutes, and all of them must see the same drift.
+        step = 1
+        first = _all(workers, "ours_save", step, True)  # allocates the async snapshot buffers
+        r["checkpoint_bytes"] = sum(x["bytes"] for x in first)
+        r["ours_async_first_stall_s"] = max(x["stall"] for x in first)
+        saves: dict[str, list] = {k: [] for k in ("sync", "async", "raw", "dcp", "dcp_async", "torch")}
+
+        def ours(mode: str) -> None:
+            nonlocal step
+            _all(workers, "cleanup", "ckpt", step)  # only the newest iteration stays (raw_write rewrites it)
+            step += 1
+            saves[mode].append(_all(workers, "ours_save", step, mode == "async"))
+
+        _rounds(repeats, {
+            "sync": lambda: ours("sync"),
+            "async": lambda: ours("async"),
+            "raw": lambda: saves["raw"].append(_all(workers, "raw_write", step)),
+            "dcp": lambda: saves["dcp"].append(_all(workers, "dcp_save", "sync")),
+            "dcp_async": lambda: saves["dcp_async"].append(_all(workers, "dcp_save", "async")),
+            "torch": lambda: saves["torch"].append(_all(workers, "torch_save")),
+        })
         committed = ray.get(coordinator.last_committed.remote())
-        if committed != 2 * repeats + 1:  # never time saves that did not commit
-            raise RuntimeError(f"benchmark saves did not commit: last committed iteration is {committed}, expected {2 * repeats + 1}")
-        r["raw_write_s"] = statistics.median(max(x["total"] for x in _all(workers, "raw_write", 1)) for _ in range(repeats))
+        if committed != step:  # never time saves that did not commit
+            raise RuntimeError(f"benchmark saves did not commit: last committed iteration is {committed}, expected {step}")
+        r["ours_sync_save_s"] = _median_of_max(saves["sync"], "total")
+        r["ours_sync_stall_s"] = _median_of_max(saves["sync"], "stall")
+        r["ours_async_stall_s"] = _median_of_max(saves["async"], "stall")
+        r["ours_async_save_s"] = _median_of_max(saves["async"], "total")
+        r["raw_write_s"] = _median_of_max(saves["raw"], "total")
         gb = r["checkpoint_bytes"] / 1e9
         r["ours_save_gbps"] = round(gb / r["ours_sync_save_s"], 4)
         r["raw_write_gbps"] = round(gb / r["raw_write_s"], 4)
         r["ours_vs_raw"] = _ratio(r["ours_save_gbps"], r["raw_write_gbps"])
+        r["dcp_save_s"] = _median_of_max(saves["dcp"], "total")
+        r["dcp_async_stall_s"] = _median_of_max(saves["dcp_async"], "stall")
+        r["dcp_async_save_s"] = _median_of_max(saves["dcp_async"], "total")
+        r["torch_save_s"] = _median_of_max(saves["torch"], "total")
+        _all(workers, "cleanup", "dcp-async")
         print(f"[bench] {size}: saves done", flush=True)
 
-        # Our loader streams the files into fresh tensors of the state it restores (~1.1x the
-        # checkpoint per rank on top of the live state, until they are copied in): skip what cannot fit.
+        # Our loader and torch.load build fresh tensors of the whole state (~1.1x the checkpoint
+        # per rank on top of the live state, until they are copied in): skip what cannot fit.
+        loads: dict[str, list] = {"ours_load": [], "ours_load_balanced": [], "dcp_load": [], "torch_load": []}
+        phases = {"dcp_load": lambda: loads["dcp_load"].append(_all(workers, "dcp_load"))}
         skipped = r.setdefault("skipped", {})
         if _fits(2 * 1.1 * r["checkpoint_bytes"]):
-            for balanced, key in ((False, "ours_load"), (True, "ours_load_balanced")):
-                res = _all(workers, "ours_load", 1, balanced)
-                r[f"{key}_s"] = max(x["total"] for x in res)
-                r[f"{key}_bytes_read"] = sum(x["bytes_read"] for x in res)
+            phases["ours_load"] = lambda: loads["ours_load"].append(_all(workers, "ours_load", step, False))
+            phases["ours_load_balanced"] = lambda: loads["ours_load_balanced"].append(_all(workers, "ours_load", step, True))
+            phases["torch_load"] = lambda: loads["torch_load"].append(_all(workers, "torch_load"))
         else:
-            skipped["ours_load"] = f"needs ~{2 * 1.1 * r['checkpoint_bytes'] / 1e9:.0f} GB free beyond the live state"
-        _all(workers, "cleanup", "ckpt")
+            for key in ("ours_load", "torch_load"):
+                skipped[key] = f"needs ~{2 * 1.1 * r['checkpoint_bytes'] / 1e9:.0f} GB free beyond the live state"
+        _rounds(repeats, phases)
+        for key, runs in loads.items():
+            if runs:
+                r[f"{key}_s"] = _median_of_max(runs, "total")
+                r[f"{key}_bytes_read"] = sum(x["bytes_read"] for x in runs[0])
+        for name in ("ckpt", "dcp-sync", "torch"):
+            _all(workers, "cleanup", name)
         print(f"[bench] {size}: loads done", flush=True)
-
-        runs = [_all(workers, "dcp_save", "sync") for _ in range(repeats)]
-        r["dcp_save_s"] = statistics.median(max(x["total"] for x in res) for res in runs)
-        runs = []
-        for _ in range(repeats):
-            runs.append(_all(workers, "dcp_save", "async"))
-            _all(workers, "cleanup", "dcp-async")
-        r["dcp_async_stall_s"] = statistics.median(max(x["stall"] for x in res) for res in runs)
-        r["dcp_async_save_s"] = statistics.median(max(x["total"] for x in res) for res in runs)
-        res = _all(workers, "dcp_load")
-        r["dcp_load_s"] = max(x["total"] for x in res)
-        r["dcp_load_bytes_read"] = sum(x["rchar"] for x in res)
-        _all(workers, "cleanup", "dcp-sync")
-        print(f"[bench] {size}: dcp done", flush=True)
-
-        r["torch_save_s"] = statistics.median(max(x["total"] for x in _all(workers, "torch_save")) for _ in range(repeats))
-        if _fits(2 * 1.1 * r["checkpoint_bytes"]):
-            res = _all(workers, "torch_load")
-            r["torch_load_s"] = max(x["total"] for x in res)
-            r["torch_load_bytes_read"] = sum(x["rchar"] for x in res)
-        else:
-            skipped["torch_load"] = f"needs ~{2 * 1.1 * r['checkpoint_bytes'] / 1e9:.0f} GB free beyond the live state"
-        _all(workers, "cleanup", "torch")
 
         r["async_stall_vs_sync_save"] = _ratio(r["ours_async_stall_s"], r["ours_sync_save_s"])
         r["async_stall_vs_dcp_async_stall"] = _ratio(r["ours_async_stall_s"], r["dcp_async_stall_s"])
@@ -532,8 +544,8 @@ def main(argv=None) -> int:
     for s in sizes:
         if s not in SIZES:
             ap.error(f"unknown size {s!r}; choose from {', '.join(SIZES)}")
-    steps = args.train_steps or (6 if args.small else 20)
-    every = args.save_every or (3 if args.small else 5)
+    steps = args.train_steps or (6 if args.small else 40)
+    every = args.save_every or (3 if args.small else 10)
     repeats = args.repeats or (1 if args.small else 3)
     base = args.dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)

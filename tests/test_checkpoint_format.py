@@ -12,7 +12,8 @@ import torch
 from ray_resume.checkpoint import layout, state
 from ray_resume.checkpoint.plan import TensorSpec, split_replicated
 from ray_resume.checkpoint.fetch import load_state
-from ray_resume.checkpoint.reader import ShardReader, check_no_extra_shards, find_committed, load_rank_extras, open_iteration, read_verified
+from ray_resume.checkpoint import reader
+from ray_resume.checkpoint.reader import ShardReader, check_no_extra_shards, find_committed, load_rank_extras, open_iteration, plan_reads, read_verified
 from ray_resume.checkpoint.schema import CheckpointError, build_metadata, dumps
 from ray_resume.checkpoint.storage import LocalStorage, storage_for
 from ray_resume.checkpoint.writer import save_shards
@@ -100,6 +101,38 @@ def test_round_trip_restores_every_tensor_bitwise(tmp_path, world):
     model_bytes = sum(t.numel() * t.element_size() for t in state.model_tensors(model).values())
     stored = sum(len(b) for n, b in read_verified(storage, it, [f for f in it.metadata["files"] if "-model-" in f]).items())
     assert model_bytes <= stored < model_bytes + world * 4096  # plus one safetensors header per file
+
+
+@pytest.mark.parametrize("flip", [None, "requested", "skipped"])
+def test_whole_file_read_in_small_blocks_fills_the_pieces_and_hashes_every_byte(tmp_path, monkeypatch, flip):
+    """read_whole with a 40-byte block: requested spans are read block by block into their
+    tensors, the bytes between them go through the two alternating scratch blocks, and the
+    sha256 (hashed on its own thread) covers all of them: a flipped byte anywhere is caught."""
+    monkeypatch.setattr(reader, "READ_BLOCK", 40)
+    model, opt = make_state()
+    write_iteration(tmp_path, 2, model=model, opt=opt)
+    storage = LocalStorage()
+    it = open_iteration(storage, str(tmp_path), find_committed(storage, str(tmp_path)))
+    live = state.model_tensors(model)
+    wanted = sorted(live)[1::3]  # every third tensor: spans with unrequested bytes between them
+    dests, reads = plan_reads(it, "model", {n: (0, live[n].numel()) for n in wanted})
+    file = max(reads, key=lambda f: len(reads[f]))
+    if flip:
+        path = Path(it.path) / file
+        data_start, header = ShardReader(storage, it).header(file)
+        inside = {r.piece.name for r in reads[file]}
+        name = next(n for n in sorted(header) if n != "__metadata__" and (n in inside) == (flip == "requested"))
+        at = data_start + header[name]["data_offsets"][0] + 1
+        data = bytearray(path.read_bytes())
+        data[at] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=f"{file}: sha256 does not match metadata.json"):
+            ShardReader(storage, it).read_whole(file, reads[file])
+        return
+    ShardReader(storage, it).read_whole(file, reads[file])
+    for r in reads[file]:
+        saved = live[r.piece.name].reshape(-1)[r.lo : r.hi]
+        assert torch.equal(dests[r.piece.name][r.lo : r.hi], saved), r.piece.name
 
 
 def test_rng_state_round_trips():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import safetensors.torch
@@ -18,6 +19,7 @@ import torch
 
 from . import layout
 from .plan import Piece, SavePlan, TensorSpec
+from .digest import OverlappedSha256
 from .schema import DTYPES, CheckpointError, parse_json, tensor_specs, validate_common, validate_metadata
 from .storage import READ_BLOCK, LocalStorage
 from .writer import RANK_EXTRAS_KEY
@@ -182,30 +184,32 @@ class ShardReader:
         """Read the whole file once, checking its sha256; requested pieces land straight in their tensors.
 
         Each requested span is read into its destination and hashed there;
-        only the bytes between spans pass through a reused scratch block.
+        only the bytes between spans pass through scratch blocks. Reads go
+        block by block so that hashing one block overlaps reading the next.
         """
-        size = self.check_size(file)
-        digest = hashlib.sha256()
-        with self.storage.open_read(self.path(file)) as f:
-            head = _read_exactly(f, min(size, READ_BLOCK), self.path(file))
+        size, path = self.check_size(file), self.path(file)
+        digest, scratch = OverlappedSha256(), _ScratchBlocks()
+        with self.storage.open_read(path) as f:
+            head = _read_exactly(f, min(size, READ_BLOCK), path)
             digest.update(head)
             spans = []
             if requests:  # a plain verification needs no header
                 self.header(file, head)  # from the read itself: no extra request
                 spans = [(first, last, _writable_bytes(r.dest)) for first, last, r in self.check(file, requests)]
-            pos, scratch = len(head), None
+            pos = len(head)
             for first, last, dest in spans + [(size, size, None)]:
                 if first < pos:  # inside the head already read
                     dest[: min(last, pos) - first] = memoryview(head)[first : min(last, pos)]
                     first = min(last, pos)
                 while pos < first:  # bytes no one asked for: hashed, not kept
-                    scratch = scratch or bytearray(READ_BLOCK)
-                    n = min(first - pos, len(scratch))
-                    digest.update(_readinto_exactly(f, memoryview(scratch)[:n], self.path(file)))
+                    n = min(first - pos, READ_BLOCK)
+                    scratch.hashing(digest.update(_readinto_exactly(f, scratch.take(n), path)))
                     pos += n
-                if last > pos:
-                    digest.update(_readinto_exactly(f, dest[pos - (last - len(dest)) :], self.path(file)))
-                    pos = last
+                while pos < last:
+                    start = pos - (last - len(dest))  # dest holds file bytes [last - len(dest), last)
+                    n = min(last - pos, READ_BLOCK)
+                    digest.update(_readinto_exactly(f, dest[start : start + n], path))
+                    pos += n
         self.bytes_read += size
         self.check_sha256(file, digest.hexdigest())
 
@@ -220,6 +224,26 @@ class ShardReader:
                 f.seek(first)
                 _readinto_exactly(f, _writable_bytes(r.dest), self.path(file))
                 self.bytes_read += last - first
+
+
+class _ScratchBlocks:
+    """Two scratch blocks used in turn: one is filled while the other's bytes are still being hashed."""
+
+    def __init__(self):
+        self._blocks: list[bytearray | None] = [None, None]
+        self._hashed: list[Future | None] = [None, None]
+        self._turn = 0
+
+    def take(self, n: int) -> memoryview:
+        self._turn ^= 1
+        if self._hashed[self._turn] is not None:
+            self._hashed[self._turn].result()  # its last bytes are hashed: safe to overwrite
+        if self._blocks[self._turn] is None:
+            self._blocks[self._turn] = bytearray(READ_BLOCK)
+        return memoryview(self._blocks[self._turn])[:n]
+
+    def hashing(self, future: Future) -> None:
+        self._hashed[self._turn] = future
 
 
 def _read_exactly(f, n: int, path: str) -> bytes:

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator
 
 import pyarrow.fs as pafs
 
+from .digest import OverlappedSha256
+
 # Streamed reads (verification, whole-shard loads) hold one block at a time.
 READ_BLOCK = 8 << 20
 
@@ -90,14 +92,14 @@ class LocalStorage:
         _fsync_dir(os.path.dirname(local) or ".")
 
     def write_durable(self, path: str, chunks: Iterable[bytes]) -> tuple[int, str]:
-        """Stream `chunks` into `path`, fsync, and return (size, sha256 hex)."""
-        digest = hashlib.sha256()
+        """Stream `chunks` into `path`, fsync, and return (size, sha256 hex); each chunk is hashed while it is written."""
+        digest = OverlappedSha256()
         size = 0
         local = _local(path)
         with open(local, "wb") as f:
             for chunk in chunks:
-                f.write(chunk)
                 digest.update(chunk)
+                f.write(chunk)
                 size += len(chunk)
             f.flush()
             os.fsync(f.fileno())
@@ -209,12 +211,12 @@ class ArrowStorage:
             f.write(data)
 
     def write_durable(self, path: str, chunks: Iterable[bytes]) -> tuple[int, str]:
-        digest = hashlib.sha256()
+        digest = OverlappedSha256()
         size = 0
         with self.fs.open_output_stream(self._key(path)) as f:
             for chunk in chunks:
-                f.write(chunk)
                 digest.update(chunk)
+                f.write(chunk)
                 size += len(chunk)
         return size, digest.hexdigest()
 
