@@ -37,8 +37,8 @@ The read policy simulated is the loader's (`fetch.StateLoader.load`, as
 with their sha256 checked, by loading rank s % W' (their verifier). Under
 DDP every rank wants every tensor whole, and of every file it does not
 verify it reads the header and one byte range per piece; with
-`load_balanced` each kind's files are instead dealt out by `deal_by_size`,
-read whole by their owner and broadcast. Under FSDP a rank wants its dim-0
+`load_balanced` the files of both kinds are instead dealt out together by
+`deal_by_size`, read whole by their owner and broadcast. Under FSDP a rank wants its dim-0
 chunk of each `dim0` tensor and the rest (the 0-d `step` tensors) whole:
 those are pooled, i.e. only each file's verifier copies them out of the
 stream it reads anyway and one all-reduce of the packed bytes (8-byte slot
@@ -81,7 +81,7 @@ import numpy as np
 
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.commit import commit_iteration
-from ray_resume.checkpoint.fetch import deal_by_size
+from ray_resume.checkpoint.fetch import balanced_owners, deal_by_size
 from ray_resume.checkpoint.plan import DIM0, SPLIT, SavePlan, TensorSpec, dim0_chunk, needed_range, split_replicated, split_specs
 from ray_resume.checkpoint.schema import dumps, parse_json, tensor_specs, validate_metadata
 from ray_resume.checkpoint.state import capture_rng
@@ -369,7 +369,7 @@ def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bo
         saved = SavePlan(specs, world)
         replicated, pooled = load_roles(specs, new_world, fsdp=fsdp)
         names = [layout.shard_filename(prefix, kind, r, world) for r in range(world)]
-        if balanced and replicated:  # deal_by_size over this kind's files; each read whole by its owner, then broadcast
+        if balanced and replicated:  # one deal over both kinds' files; each read whole by its owner, then broadcast
             owners = owners or lb_owners(meta, new_world)
             mine = {n for n in names if owners[n] == rank}
             plan.received += [n for n in names if n not in mine]
@@ -403,12 +403,8 @@ def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bo
 
 
 def lb_owners(meta: dict, new_world: int) -> dict[str, int]:
-    """load_balanced: file -> the rank that reads it, dealt per kind in saving-rank order, as fetch.StateLoader does."""
-    world, prefix, out = meta["world_size"], meta.get("prefix", "ckpt"), {}
-    for kind in meta["tensors"]:
-        names = [layout.shard_filename(prefix, kind, r, world) for r in range(world)]
-        out.update(zip(names, deal_by_size([meta["files"][n]["size"] for n in names], new_world)))
-    return out
+    """load_balanced: file -> the rank that reads it, one deal over both kinds' files, as fetch.StateLoader does."""
+    return balanced_owners(meta, KINDS, new_world)
 
 
 def read_totals(specs: dict[str, list[TensorSpec]], world: int, new_world: int, sizes, *, fsdp: bool, balanced: bool,
@@ -425,11 +421,13 @@ def read_totals(specs: dict[str, list[TensorSpec]], world: int, new_world: int, 
     out = {k: np.zeros(new_world, np.int64) for k in ("bytes", "requests", "files")}
     saved = np.arange(world, dtype=np.int64)
     ver = saved % new_world  # the loading rank that verifies (reads whole) each saved rank's files
-    for kind in KINDS:
+    # load_balanced: one deal over both kinds' files, in KINDS then saving-rank order (fetch.balanced_owners).
+    dealt = np.array(deal_by_size([int(x) for kind in KINDS for x in sizes[kind]["size"]], new_world)).reshape(len(KINDS), world) if balanced else None
+    for k, kind in enumerate(KINDS):
         size, header = sizes[kind]["size"], sizes[kind]["header"]
         replicated, pooled = load_roles(specs[kind], new_world, fsdp=fsdp)
         if balanced and replicated:
-            owners = np.array(deal_by_size([int(x) for x in size], new_world))
+            owners = dealt[k]
             out["bytes"] += np.bincount(owners, size.astype(np.float64), new_world).astype(np.int64)
             out["requests"] += WHOLE_FILE_REQUESTS * np.bincount(owners, minlength=new_world)
             out["files"] += np.bincount(owners, minlength=new_world)
@@ -838,10 +836,9 @@ def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, all_ranks: b
     r["read_need_balance"] = balance(need)  # what each rank must end up holding: no read policy does better
     r["read_need_max_rank_bytes"] = int(need.max())
     if not fsdp:
-        # What-ifs for load_balanced: one deal over both kinds' files; 4 MiB blocks dealt instead of whole
-        # files (a part of a file can only be verified with a checksum per block: a format change).
+        # What-if for load_balanced: 4 MiB blocks dealt instead of whole files (a part of a
+        # file can only be verified with a checksum per block: a format change).
         both = [int(x) for kind in KINDS for x in sizes[kind]["size"]]
-        r["read_balance_lb_one_deal"] = balance(np.bincount(deal_by_size(both, new_world), np.array(both, np.float64), new_world))
         block = 4 << 20
         blocks = [min(block, size - o) for size in both for o in range(0, size, block)]
         r["read_balance_lb_4mib_blocks"] = balance(np.bincount(deal_by_size(blocks, new_world), np.array(blocks, np.float64), new_world))
@@ -907,8 +904,8 @@ def table(results: dict) -> str:
             lambda w: ", ".join(f"{g}: {v:.3f}" for g, v in cell(w, "fsdp").get("hsdp_write_balance", {}).items()) or "-"),
         row("read balance max/mean: DDP direct / DDP load_balanced / FSDP2",
             lambda w: f"{ddp(w, 'read_balance_direct'):.3f} / {ddp(w, 'read_balance_lb'):.3f} / {fsdp(w, 'read_balance_direct'):.3f}"),
-        row("what-if load_balanced: one deal for both kinds / 4 MiB blocks",
-            lambda w: f"{ddp(w, 'read_balance_lb_one_deal'):.3f} / {ddp(w, 'read_balance_lb_4mib_blocks'):.3f}"),
+        row("what-if load_balanced: 4 MiB blocks dealt instead of whole files",
+            lambda w: f"{ddp(w, 'read_balance_lb_4mib_blocks'):.3f}"),
         row("FSDP2: balance of the bytes each rank needs (the floor for any read policy)",
             lambda w: f"{fsdp(w, 'read_need_balance'):.3f}"),
         row("largest rank read, DDP direct", lambda w: _worst(ddp(w, "read_max_rank_direct"))),

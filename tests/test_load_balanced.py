@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_resume.checkpoint.fetch import StateLoader, deal_by_size
+from ray_resume.checkpoint.fetch import StateLoader, balanced_owners, deal_by_size
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import tensor_specs
 from ray_resume.checkpoint.storage import LocalStorage
@@ -60,3 +60,14 @@ def test_deal_by_size_balances():
     owners = deal_by_size([100, 1, 1, 1, 97], 2)
     loads = [sum(s for s, o in zip([100, 1, 1, 1, 97], owners) if o == r) for r in range(2)]
     assert sorted(loads) == [100, 100]
+
+
+def test_one_deal_over_both_kinds_balances_what_per_kind_deals_cannot():
+    """4 saving ranks loaded by 3: dealt per kind, rank 0 would draw two model files *and* two
+    opt files (600 of 1,200 bytes, 1.5x the mean); one deal over both kinds gives 400 each."""
+    files = {f"ckpt-{kind}-{r:07d}-0000004.safetensors": {"size": size} for kind, size in (("model", 100), ("opt", 200)) for r in range(4)}
+    owners = balanced_owners({"world_size": 4, "prefix": "ckpt", "files": files}, ("model", "opt"), 3)
+    assert sorted(owners) == sorted(files)
+    assert [sum(files[f]["size"] for f, o in owners.items() if o == r) for r in range(3)] == [400, 400, 400]
+    model_only = balanced_owners({"world_size": 4, "prefix": "ckpt", "files": files}, ("model",), 3)
+    assert sorted(model_only) == [f for f in sorted(files) if "-model-" in f]  # a weights-only load deals only what it reads

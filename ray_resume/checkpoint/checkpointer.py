@@ -67,7 +67,8 @@ class Checkpointer:
             return ResumePoint(source=root)
         it = open_iteration(storage, root, step)
         check_no_extra_shards(storage, it)
-        loader = StateLoader(storage, it, self.rank, self.world_size, self.ckpt.load_balanced)
+        kinds = (layout.MODEL_KIND, layout.OPTIM_KIND) if full and it.common["has_optimizer"] else (layout.MODEL_KIND,)
+        loader = StateLoader(storage, it, self.rank, self.world_size, self.ckpt.load_balanced, kinds)
         where = layout.join(it.path, layout.METADATA)
         live = state.model_tensors(model)
         specs = {s.name: s for s in tensor_specs(it.metadata, layout.MODEL_KIND)}

@@ -13,10 +13,11 @@ read from storage is counted.
   0-d steps) come only from the verifiers' reads and reach every rank in
   one all-reduce.
 - `load_balanced: true` (spec 2.2, scenario D; replicated targets only): the
-  shard files are dealt out by size (largest first, to the least loaded
-  rank); each rank reads and verifies its own files, then every piece is
-  broadcast from its reader straight into the other ranks' tensors. Each
-  byte comes off storage once in total.
+  shard files of every kind the restore loads are dealt out together by
+  size (largest first, to the least loaded rank); each rank reads and
+  verifies its own files, then every piece is broadcast from its reader
+  straight into the other ranks' tensors. Each byte comes off storage once
+  in total.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import heapq
 import torch
 import torch.distributed as dist
 
+from . import layout
 from .reader import Iteration, ShardReader, plan_reads, shard_files
 from .schema import DTYPES, CheckpointError, tensor_specs
 
@@ -48,13 +50,30 @@ def deal_by_size(sizes: list[int], world_size: int) -> list[int]:
     return owners
 
 
-class StateLoader:
-    """Loads tensors of one iteration for `rank` of a `world_size` group (see the module doc)."""
+def balanced_owners(metadata: dict, kinds, world_size: int) -> dict[str, int]:
+    """load_balanced: shard file -> the rank that reads it.
 
-    def __init__(self, storage, it: Iteration, rank: int = 0, world_size: int = 1, balanced: bool = False):
+    One deal over the files of all `kinds`, not one per kind: per kind, the
+    same (lowest) ranks would draw an extra `model` file *and* an extra `opt`
+    file whenever the files do not divide evenly over the ranks.
+    """
+    world, prefix = metadata["world_size"], metadata.get("prefix", "ckpt")
+    files = [layout.shard_filename(prefix, kind, r, world) for kind in kinds for r in range(world)]
+    return dict(zip(files, deal_by_size([metadata["files"][f]["size"] for f in files], world_size)))
+
+
+class StateLoader:
+    """Loads tensors of one iteration for `rank` of a `world_size` group (see the module doc).
+
+    `kinds` are the kinds this restore will load (all the iteration holds by
+    default): load_balanced deals their files out in one go.
+    """
+
+    def __init__(self, storage, it: Iteration, rank: int = 0, world_size: int = 1, balanced: bool = False, kinds=None):
         self.it = it
         self.rank, self.world_size = rank, world_size
         self.balanced = balanced and world_size > 1
+        self.kinds = tuple(kinds or it.metadata["tensors"])
         self.reader = ShardReader(storage, it)
         self.device = collective_device()
 
@@ -78,8 +97,11 @@ class StateLoader:
         packed, dests = self._pool(kind, {n: ranges[n] for n in sorted(pooled)})  # same layout on every rank
         dests, reads = plan_reads(self.it, kind, ranges, dests)
         files = shard_files(self.it, kind)
-        owners = (deal_by_size([self.it.metadata["files"][f]["size"] for f in files], self.world_size) if balanced
-                  else [saver % self.world_size for saver in range(len(files))])
+        if balanced:
+            dealt = balanced_owners(self.it.metadata, self.kinds, self.world_size)
+            owners = [dealt[f] for f in files]
+        else:
+            owners = [saver % self.world_size for saver in range(len(files))]
         error = None
         try:
             for file, owner in zip(files, owners):
