@@ -11,7 +11,8 @@ temp dir. Our saves go through the real `Checkpointer.maybe_save` and a real
 driver-side `CheckpointCoordinator` (so a save is timed up to its commit);
 our loads through the real `Checkpointer.restore` (fetch.StateLoader, which
 streams shard bytes into the rank's tensors), with and without load_balanced. Every number is the
-slowest rank's, measured after a barrier. Before each load the files are
+slowest rank's, measured after a barrier, and the median over `--repeats` rounds in which every
+contender takes one turn, in an order rotated each round. Before each load the files are
 dropped from the page cache (posix_fadvise DONTNEED), so loads read storage.
 Bytes read are each rank's `read()` bytes (/proc/self/io rchar), summed.
 """
