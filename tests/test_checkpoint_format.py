@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from ray_resume.checkpoint import layout, state
-from ray_resume.checkpoint.plan import TensorSpec, split_replicated
+from ray_resume.checkpoint import layout, reader, state
+from ray_resume.checkpoint.digest import OverlappedSha256
 from ray_resume.checkpoint.fetch import load_state
-from ray_resume.checkpoint import reader
+from ray_resume.checkpoint.plan import TensorSpec, split_replicated
 from ray_resume.checkpoint.reader import ShardReader, check_no_extra_shards, find_committed, load_rank_extras, open_iteration, plan_reads, read_verified
 from ray_resume.checkpoint.schema import CheckpointError, build_metadata, dumps
 from ray_resume.checkpoint.storage import LocalStorage, storage_for
@@ -133,6 +137,29 @@ def test_whole_file_read_in_small_blocks_fills_the_pieces_and_hashes_every_byte(
     for r in reads[file]:
         saved = live[r.piece.name].reshape(-1)[r.lo : r.hi]
         assert torch.equal(dests[r.piece.name][r.lo : r.hi], saved), r.piece.name
+
+
+def test_sha256_beside_io_matches_hashlib_also_in_a_forked_child():
+    """The hashing thread does not survive fork(); a child must start its own instead of
+    waiting forever on the parent's (which it did before the at-fork hook)."""
+    data = os.urandom(3 << 20)
+    digest = OverlappedSha256()
+    for start in range(0, len(data), 1 << 20):
+        digest.update(memoryview(data)[start : start + (1 << 20)])
+    assert digest.hexdigest() == hashlib.sha256(data).hexdigest()
+    pid = os.fork()
+    if pid == 0:  # child: exit 0 only if its hash is right
+        child = OverlappedSha256()
+        child.update(data)
+        os._exit(0 if child.hexdigest() == hashlib.sha256(data).hexdigest() else 1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on its sha256")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_rng_state_round_trips():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 
@@ -18,6 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 def _hasher() -> ThreadPoolExecutor:
     # One worker: updates run in submission order, which a running hash needs.
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+
+
+# A forked child has no copy of the hashing thread; it starts its own.
+os.register_at_fork(after_in_child=_hasher.cache_clear)
 
 
 class OverlappedSha256:
