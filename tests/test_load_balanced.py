@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_resume.checkpoint.fetch import StateLoader, balanced_owners, deal_by_size
+from ray_resume.checkpoint.fetch import StateLoader, balanced_owners, deal_by_size, open_shared
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
-from ray_resume.checkpoint.schema import tensor_specs
+from ray_resume.checkpoint.schema import CheckpointError, tensor_specs
 from ray_resume.checkpoint.storage import LocalStorage
 from test_checkpoint_format import make_state, write_iteration
 
@@ -71,3 +72,55 @@ def test_one_deal_over_both_kinds_balances_what_per_kind_deals_cannot():
     assert [sum(files[f]["size"] for f, o in owners.items() if o == r) for r in range(3)] == [400, 400, 400]
     model_only = balanced_owners({"world_size": 4, "prefix": "ckpt", "files": files}, ("model",), 3)
     assert sorted(model_only) == [f for f in sorted(files) if "-model-" in f]  # a weights-only load deals only what it reads
+
+
+class CountingStorage(LocalStorage):
+    """Local storage that notes which JSON files and directories a rank reads."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def read_bytes(self, path: str) -> bytes:
+        self.calls.append(Path(path).name)
+        return super().read_bytes(path)
+
+    def listdir(self, path: str) -> list[str]:
+        self.calls.append(f"list {Path(path).name}")
+        return super().listdir(path)
+
+
+def _open(rank: int, root: str, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    storage = CountingStorage()
+    try:
+        it = open_shared(storage, root, 5, rank, WORLD)
+        report = {"metadata": it.metadata, "common": it.common, "path": it.path}
+    except CheckpointError as exc:
+        report = {"error": str(exc)}
+    report["calls"] = storage.calls
+    Path(out, f"open{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_only_rank_0_reads_the_iteration_json_and_every_rank_gets_its_verdict(tmp_path, damaged):
+    """At thousands of ranks each fetching metadata.json is the bulk of a load's GETs: rank 0 reads
+    and checks it (and lists the directory) once, and the others get the same JSON, or the same error."""
+    model, opt = make_state()
+    directory = write_iteration(tmp_path / "root", world=3, model=model, opt=opt)
+    if damaged:
+        common = json.loads((directory / "common.json").read_text())
+        common["ckpt_status"] = "saving"
+        (directory / "common.json").write_text(json.dumps(common))
+    mp.spawn(_open, args=(str(tmp_path / "root"), f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=WORLD, join=True)
+    reports = [json.loads((tmp_path / f"open{r}.json").read_text()) for r in range(WORLD)]
+    assert reports[0]["calls"][:2] == ["common.json", "metadata.json"]
+    assert all(r["calls"] == [] for r in reports[1:])  # nothing read from storage by the other ranks
+    if damaged:
+        errors = {r["error"] for r in reports}  # one message, rank 0's, on every rank
+        assert len(errors) == 1 and "common.json: ckpt_status is 'saving', not 'ok'" in errors.pop()
+        return
+    assert reports[0]["calls"] == ["common.json", "metadata.json", "list iteration_00000005"]
+    expected = open_iteration(LocalStorage(), str(tmp_path / "root"), 5)
+    for r in reports:
+        assert (r["metadata"], r["common"], r["path"]) == (expected.metadata, expected.common, expected.path)

@@ -15,9 +15,9 @@ import ray
 import torch
 
 from . import layout, state
-from .fetch import StateLoader
+from .fetch import StateLoader, open_shared
 from .plan import TensorSpec, needed_range
-from .reader import check_no_extra_shards, load_rank_extras, open_iteration, read_export
+from .reader import load_rank_extras, read_export
 from .schema import DTYPE_TAGS, DTYPES, CheckpointError, tensor_specs
 from .async_save import BackgroundSave
 from .storage import storage_for
@@ -65,8 +65,7 @@ class Checkpointer:
             load_weights(model, read_export(storage, root), root, self.rank, self.world_size)
             optimizer.reload_main_params_from_model()
             return ResumePoint(source=root)
-        it = open_iteration(storage, root, step)
-        check_no_extra_shards(storage, it)
+        it = open_shared(storage, root, step, self.rank, self.world_size)
         kinds = (layout.MODEL_KIND, layout.OPTIM_KIND) if full and it.common["has_optimizer"] else (layout.MODEL_KIND,)
         loader = StateLoader(storage, it, self.rank, self.world_size, self.ckpt.load_balanced, kinds)
         where = layout.join(it.path, layout.METADATA)
