@@ -255,7 +255,10 @@ def storage_for(uri: str, options=None) -> Storage:
 
 @functools.lru_cache(maxsize=8)
 def _s3_cached(endpoint: str, region: str, key: str, secret: str):
-    kwargs = {"region": region or None}
+    # allow_delayed_open: a file smaller than one part (tracker, common.json,
+    # metadata.json, config.yaml) goes up as one PUT, not as a 3-request multipart
+    # upload; an error then shows at write or close, where every writer here expects one.
+    kwargs = {"region": region or None, "allow_delayed_open": True}
     if endpoint:
         kwargs["endpoint_override"] = endpoint
         if endpoint.startswith("http://"):
