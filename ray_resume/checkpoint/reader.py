@@ -18,8 +18,8 @@ import safetensors.torch
 import torch
 
 from . import layout
-from .plan import Piece, SavePlan, TensorSpec
 from .digest import OverlappedSha256
+from .plan import Piece, SavePlan, TensorSpec
 from .schema import DTYPES, CheckpointError, parse_json, tensor_specs, validate_common, validate_metadata
 from .storage import READ_BLOCK, LocalStorage
 from .writer import RANK_EXTRAS_KEY
