@@ -180,14 +180,20 @@ class TrainingConfig(_Section):
 class ScalingConfig(_Section):
     num_workers: Union[int, list[int]] = 2  # fixed worker count, or elastic [min, max]
     use_gpu: bool = False  # one GPU per worker
+    # Ray resources each worker reserves, as Ray Train's ScalingConfig takes them
+    # ({CPU: 4, GPU: 1, my_label: 1}); {} keeps Ray's default: 1 CPU, or 1 GPU with use_gpu.
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    elastic_resize_interval_s: float = 60.0  # elastic [min, max]: how often a healthy group looks for room to grow
 
     def _check(self) -> list[str]:
+        p = [f"scaling.resources_per_worker.{k} must be >= 0, got {v:g}" for k, v in self.resources_per_worker.items() if v < 0]
+        if self.elastic_resize_interval_s <= 0:
+            p.append(f"scaling.elastic_resize_interval_s must be > 0, got {self.elastic_resize_interval_s:g}")
         n = self.num_workers
         if isinstance(n, int):
-            return [] if n >= 1 else [f"scaling.num_workers must be >= 1, got {n}"]
+            return p + ([] if n >= 1 else [f"scaling.num_workers must be >= 1, got {n}"])
         if len(n) != 2:
-            return [f"scaling.num_workers as a list must be [min, max], got {n!r}"]
-        p: list[str] = []
+            return p + [f"scaling.num_workers as a list must be [min, max], got {n!r}"]
         if min(n) < 1:
             p.append(f"scaling.num_workers values must be >= 1, got {n!r}")
         if n[0] > n[1]:

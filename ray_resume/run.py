@@ -68,6 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def scaling_config(scaling) -> ray.train.ScalingConfig:
+    """Ray Train's ScalingConfig for the `scaling:` section (a [min, max] list makes it elastic)."""
+    workers = scaling.num_workers
+    return ray.train.ScalingConfig(
+        num_workers=tuple(workers) if isinstance(workers, list) else workers, use_gpu=scaling.use_gpu,
+        resources_per_worker=dict(scaling.resources_per_worker) or None,
+        elastic_resize_monitor_interval_s=scaling.elastic_resize_interval_s,
+    )
+
+
 def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None, collate=None) -> RunResult:
     """Run the job to the end (with Ray Train's restarts) and report what was committed.
 
@@ -96,13 +106,10 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
     coordinator = CheckpointCoordinator.options(scheduling_strategy=here).remote(
         cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid()
     )
-    workers = cfg.scaling.num_workers
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"config": cfg.to_dict(), "coordinator": coordinator, "load": load, "job_id": job_id, "plugins": plugins},
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=tuple(workers) if isinstance(workers, list) else workers, use_gpu=cfg.scaling.use_gpu
-        ),
+        scaling_config=scaling_config(cfg.scaling),
         run_config=ray.train.RunConfig(
             name=f"{cfg.name}-{job_id}",
             failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),

@@ -17,6 +17,7 @@ from ray_resume.config import (
     apply_overrides,
     load_config,
 )
+from ray_resume.run import scaling_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -107,6 +108,24 @@ def test_wrong_type_names_full_key():
     assert problems(cfg(scaling={"num_workers": "2"})) == [
         "x.yaml: scaling.num_workers must be an integer or a list of integers, got str '2'"]
 
+
+
+def test_worker_resources_and_resize_interval_are_checked():
+    c = Config.from_dict(cfg(scaling={"num_workers": [1, 2], "resources_per_worker": {"CPU": 2, "train_slot": 1},
+                                      "elastic_resize_interval_s": 5}))
+    assert c.scaling.resources_per_worker == {"CPU": 2.0, "train_slot": 1.0} and c.scaling.elastic_resize_interval_s == 5.0
+    ray_side = scaling_config(c.scaling)  # what run.py hands to TorchTrainer
+    assert (ray_side.num_workers, ray_side.resources_per_worker, ray_side.elastic_resize_monitor_interval_s) == (
+        (1, 2), {"CPU": 2.0, "train_slot": 1.0}, 5.0)
+    default = scaling_config(Config.from_dict(cfg()).scaling)
+    assert (default.num_workers, default.resources_per_worker, default.num_cpus_per_worker) == (2, None, 1)  # Ray's default: 1 CPU
+    assert problems(cfg(scaling={"resources_per_worker": {"CPU": -1}, "elastic_resize_interval_s": 0})) == [
+        "x.yaml: scaling.resources_per_worker.CPU must be >= 0, got -1",
+        "x.yaml: scaling.elastic_resize_interval_s must be > 0, got 0"]
+    assert problems(cfg(scaling={"resources_per_worker": {"GPU": "one"}})) == [
+        "x.yaml: scaling.resources_per_worker.GPU must be a number, got str 'one'"]
+    assert problems(cfg(scaling={"resources_per_worker": [1]})) == [
+        "x.yaml: scaling.resources_per_worker must be a mapping, got list [1]"]
 
 def test_required_keys():
     assert problems({}) == ["x.yaml: name is required (a string)",

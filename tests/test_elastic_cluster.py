@@ -32,10 +32,10 @@ So that the number of worker nodes alone decides the world size, each worker nod
 2 CPUs (1 for the training worker, 1 for the Ray Data read tasks beside it at 0.25 CPU
 each) and one unit of a custom resource `train_slot`, and each worker asks for
 {CPU: 1, train_slot: 1}: CPU counts alone cannot do it, since a node must have room for
-a worker and its readers, and node CPU counts are whole numbers. The config has no
-`resources_per_worker` key, so the driver script below sets it (and a 1 s resize
-interval) by swapping `ray.train.ScalingConfig` for a subclass with those defaults; and it
-creates the coordinator actor itself, with a 1 s tick, before Train does. The interval,
+a worker and its readers, and node CPU counts are whole numbers. The job's config asks
+for that with `scaling.resources_per_worker` and for a 1 s resize check with
+`scaling.elastic_resize_interval_s`; the driver script below also creates Ray's (private)
+coordinator actor itself, with a 1 s tick, before Train does. The interval,
 the tick and a 5 s `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S` only make the test fast: with
 Ray's defaults the same sequence takes minutes.
 
@@ -70,7 +70,6 @@ pytestmark = pytest.mark.slow
 
 DRIVER = r'''
 """Driver of the elastic-cluster test: a multi-node Ray of its own (ray.cluster_utils.Cluster)."""
-import dataclasses
 import json
 import os
 import socket
@@ -78,7 +77,6 @@ import sys
 import threading
 import time
 import traceback
-from typing import ClassVar, Optional
 
 import ray
 import ray._private.state
@@ -93,19 +91,6 @@ from ray_resume.run import run
 
 TRACKER = "latest_checkpointed_iteration.txt"  # the spec's name, in the save root
 SLOT = "train_slot"  # one per worker node: one training worker per worker node
-
-
-@dataclasses.dataclass
-class ElasticTestScaling(ray.train.ScalingConfig):
-    """What run.py builds, plus the custom resource and a 1 s resize check (see the test's docstring)."""
-
-    resources_per_worker: Optional[dict] = dataclasses.field(default_factory=lambda: {"CPU": 1, SLOT: 1})
-    elastic_resize_monitor_interval_s: float = 1.0
-    built: ClassVar[int] = 0  # how many run.py made: 0 means the swap below no longer reaches it
-
-    def __post_init__(self):
-        type(self).built += 1
-        super().__post_init__()
 
 
 class FastTickCoordinator(coordinator_module._AutoscalingCoordinatorActor):
@@ -198,7 +183,6 @@ def main():
     finally:
         coordinator_module._AutoscalingCoordinatorActor = real
     ray.get(coordinator.get_reserved_resources.remote("warm-up"))
-    ray.train.ScalingConfig = ElasticTestScaling  # run.py calls ray.train.ScalingConfig(...)
 
     write_atomic(gate, "6")  # 1 worker: steps 1-6, commit 4
     result = {}
@@ -258,7 +242,6 @@ def main():
         out["error"] = traceback.format_exc()
         out["result"] = result
     out["first_node"] = first.node_id
-    out["scaling_configs_built"] = ElasticTestScaling.built
     print("RESULT " + json.dumps(out), flush=True)
     ray.shutdown()
     for node in [*cluster.worker_nodes, cluster.head_node]:  # abruptly: nothing is left to save
@@ -276,7 +259,9 @@ def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path, r
     data = tmp_path / "data"
     # dropout 0: dropout masks come from each rank's RNG stream, which no other world size can reproduce.
     # log_every 1: every step's records are on disk before the next step begins, also those of a group ended by a resize.
-    cfg = tiny_config(tmp_path / "elastic", model={"dropout": 0.0}, scaling={"num_workers": [1, 2]}, training={"log_every": 1})
+    # One train_slot per worker node (the driver's Cluster): one worker per node; resize checks every second.
+    cfg = tiny_config(tmp_path / "elastic", model={"dropout": 0.0}, training={"log_every": 1},
+                      scaling={"num_workers": [1, 2], "resources_per_worker": {"CPU": 1, "train_slot": 1}, "elastic_resize_interval_s": 1})
     cfg["data"]["path"] = str(data)
     c = Config.from_dict(cfg)
     ensure_dataset(c.data.path, c.data.synthetic, c.model.seq_len, c.model.vocab_size)  # before two jobs read it
@@ -309,7 +294,6 @@ def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path, r
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, out[-6000:]
     res = json.loads(lines[-1][len("RESULT "):])
-    assert res["scaling_configs_built"], "run.py no longer calls ray.train.ScalingConfig(...): update the driver's swap"
     assert res["error"] is None and res["committed"] == FINAL, (res, out[-6000:])
     phases = res["phases"]
 
