@@ -98,8 +98,7 @@ def balanced_owners(metadata: dict, kinds, world_size: int) -> dict[str, int]:
     same (lowest) ranks would draw an extra `model` file *and* an extra `opt`
     file whenever the files do not divide evenly over the ranks.
     """
-    world, prefix = metadata["world_size"], metadata.get("prefix", "ckpt")
-    files = [layout.shard_filename(prefix, kind, r, world) for kind in kinds for r in range(world)]
+    files = [f for kind in kinds for f in shard_files(metadata, kind)]
     return dict(zip(files, deal_by_size([metadata["files"][f]["size"] for f in files], world_size)))
 
 
@@ -137,7 +136,7 @@ class StateLoader:
         pooled = set() if replicated or self.world_size == 1 or not dist.is_initialized() else shared & set(ranges)
         packed, dests = self._pool(kind, {n: ranges[n] for n in sorted(pooled)})  # same layout on every rank
         dests, reads = plan_reads(self.it, kind, ranges, dests)
-        files = shard_files(self.it, kind)
+        files = shard_files(self.it.metadata, kind)
         if balanced:
             dealt = balanced_owners(self.it.metadata, self.kinds, self.world_size)
             owners = [dealt[f] for f in files]

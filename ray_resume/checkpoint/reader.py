@@ -276,22 +276,21 @@ def plan_reads(it: Iteration, kind: str, ranges: dict[str, tuple[int, int]],
         raise CheckpointError(f"{layout.join(it.path, layout.METADATA)}: holds no {kind!r} tensors")
     specs = {s.name: s for s in tensor_specs(meta, kind)}
     plan = SavePlan(list(specs.values()), meta["world_size"])
-    prefix = meta.get("prefix", "ckpt")
+    files = shard_files(meta, kind)
     dests, reads = dict(dests or {}), {}
     for name, (start, numel) in ranges.items():
         spec = specs[name]
         dest = dests.setdefault(name, torch.empty(numel, dtype=DTYPES[spec.dtype]))
         for rank, piece in plan.overlaps(name, start, numel):
             lo, hi = max(start, piece.start), min(start + numel, piece.start + piece.numel)
-            file = layout.shard_filename(prefix, kind, rank, meta["world_size"])
-            reads.setdefault(file, []).append(Request(piece, spec, lo, hi, dest[lo - start : hi - start]))
+            reads.setdefault(files[rank], []).append(Request(piece, spec, lo, hi, dest[lo - start : hi - start]))
     return dests, reads
 
 
-def shard_files(it: Iteration, kind: str) -> list[str]:
+def shard_files(metadata: dict, kind: str) -> list[str]:
     """The kind's shard files in saving-rank order."""
-    meta = it.metadata
-    return [layout.shard_filename(meta.get("prefix", "ckpt"), kind, r, meta["world_size"]) for r in range(meta["world_size"])]
+    return [layout.shard_filename(metadata.get("prefix", "ckpt"), kind, r, metadata["world_size"])
+            for r in range(metadata["world_size"])]
 
 
 def saved_pieces(it: Iteration, kind: str) -> dict[str, list[Request]]:
@@ -300,7 +299,7 @@ def saved_pieces(it: Iteration, kind: str) -> dict[str, list[Request]]:
     by_name = {s.name: s for s in specs}
     plan = SavePlan(specs, it.metadata["world_size"])
     return {file: [Request(p, by_name[p.name], p.start, p.start + p.numel) for p in plan.share(rank)]
-            for rank, file in enumerate(shard_files(it, kind))}
+            for rank, file in enumerate(shard_files(it.metadata, kind))}
 
 
 def _parse_shard(data: bytes, where: str) -> dict[str, torch.Tensor]:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import errno
 import functools
-import hashlib
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import pyarrow.fs as pafs
 
@@ -106,15 +105,6 @@ class LocalStorage:
         _fsync_dir(os.path.dirname(local) or ".")
         return size, digest.hexdigest()
 
-    def read_blocks(self, path: str, block: int = READ_BLOCK) -> Iterator[bytes]:
-        """The file's bytes in order, `block` bytes at a time (a streamed read holds one block)."""
-        with open(_local(path), "rb") as f:
-            while chunk := f.read(block):
-                yield chunk
-
-    def sha256(self, path: str) -> str:
-        return _sha256(self.read_blocks(path))
-
     def remove(self, path: str) -> None:
         try:
             os.unlink(_local(path))
@@ -127,13 +117,6 @@ class LocalStorage:
     def rename(self, src: str, dst: str) -> None:
         os.replace(_local(src), _local(dst))
         _fsync_dir(os.path.dirname(_local(dst)) or ".")
-
-
-def _sha256(blocks: Iterable[bytes]) -> str:
-    digest = hashlib.sha256()
-    for block in blocks:
-        digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:
@@ -219,14 +202,6 @@ class ArrowStorage:
                 f.write(chunk)
                 size += len(chunk)
         return size, digest.hexdigest()
-
-    def read_blocks(self, path: str, block: int = READ_BLOCK) -> Iterator[bytes]:
-        with self.fs.open_input_stream(self._key(path)) as f:
-            while chunk := f.read(block):
-                yield chunk
-
-    def sha256(self, path: str) -> str:
-        return _sha256(self.read_blocks(path))
 
     def remove(self, path: str) -> None:
         if self.size(path) is not None:
