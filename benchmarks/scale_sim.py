@@ -81,11 +81,14 @@ import numpy as np
 
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.commit import commit_iteration
+from ray_resume.checkpoint.digest import block_bounds
 from ray_resume.checkpoint.fetch import balanced_owners, deal_by_size
+from ray_resume.checkpoint.reader import consecutive_runs
 from ray_resume.checkpoint.plan import DIM0, SPLIT, SavePlan, TensorSpec, dim0_chunk, needed_range, split_replicated, split_specs
-from ray_resume.checkpoint.schema import dumps, parse_json, tensor_specs, validate_metadata
+from ray_resume.checkpoint.schema import dumps, file_blocks, parse_json, tensor_specs, validate_metadata
 from ray_resume.checkpoint.state import capture_rng
 from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.writer import CHECKSUM_BLOCK
 
 PREFIX = "ckpt"
 KINDS = (layout.MODEL_KIND, layout.OPTIM_KIND)
@@ -240,17 +243,18 @@ def shard_sizes(specs: dict[str, list[TensorSpec]], world: int) -> dict[str, dic
     return out
 
 
-def manifests_for(specs: dict[str, list[TensorSpec]], world: int, sizes) -> list[dict]:
-    """Every rank's manifest, as `writer.write_shards` returns it (sha256 faked; rank 0 carries the specs)."""
+def manifests_for(specs: dict[str, list[TensorSpec]], world: int, sizes, block_size: int = CHECKSUM_BLOCK) -> list[dict]:
+    """Every rank's manifest, as `writer.write_shards` returns it (a fake sha256 per checksum block; rank 0 carries the specs)."""
     out = []
     for rank in range(world):
         files = {}
         for kind in KINDS:
             name = layout.shard_filename(PREFIX, kind, rank, world)
-            files[name] = {"size": int(sizes[kind]["size"][rank]), "sha256": hashlib.sha256(name.encode()).hexdigest(),
-                           "kind": kind, "rank": rank}
+            size, start = int(sizes[kind]["size"][rank]), int(sizes[kind]["header"][rank])
+            digests = [hashlib.sha256(f"{name}/{i}".encode()).hexdigest() for i in range(len(block_bounds(size, start, block_size)))]
+            files[name] = {"size": size, "data_start": start, "sha256": digests, "kind": kind, "rank": rank}
         rows = {kind: [[s.name, s.dtype, list(s.shape), s.layout] for s in specs[kind]] for kind in KINDS} if rank == 0 else {}
-        out.append({"rank": rank, "world_size": world, "files": files, "specs": rows})
+        out.append({"rank": rank, "world_size": world, "block_size": block_size, "files": files, "specs": rows})
     return out
 
 
@@ -294,27 +298,29 @@ SIM_CONFIG = {"checkpoint": {"prefix": PREFIX, "save_path": "<sim>", "save_max":
 # --------------------------------------------------------------------------- load side
 
 
-# Storage requests of reader.ShardReader, checked against the real loader over gloo: a whole
-# (verified) file is two size checks (`read_whole` checks the size, then `header` checks it again)
-# and one streamed GET; a file read by ranges is a size check, the header length, the header,
-# then one read per piece.
-WHOLE_FILE_REQUESTS = 3
-RANGED_FILE_REQUESTS = 3
+# Storage calls of reader.ShardReader, checked against the real loader over gloo: a file a rank
+# reads checksum blocks of (all of them when it verifies the file) costs a size check, then one
+# streamed read per run of consecutive blocks; a ranged read needs no header (metadata.json places
+# every piece) and costs one read per piece. Opening a file is not counted (on S3 pyarrow adds a
+# HEAD per open).
+CHECKED_FILE_REQUESTS = 1
 
 
 @dataclass
 class LoadPlan:
-    """One loading rank's reads: whole (verified) files, ranged reads, what arrives by broadcast, and the pool.
+    """One loading rank's reads: checked files, ranged reads, what arrives by broadcast, and the pool.
 
-    `takes` are the element ranges it gets for itself (from files it reads or,
-    under load_balanced, receives by broadcast). Tensors in `allreduced`
+    `checked` are the files it reads checksum blocks of: all of them for a
+    file it verifies, its dealt blocks under load_balanced. `takes` are the
+    element ranges it gets for itself (from files it reads or, under
+    load_balanced, receives by broadcast). Tensors in `allreduced`
     (FSDP: the replicated leftovers, Adam's 0-d steps) it gets from the one
     all-reduce instead; `pooled` are the pieces of them it copies into that
     all-reduce, from the files it verifies.
     """
 
     rank: int
-    whole: list[str] = field(default_factory=list)
+    checked: list[str] = field(default_factory=list)
     received: list[str] = field(default_factory=list)
     takes: list[tuple[str, str, int, int]] = field(default_factory=list)  # (file, tensor, lo, hi): every element range it gets
     ranged: dict[str, int] = field(default_factory=dict)  # file -> number of range reads (one per piece)
@@ -325,7 +331,7 @@ class LoadPlan:
 
     @property
     def files_touched(self) -> int:
-        return len(self.whole) + len(self.ranged)
+        return len(self.checked) + len(self.ranged)
 
     @property
     def allreduce_bytes(self) -> int:
@@ -351,14 +357,13 @@ def load_roles(specs: list[TensorSpec], new_world: int, *, fsdp: bool) -> tuple[
     return replicated, (set() if replicated or new_world == 1 else shared)
 
 
-def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bool, headers: dict[str, int],
-              owners: dict[str, int] | None = None) -> LoadPlan:
+def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bool,
+              owners: dict[tuple[str, int], int] | None = None) -> LoadPlan:
     """Rank `rank` of `new_world` loading the iteration `meta` describes.
 
     Needs: each tensor's `needed_range` (its dim-0 chunk for a dim0 tensor under
-    FSDP, else all of it); sources: `SavePlan.overlaps`. `headers[file]` is
-    the byte size of a file's safetensors header (read before a ranged read).
-    `owners` (load_balanced: file -> dealing rank) may be passed in when
+    FSDP, else all of it); sources: `SavePlan.overlaps`. `owners`
+    (load_balanced: (file, block) -> dealing rank) may be passed in when
     timing many ranks; each rank computes the same deal.
     """
     world, files, prefix = meta["world_size"], meta["files"], meta.get("prefix", "ckpt")
@@ -369,16 +374,24 @@ def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bo
         saved = SavePlan(specs, world)
         replicated, pooled = load_roles(specs, new_world, fsdp=fsdp)
         names = [layout.shard_filename(prefix, kind, r, world) for r in range(world)]
-        if balanced and replicated:  # one deal over both kinds' files; each read whole by its owner, then broadcast
+        verified = set()
+        if balanced and replicated:  # one deal over both kinds' checksum blocks; each read by its owner, then broadcast
             owners = owners or lb_owners(meta, new_world)
-            mine = {n for n in names if owners[n] == rank}
-            plan.received += [n for n in names if n not in mine]
+            for name in names:
+                blocks = file_blocks(meta, name)
+                mine = [i for i in range(len(blocks)) if owners[name, i] == rank]
+                if mine:
+                    plan.checked.append(name)
+                    plan.bytes_read += sum(blocks[i][1] - blocks[i][0] for i in mine)
+                    plan.requests += CHECKED_FILE_REQUESTS + len(consecutive_runs(mine))
+                if len(mine) < len(blocks):
+                    plan.received.append(name)
         else:  # this rank verifies (reads whole) the files of saving ranks s with s % W' == rank
-            mine = {n for n in names if files[n]["rank"] % new_world == rank}
-        plan.whole += sorted(mine)
-        for name in sorted(mine):
-            plan.bytes_read += files[name]["size"]
-            plan.requests += WHOLE_FILE_REQUESTS
+            verified = {n for n in names if files[n]["rank"] % new_world == rank}
+            for name in sorted(verified):
+                plan.checked.append(name)
+                plan.bytes_read += files[name]["size"]
+                plan.requests += CHECKED_FILE_REQUESTS + 1
         for spec in specs:
             start, numel = needed_range(spec, fsdp and spec.layout == DIM0, new_world, rank)
             if spec.name in pooled:
@@ -387,68 +400,84 @@ def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bo
                 lo, hi = max(start, piece.start), min(start + numel, piece.start + piece.numel)
                 file = names[source]
                 if spec.name in pooled:  # only the file's verifier copies it out of its stream; the all-reduce does the rest
-                    if file in mine:
+                    if file in verified:
                         plan.pooled.append((file, spec.name, lo, hi))
                     continue
                 plan.takes.append((file, spec.name, lo, hi))
-                if file not in mine and not (balanced and replicated):
+                if file not in verified and not (balanced and replicated):
                     wanted[file].append((spec.name, lo, hi, (hi - lo) * spec.itemsize))
-    plan.whole.sort()
+    plan.checked.sort()
     plan.received.sort()
     for file, reads in wanted.items():
         plan.ranged[file] = len(reads)
-        plan.bytes_read += headers[file] + sum(r[3] for r in reads)
-        plan.requests += RANGED_FILE_REQUESTS + len(reads)
+        plan.bytes_read += sum(r[3] for r in reads)
+        plan.requests += len(reads)
     return plan
 
 
-def lb_owners(meta: dict, new_world: int) -> dict[str, int]:
-    """load_balanced: file -> the rank that reads it, one deal over both kinds' files, as fetch.StateLoader does."""
+def lb_owners(meta: dict, new_world: int) -> dict[tuple[str, int], int]:
+    """load_balanced: (file, checksum block) -> the rank that reads it, one deal over both kinds, as fetch.StateLoader does."""
     return balanced_owners(meta, KINDS, new_world)
 
 
+def dealt_blocks(sizes, world: int, new_world: int, block_size: int) -> dict[str, np.ndarray]:
+    """load_balanced in closed form: every checksum block in `fetch.balanced_owners`' order (kinds,
+    then saving ranks, then blocks), with its kind, file, size and the rank `deal_by_size` gives it."""
+    kind, file, first, size = [], [], [], []
+    for k, name in enumerate(KINDS):
+        for r in range(world):
+            blocks = block_bounds(int(sizes[name]["size"][r]), int(sizes[name]["header"][r]), block_size)
+            kind += [k] * len(blocks)
+            file += [k * world + r] * len(blocks)
+            first += [i == 0 for i in range(len(blocks))]
+            size += [hi - lo for lo, hi in blocks]
+    owner = np.array(deal_by_size(size, new_world), np.int64)
+    file_ids = np.array(file, np.int64)
+    run_starts = np.array(first) | np.r_[True, owner[1:] != owner[:-1]]  # a new file, or a new owner
+    return {"kind": np.array(kind), "file": file_ids, "size": np.array(size, np.int64), "owner": owner, "run_start": run_starts}
+
+
 def read_totals(specs: dict[str, list[TensorSpec]], world: int, new_world: int, sizes, *, fsdp: bool, balanced: bool,
-                block_cells: int = 1 << 25) -> dict[str, np.ndarray]:
+                block_size: int = CHECKSUM_BLOCK, block_cells: int = 1 << 25) -> dict[str, np.ndarray]:
     """bytes read, requests and files touched of every loading rank: `load_plan` for all ranks at once.
 
     The same policy as `load_plan`, in closed form over numpy arrays (one pass
     per distinct (rows, row bytes) of the dim-0 tensors, split pieces from
     `plan.split_replicated` (none read by range when pooled), the deal from
-    `fetch.deal_by_size`); `--small`
-    checks it equal to `load_plan` for every rank. Memory: a bool matrix of
-    `block_cells` (loading ranks x saved files) at a time.
+    `dealt_blocks`); `--small` checks it equal to `load_plan` for every rank.
+    Memory: a bool matrix of `block_cells` (loading ranks x saved files) at a time.
     """
     out = {k: np.zeros(new_world, np.int64) for k in ("bytes", "requests", "files")}
     saved = np.arange(world, dtype=np.int64)
     ver = saved % new_world  # the loading rank that verifies (reads whole) each saved rank's files
-    # load_balanced: one deal over both kinds' files, in KINDS then saving-rank order (fetch.balanced_owners).
-    dealt = np.array(deal_by_size([int(x) for kind in KINDS for x in sizes[kind]["size"]], new_world)).reshape(len(KINDS), world) if balanced else None
+    dealt = dealt_blocks(sizes, world, new_world, block_size) if balanced else None
     for k, kind in enumerate(KINDS):
         size, header = sizes[kind]["size"], sizes[kind]["header"]
         replicated, pooled = load_roles(specs[kind], new_world, fsdp=fsdp)
         if balanced and replicated:
-            owners = dealt[k]
-            out["bytes"] += np.bincount(owners, size.astype(np.float64), new_world).astype(np.int64)
-            out["requests"] += WHOLE_FILE_REQUESTS * np.bincount(owners, minlength=new_world)
-            out["files"] += np.bincount(owners, minlength=new_world)
+            mine = dealt["kind"] == k
+            owner = dealt["owner"][mine]
+            pairs = np.unique(dealt["file"][mine] * new_world + owner)  # (file, rank) with blocks to read
+            touched = np.bincount(pairs % new_world, minlength=new_world)
+            out["bytes"] += np.bincount(owner, dealt["size"][mine].astype(np.float64), new_world).astype(np.int64)
+            out["requests"] += CHECKED_FILE_REQUESTS * touched + np.bincount(owner[dealt["run_start"][mine]], minlength=new_world)
+            out["files"] += touched
             continue
         # Verified files: saving rank s is read whole by loading rank s % W'.
         out["bytes"] += np.bincount(ver, size.astype(np.float64), new_world).astype(np.int64)
-        out["requests"] += WHOLE_FILE_REQUESTS * np.bincount(ver, minlength=new_world)
+        out["requests"] += (CHECKED_FILE_REQUESTS + 1) * np.bincount(ver, minlength=new_world)
         out["files"] += np.bincount(ver, minlength=new_world)
         itemsize = {s.name: s.itemsize for s in specs[kind]}
         split_pieces = [(r, p.numel * itemsize[p.name]) for r, share in enumerate(split_replicated(split_specs(specs[kind]), world))
                         for p in share]
         if replicated:
-            # Every rank needs every tensor whole: every piece of every file it does not verify, plus its header.
+            # Every rank needs every tensor whole: every piece of every file it does not verify.
             npieces = np.bincount(np.array([r for r, _ in split_pieces], np.int64), minlength=world)
-            ranged = npieces > 0
-            total_bytes = int(size[ranged].sum())
-            total_requests = int((RANGED_FILE_REQUESTS + npieces[ranged]).sum())
-            skip = ranged  # the verifying rank reads these whole instead
-            out["bytes"] += total_bytes - np.bincount(ver[skip], size[skip].astype(np.float64), new_world).astype(np.int64)
-            out["requests"] += total_requests - np.bincount(ver[skip], (RANGED_FILE_REQUESTS + npieces[skip]).astype(np.float64), new_world).astype(np.int64)
-            out["files"] += int(ranged.sum()) - np.bincount(ver[skip], minlength=new_world)
+            data = size - header
+            ranged = npieces > 0  # the verifying rank reads these whole instead
+            out["bytes"] += int(data[ranged].sum()) - np.bincount(ver[ranged], data[ranged].astype(np.float64), new_world).astype(np.int64)
+            out["requests"] += int(npieces[ranged].sum()) - np.bincount(ver[ranged], npieces[ranged].astype(np.float64), new_world).astype(np.int64)
+            out["files"] += int(ranged.sum()) - np.bincount(ver[ranged], minlength=new_world)
             continue
         groups: dict[tuple[int, int], int] = Counter((s.shape[0], s.row_numel * s.itemsize) for s in specs[kind] if s.layout == DIM0)
         rows_per_block = max(1, block_cells // world)
@@ -481,8 +510,8 @@ def read_totals(specs: dict[str, list[TensorSpec]], world: int, new_world: int, 
                 spans += not_mine
                 got += not_mine * nbytes
             block = slice(b0, b0 + len(ranks))
-            out["bytes"][block] += got + (touched.astype(np.float64) @ header.astype(np.float64)).astype(np.int64)
-            out["requests"][block] += spans + RANGED_FILE_REQUESTS * touched.sum(1)
+            out["bytes"][block] += got
+            out["requests"][block] += spans
             out["files"][block] += touched.sum(1)
     return out
 
@@ -527,7 +556,7 @@ def check_load_plan(meta: dict, plan: LoadPlan, new_world: int, *, fsdp: bool, b
         assert len(holds) == 1 and holds[0].start <= lo < hi <= holds[0].start + holds[0].numel, \
             f"rank {plan.rank}: {file} holds no piece of {name} with elements [{lo}, {hi})"
 
-    available = set(plan.whole) | set(plan.ranged) | set(plan.received)
+    available = set(plan.checked) | set(plan.ranged) | set(plan.received)
     got = defaultdict(list)
     for file, name, lo, hi in plan.takes:
         assert file in available, f"rank {plan.rank}: takes {name} from {file}, which it neither reads nor receives"
@@ -535,7 +564,7 @@ def check_load_plan(meta: dict, plan: LoadPlan, new_world: int, *, fsdp: bool, b
         assert_held(file, name, lo, hi)
         got[name].append((lo, hi))
     for file, name, lo, hi in plan.pooled:
-        assert file in plan.whole and file not in plan.ranged, f"rank {plan.rank}: copies {name} out of {file}, which it does not verify"
+        assert file in plan.checked and file not in plan.ranged, f"rank {plan.rank}: copies {name} out of {file}, which it does not verify"
         assert name in plan.allreduced
         assert_held(file, name, lo, hi)
     for kind in meta["tensors"]:
@@ -549,7 +578,7 @@ def check_load_plan(meta: dict, plan: LoadPlan, new_world: int, *, fsdp: bool, b
                 continue
             _assert_tiles(sorted(got.get(spec.name, [])), start, start + numel, f"load plan rank {plan.rank}/{new_world}: {spec.name}")
     if balanced and not fsdp:
-        assert set(plan.whole).isdisjoint(plan.received) and set(plan.whole) | set(plan.received) == set(meta["files"])
+        assert set(plan.checked) | set(plan.received) == set(meta["files"]) and not plan.ranged
 
 
 def check_pooled(meta: dict, plans: list[LoadPlan], new_world: int, *, fsdp: bool) -> int:
@@ -588,8 +617,8 @@ def check_vectorised_writes(specs: dict[str, list[TensorSpec]], world: int, size
                 f"vectorised write totals differ from SavePlan.share at rank {rank} of {world} ({shard.kind})"
 
 
-def headers_of(sizes, world: int) -> dict[str, int]:
-    return {layout.shard_filename(PREFIX, kind, r, world): int(sizes[kind]["header"][r]) for kind in KINDS for r in range(world)}
+# Small mode's checksum block: the tiny decoder's files then hold 1 to ~100 blocks each.
+SMALL_BLOCK = 1024
 
 
 def check_small(tmp: str) -> dict:
@@ -606,7 +635,7 @@ def check_small(tmp: str) -> dict:
             sizes = shard_sizes(specs, world)
             check_vectorised_writes(specs, world, sizes)
             assert sum(int(sizes[k]["data"].sum()) for k in KINDS) == sum(s.nbytes for k in KINDS for s in specs[k])
-            manifests = manifests_for(specs, world, sizes)
+            manifests = manifests_for(specs, world, sizes, SMALL_BLOCK)
             root = os.path.join(tmp, f"{'fsdp' if fsdp else 'ddp'}-{world}-{new_world}")
             make_sparse_files(layout.iteration_dir(root, ITERATION), manifests)
             storage = CountingStorage(LocalStorage())
@@ -620,12 +649,12 @@ def check_small(tmp: str) -> dict:
             assert {n: f["size"] for n, f in meta["files"].items()} == {n: f["size"] for m in manifests for n, f in m["files"].items()}
             assert LocalStorage().read_bytes(layout.tracker_path(root)) == f"{ITERATION}\n".encode()
             checked["commits"] += 1
-            headers = headers_of(sizes, world)
             for balanced in (False, True):
-                totals = read_totals(specs, world, new_world, sizes, fsdp=fsdp, balanced=balanced, block_cells=world * 5)
+                totals = read_totals(specs, world, new_world, sizes, fsdp=fsdp, balanced=balanced, block_size=SMALL_BLOCK, block_cells=world * 5)
+                owners = lb_owners(meta, new_world) if balanced else None
                 plans = []
                 for rank in range(new_world):
-                    plan = load_plan(meta, new_world, rank, fsdp=fsdp, balanced=balanced, headers=headers)
+                    plan = load_plan(meta, new_world, rank, fsdp=fsdp, balanced=balanced, owners=owners)
                     plans.append(plan)
                     check_load_plan(meta, plan, new_world, fsdp=fsdp, balanced=balanced)
                     assert (plan.bytes_read, plan.requests, plan.files_touched) == \
@@ -804,18 +833,17 @@ def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, all_ranks: b
     del manifests
 
     # Load on 3/4 of the ranks: one rank's plan timed, every rank's totals vectorised and sampled against it.
-    headers = headers_of(sizes, world)
     load_probe = sorted({0, new_world // 2, new_world - 1})
     for key, balanced in (("direct", False), ("lb", True)):
         times = []
         for rank in load_probe:
-            times.append(best(load_plan, meta, new_world, rank, fsdp=fsdp, balanced=balanced, headers=headers)[1])
+            times.append(best(load_plan, meta, new_world, rank, fsdp=fsdp, balanced=balanced)[1])
         r[f"load_plan_rank_s_{key}"] = max(times)
         totals, r[f"load_totals_vectorised_s_{key}"] = timed(read_totals, specs, world, new_world, sizes, fsdp=fsdp, balanced=balanced)
         owners = lb_owners(meta, new_world) if balanced and not fsdp else None
         check = sorted(set(random.Random(new_world).sample(range(new_world), min(new_world, sample_ranks)) + load_probe))
         for rank in check:
-            plan = load_plan(meta, new_world, rank, fsdp=fsdp, balanced=balanced, headers=headers, owners=owners)
+            plan = load_plan(meta, new_world, rank, fsdp=fsdp, balanced=balanced, owners=owners)
             assert (plan.bytes_read, plan.requests, plan.files_touched) == \
                 (totals["bytes"][rank], totals["requests"][rank], totals["files"][rank]), f"vectorised read totals differ at rank {rank}"
         r[f"vectorised_reads_checked_ranks_{key}"] = len(check)
@@ -830,18 +858,15 @@ def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, all_ranks: b
         r[f"read_requests_total_{key}"] = int(totals["requests"].sum())
         log(f"load {key}: rank plan {r[f'load_plan_rank_s_{key}']:.3f} s, read balance {r[f'read_balance_{key}']}, "
             f"worst rank {r[f'read_max_rank_{key}']}")
-    pool = load_plan(meta, new_world, 0, fsdp=fsdp, balanced=False, headers=headers).allreduced
+    pool = load_plan(meta, new_world, 0, fsdp=fsdp, balanced=False).allreduced
     r["allreduce"] = {"tensors": len(pool), "bytes_per_rank": sum(pool.values()), "calls": int(bool(pool))}
     need = needed_bytes(specs, new_world, fsdp)
     r["read_need_balance"] = balance(need)  # what each rank must end up holding: no read policy does better
     r["read_need_max_rank_bytes"] = int(need.max())
     if not fsdp:
-        # What-if for load_balanced: 4 MiB blocks dealt instead of whole files (a part of a
-        # file can only be verified with a checksum per block: a format change).
+        # What load_balanced gave while it dealt whole files (format 2, one sha256 per file).
         both = [int(x) for kind in KINDS for x in sizes[kind]["size"]]
-        block = 4 << 20
-        blocks = [min(block, size - o) for size in both for o in range(0, size, block)]
-        r["read_balance_lb_4mib_blocks"] = balance(np.bincount(deal_by_size(blocks, new_world), np.array(blocks, np.float64), new_world))
+        r["read_balance_lb_whole_files"] = balance(np.bincount(deal_by_size(both, new_world), np.array(both, np.float64), new_world))
     return r
 
 
@@ -904,8 +929,7 @@ def table(results: dict) -> str:
             lambda w: ", ".join(f"{g}: {v:.3f}" for g, v in cell(w, "fsdp").get("hsdp_write_balance", {}).items()) or "-"),
         row("read balance max/mean: DDP direct / DDP load_balanced / FSDP2",
             lambda w: f"{ddp(w, 'read_balance_direct'):.3f} / {ddp(w, 'read_balance_lb'):.3f} / {fsdp(w, 'read_balance_direct'):.3f}"),
-        row("what-if load_balanced: 4 MiB blocks dealt instead of whole files",
-            lambda w: f"{ddp(w, 'read_balance_lb_4mib_blocks'):.3f}"),
+        row("(before: load_balanced dealing whole files)", lambda w: f"{ddp(w, 'read_balance_lb_whole_files'):.3f}"),
         row("FSDP2: balance of the bytes each rank needs (the floor for any read policy)",
             lambda w: f"{fsdp(w, 'read_need_balance'):.3f}"),
         row("largest rank read, DDP direct", lambda w: _worst(ddp(w, "read_max_rank_direct"))),

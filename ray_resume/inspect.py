@@ -125,14 +125,12 @@ def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
     """
     problems: list[str] = []
     files: dict[str, dict] = {}
-    pieces = {file: requests for kind in it.metadata["tensors"] for file, requests in saved_pieces(it, kind).items()}
     reader = ShardReader(storage, it)
     for name, expected in sorted(it.metadata["files"].items()):
         entry = {"size": expected["size"], "sha256": expected["sha256"], "kind": expected.get("kind"), "rank": expected.get("rank"), "ok": False}
         files[name] = entry
         try:
-            reader.check(name, pieces.get(name, []))
-            reader.read_whole(name, [])
+            reader.read_checked(name, [])
         except CheckpointError as exc:
             problems.append(str(exc))
             continue
@@ -249,9 +247,9 @@ def cmd_verify(args) -> int:
     else:
         label = f"iteration {step}{' (tracker)' if step == tracker else ''} at {path}"
         if result["files"]:
-            print(table(["file", "kind", "rank", "size", "sha256", "ok"],
-                        [[n, f["kind"], f["rank"], f["size"], f["sha256"][:12], "yes" if f["ok"] else "NO"]
-                         for n, f in result["files"].items()], right={2, 3}))
+            print(table(["file", "kind", "rank", "size", "blocks", "ok"],
+                        [[n, f["kind"], f["rank"], f["size"], len(f["sha256"]), "yes" if f["ok"] else "NO"]
+                         for n, f in result["files"].items()], right={2, 3, 4}))
         if result["ok"]:
             total = sum(f["size"] for f in result["files"].values())
             print(f"OK: {label}: {len(result['files'])} files, {human_size(total)}, sizes and sha256 match metadata.json, no extra shards")

@@ -25,8 +25,10 @@ def test_small_benchmark_writes_every_row(tmp_path):
         assert tiny.get(row) is not None, f"row {row!r} missing"
     for row in TRAIN_ROWS:
         assert tiny["training"].get(row) is not None, f"training row {row!r} missing"
-    # Facts, not timings: load_balanced reads the checkpoint once in total, a direct load once per rank.
-    assert tiny["load_balanced_bytes_read_vs_checkpoint"] == 1.0
-    assert tiny["load_bytes_read_vs_checkpoint"] == 2.0
+    # Facts, not timings: load_balanced reads the checkpoint once in total (plus, on a rank whose own
+    # opt header block was dealt to another rank, that ~20 KB header again for its RNG state),
+    # a direct load once per rank (less the headers of the files another rank verifies).
+    assert 1.0 <= tiny["load_balanced_bytes_read_vs_checkpoint"] < 1.1
+    assert 1.9 < tiny["load_bytes_read_vs_checkpoint"] <= 2.0
     assert "| ours async: stall (buffers reused) |" in proc.stdout
     assert not list((tmp_path / "work").iterdir())  # checkpoints of the benchmark are cleaned up

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import struct
 import time
 from pathlib import Path
 
@@ -14,13 +15,13 @@ import pytest
 import torch
 
 from ray_resume.checkpoint import layout, reader, state
-from ray_resume.checkpoint.digest import OverlappedSha256
+from ray_resume.checkpoint.digest import BlockSha256, block_bounds
 from ray_resume.checkpoint.fetch import load_state
 from ray_resume.checkpoint.plan import TensorSpec, split_replicated
 from ray_resume.checkpoint.reader import ShardReader, check_no_extra_shards, find_committed, load_rank_extras, open_iteration, plan_reads, read_verified
 from ray_resume.checkpoint.schema import CheckpointError, build_metadata, dumps
 from ray_resume.checkpoint.storage import LocalStorage, storage_for
-from ray_resume.checkpoint.writer import save_shards
+from ray_resume.checkpoint.writer import CHECKSUM_BLOCK, save_shards
 from ray_resume.model import GPT
 from ray_resume.optim import MainParamsOptimizer
 
@@ -66,14 +67,14 @@ def make_state(seed=0, dtype=torch.float32):
     return model, opt
 
 
-def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None) -> Path:
+def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None, block_size: int = CHECKSUM_BLOCK) -> Path:
     """Every rank's shards (written from one process) and the driver's JSON and tracker."""
     model, opt = (model, opt) if model is not None else make_state()
     storage = LocalStorage()
     manifests = [
         save_shards(storage, str(root), step, prefix="ckpt", rank=r, world_size=world,
                     model_state=state.model_tensors(model), optim_state=opt.state_tensors(),
-                    rank_extras={"rank": str(r)})
+                    rank_extras={"rank": str(r)}, block_size=block_size)
         for r in range(world)
     ]
     directory = Path(layout.iteration_dir(str(root), step))
@@ -108,13 +109,15 @@ def test_round_trip_restores_every_tensor_bitwise(tmp_path, world):
 
 
 @pytest.mark.parametrize("flip", [None, "requested", "skipped"])
-def test_whole_file_read_in_small_blocks_fills_the_pieces_and_hashes_every_byte(tmp_path, monkeypatch, flip):
-    """read_whole with a 40-byte block: requested spans are read block by block into their
-    tensors, the bytes between them go through the two alternating scratch blocks, and the
-    sha256 (hashed on its own thread) covers all of them: a flipped byte anywhere is caught."""
+@pytest.mark.parametrize("block_size", [CHECKSUM_BLOCK, 100])
+def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(tmp_path, monkeypatch, flip, block_size):
+    """read_checked with 40-byte reads: requested spans are read into their tensors, the bytes
+    between them go through the two alternating scratch buffers, and the sha256 of each checksum
+    block (hashed on its own thread; one data block, or many of 100 bytes) covers all of them:
+    a flipped byte anywhere is caught, and the error names its block."""
     monkeypatch.setattr(reader, "READ_BLOCK", 40)
     model, opt = make_state()
-    write_iteration(tmp_path, 2, model=model, opt=opt)
+    write_iteration(tmp_path, 2, model=model, opt=opt, block_size=block_size)
     storage = LocalStorage()
     it = open_iteration(storage, str(tmp_path), find_committed(storage, str(tmp_path)))
     live = state.model_tensors(model)
@@ -123,35 +126,82 @@ def test_whole_file_read_in_small_blocks_fills_the_pieces_and_hashes_every_byte(
     file = max(reads, key=lambda f: len(reads[f]))
     if flip:
         path = Path(it.path) / file
-        data_start, header = ShardReader(storage, it).header(file)
+        header = ShardReader(storage, it).header(file)
         inside = {r.piece.name for r in reads[file]}
         name = next(n for n in sorted(header) if n != "__metadata__" and (n in inside) == (flip == "requested"))
-        at = data_start + header[name]["data_offsets"][0] + 1
+        at = it.metadata["files"][file]["data_start"] + header[name]["data_offsets"][0] + 1
         data = bytearray(path.read_bytes())
         data[at] ^= 0xFF
         path.write_bytes(bytes(data))
-        with pytest.raises(CheckpointError, match=f"{file}: sha256 does not match metadata.json"):
-            ShardReader(storage, it).read_whole(file, reads[file])
+        block = next(i for i, (lo, hi) in enumerate(block_bounds(len(data), it.metadata["files"][file]["data_start"], block_size)) if lo <= at < hi)
+        with pytest.raises(CheckpointError, match=rf"{file}: sha256 does not match metadata.json \(checksum block {block}, "):
+            ShardReader(storage, it).read_checked(file, reads[file])
         return
-    ShardReader(storage, it).read_whole(file, reads[file])
+    ShardReader(storage, it).read_checked(file, reads[file])
     for r in reads[file]:
         saved = live[r.piece.name].reshape(-1)[r.lo : r.hi]
         assert torch.equal(dests[r.piece.name][r.lo : r.hi], saved), r.piece.name
+
+
+def test_each_checksum_block_is_the_sha256_of_its_bytes_and_any_subset_can_be_checked(tmp_path):
+    """metadata.json lists the sha256 of the header and of each 64-byte block of the data section;
+    a reader can check any set of blocks alone, reading only them."""
+    directory = write_iteration(tmp_path, 2, block_size=64)
+    storage = LocalStorage()
+    it = open_iteration(storage, str(tmp_path), 5)
+    assert it.metadata["block_size"] == 64
+    for name, info in it.metadata["files"].items():
+        data = (directory / name).read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        assert info["data_start"] == 8 + length and info["size"] == len(data)
+        bounds = block_bounds(len(data), info["data_start"], 64)
+        assert bounds[0] == (0, 8 + length) and all(hi - lo == 64 for lo, hi in bounds[1:-1]) and bounds[-1][1] == len(data)
+        assert info["sha256"] == [hashlib.sha256(data[lo:hi]).hexdigest() for lo, hi in bounds]
+    file = max(it.metadata["files"], key=lambda f: it.metadata["files"][f]["size"])
+    blocks = block_bounds(it.metadata["files"][file]["size"], it.metadata["files"][file]["data_start"], 64)
+    some = [1, 2, 5, len(blocks) - 1]
+    one = ShardReader(storage, it)
+    one.read_checked(file, [], blocks=some)
+    assert one.bytes_read == sum(blocks[i][1] - blocks[i][0] for i in some)
+    data = bytearray((directory / file).read_bytes())
+    data[blocks[3][0]] ^= 0xFF  # a block nobody reads here: the others still check out
+    (directory / file).write_bytes(bytes(data))
+    ShardReader(storage, it).read_checked(file, [], blocks=some)
+    with pytest.raises(CheckpointError, match=rf"sha256 does not match metadata.json \(checksum block 3, bytes {blocks[3][0]}-{blocks[3][1]}\)"):
+        ShardReader(storage, it).read_checked(file, [], blocks=[2, 3])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_block_sha256_cuts_any_chunking_at_block_ends(seed):
+    rng = random.Random(seed)
+    data = os.urandom(rng.randint(1, 5000))
+    bounds = block_bounds(len(data), rng.randint(1, len(data)), rng.randint(1, 700))
+    digest = BlockSha256(0, [hi for _, hi in bounds])
+    pos = 0
+    while pos < len(data):
+        n = rng.randint(0, 900)
+        digest.update(data[pos : pos + n])
+        pos += n
+    assert digest.hexdigests() == [hashlib.sha256(data[lo:hi]).hexdigest() for lo, hi in bounds]
+    short = BlockSha256(0, [hi for _, hi in bounds])
+    short.update(data[:-1])
+    with pytest.raises(ValueError, match="inside the checksum block"):
+        short.hexdigests()
 
 
 def test_sha256_beside_io_matches_hashlib_also_in_a_forked_child():
     """The hashing thread does not survive fork(); a child must start its own instead of
     waiting forever on the parent's (which it did before the at-fork hook)."""
     data = os.urandom(3 << 20)
-    digest = OverlappedSha256()
+    digest = BlockSha256(0, [len(data)])
     for start in range(0, len(data), 1 << 20):
         digest.update(memoryview(data)[start : start + (1 << 20)])
-    assert digest.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert digest.hexdigests() == [hashlib.sha256(data).hexdigest()]
     pid = os.fork()
     if pid == 0:  # child: exit 0 only if its hash is right
-        child = OverlappedSha256()
+        child = BlockSha256(0, [len(data)])
         child.update(data)
-        os._exit(0 if child.hexdigest() == hashlib.sha256(data).hexdigest() else 1)
+        os._exit(0 if child.hexdigests() == [hashlib.sha256(data).hexdigest()] else 1)
     deadline = time.monotonic() + 30
     while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks import scale_sim
 from ray_resume.checkpoint.fetch import StateLoader, balanced_owners, deal_by_size, open_shared
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import CheckpointError, tensor_specs
 from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.writer import CHECKSUM_BLOCK
 from test_checkpoint_format import make_state, write_iteration
 
 WORLD = 2
@@ -41,16 +43,29 @@ def _load(rank: int, root: str, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_load_balanced_reads_each_byte_once_and_loads_the_same_state(tmp_path):
+@pytest.mark.parametrize("block_size", [CHECKSUM_BLOCK, 256])
+def test_load_balanced_reads_each_byte_once_and_loads_the_same_state(tmp_path, block_size):
+    """3 saving ranks loaded by 2. Direct: each rank reads the files it verifies whole and the data
+    of all others. Balanced: every byte once in total; with 256-byte checksum blocks the files are
+    split between the ranks, block by block, and the ranks' reads differ by less than a block."""
     model, opt = make_state()
-    directory = write_iteration(tmp_path / "root", world=3, model=model, opt=opt)
+    directory = write_iteration(tmp_path / "root", world=3, model=model, opt=opt, block_size=block_size)
     init = f"file://{tmp_path / 'pg'}"
     mp.spawn(_load, args=(str(tmp_path / "root"), init, str(tmp_path)), nprocs=WORLD, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    meta = open_iteration(LocalStorage(), str(tmp_path / "root"), 5).metadata
+    files = {f: info for f, info in meta["files"].items()}
     total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    assert [r["False"]["bytes_read"] for r in reports] == [total, total]  # direct: W x the checkpoint
-    assert sum(r["True"]["bytes_read"] for r in reports) == total  # balanced: once in total
-    assert all(r["True"]["bytes_read"] > 0 for r in reports)  # and both ranks share the work
+    assert total == sum(info["size"] for info in files.values())
+    direct = [sum(info["size"] if info["rank"] % WORLD == r else info["size"] - info["data_start"] for info in files.values())
+              for r in range(WORLD)]
+    assert [r["False"]["bytes_read"] for r in reports] == direct
+    balanced = [r["True"]["bytes_read"] for r in reports]
+    assert sum(balanced) == total and min(balanced) > 0  # each byte once in total, both ranks share the work
+    assert max(balanced) - min(balanced) <= block_size
+    owners = balanced_owners(meta, ("model", "opt"), WORLD)
+    split = [f for f in files if len({owners[f, i] for i in range(1, len(files[f]["sha256"]))}) == WORLD]  # data blocks
+    assert bool(split) == (block_size == 256)
     for r, report in enumerate(reports):
         assert report["True"]["bits"] == report["False"]["bits"]  # bit-identical state
         assert report["True"]["extras"] == report["False"]["extras"] == {"rank": str(r)}
@@ -64,14 +79,83 @@ def test_deal_by_size_balances():
 
 
 def test_one_deal_over_both_kinds_balances_what_per_kind_deals_cannot():
-    """4 saving ranks loaded by 3: dealt per kind, rank 0 would draw two model files *and* two
-    opt files (600 of 1,200 bytes, 1.5x the mean); one deal over both kinds gives 400 each."""
-    files = {f"ckpt-{kind}-{r:07d}-0000004.safetensors": {"size": size} for kind, size in (("model", 100), ("opt", 200)) for r in range(4)}
-    owners = balanced_owners({"world_size": 4, "prefix": "ckpt", "files": files}, ("model", "opt"), 3)
-    assert sorted(owners) == sorted(files)
-    assert [sum(files[f]["size"] for f, o in owners.items() if o == r) for r in range(3)] == [400, 400, 400]
-    model_only = balanced_owners({"world_size": 4, "prefix": "ckpt", "files": files}, ("model",), 3)
-    assert sorted(model_only) == [f for f in sorted(files) if "-model-" in f]  # a weights-only load deals only what it reads
+    """4 saving ranks loaded by 3, each file one data block: dealt per kind, rank 0 would draw
+    two model blocks *and* two opt blocks (~600 of 1,200 bytes); one deal over both kinds
+    gives each rank 400 (header blocks included)."""
+    files = {f"ckpt-{kind}-{r:07d}-0000004.safetensors": {"size": size, "data_start": 8, "sha256": ["0" * 64] * 2}
+             for kind, size in (("model", 100), ("opt", 200)) for r in range(4)}
+    meta = {"world_size": 4, "prefix": "ckpt", "block_size": 1 << 20, "files": files}
+    owners = balanced_owners(meta, ("model", "opt"), 3)
+    assert sorted(owners) == sorted((f, i) for f in files for i in (0, 1))
+    sizes = {(f, i): (8 if i == 0 else files[f]["size"] - 8) for f, i in owners}
+    assert [sum(sizes[u] for u, o in owners.items() if o == r) for r in range(3)] == [400, 400, 400]
+    model_only = balanced_owners(meta, ("model",), 3)
+    assert sorted({f for f, _ in model_only}) == [f for f in sorted(files) if "-model-" in f]  # a weights-only load deals only what it reads
+
+
+class _SeekCounting:
+    """A file whose seeks are counted: each starts a new streamed read (a ranged GET on S3)."""
+
+    def __init__(self, f, calls: list):
+        self.f, self.calls = f, calls
+
+    def seek(self, pos):
+        self.calls.append("read")
+        return self.f.seek(pos)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+class RequestCountingStorage(LocalStorage):
+    """Counts what `benchmarks.scale_sim` counts as storage requests: size checks and streamed reads."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.opened: set[str] = set()
+
+    def size(self, path):
+        self.calls.append("size")
+        return super().size(path)
+
+    def open_read(self, path):
+        self.opened.add(Path(path).name)
+        return _SeekCounting(super().open_read(path), self.calls)
+
+
+def _count(rank: int, root: str, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    it = open_iteration(LocalStorage(), root, 5)
+    report = {}
+    for balanced in (False, True):
+        storage = RequestCountingStorage()
+        loader = StateLoader(storage, it, rank, WORLD, balanced)
+        for kind in ("model", "opt"):
+            whole = {s.name: (0, s.numel) for s in tensor_specs(it.metadata, kind)}
+            loader.load(kind, whole, shared=set(whole))
+        report[str(balanced)] = [loader.bytes_read, len(storage.calls), len(storage.opened)]
+    Path(out, f"count{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def test_scale_simulation_counts_what_the_real_loader_does(tmp_path):
+    """benchmarks/scale_sim.py's load plan, run on a real checkpoint's metadata.json, predicts each
+    rank's bytes read, storage requests and files touched of the real loader exactly (DDP, 3 -> 2
+    ranks, 256-byte checksum blocks, load_balanced off and on)."""
+    write_iteration(tmp_path / "root", world=3, block_size=256)
+    mp.spawn(_count, args=(str(tmp_path / "root"), f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=WORLD, join=True)
+    meta = open_iteration(LocalStorage(), str(tmp_path / "root"), 5).metadata
+    for rank in range(WORLD):
+        real = json.loads((tmp_path / f"count{rank}.json").read_text())
+        for balanced in (False, True):
+            plan = scale_sim.load_plan(meta, WORLD, rank, fsdp=False, balanced=balanced)
+            assert real[str(balanced)] == [plan.bytes_read, plan.requests, plan.files_touched], (rank, balanced)
 
 
 class CountingStorage(LocalStorage):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -12,6 +13,7 @@ import pytest
 
 from conftest import FINAL, run_job, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout
+from ray_resume.checkpoint.digest import block_bounds
 from ray_resume.checkpoint.fallback import select_iteration
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
@@ -80,10 +82,10 @@ def lie_about_offsets(directory: Path) -> None:
     raw = json.dumps(header).encode()
     raw += b" " * (length - len(raw)) if len(raw) <= length else b""
     shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
-    import hashlib
-
     meta = json.loads((directory / "metadata.json").read_text())
-    meta["files"][shard.name].update(size=shard.stat().st_size, sha256=hashlib.sha256(shard.read_bytes()).hexdigest())
+    data = shard.read_bytes()
+    bounds = block_bounds(len(data), 8 + len(raw), meta["block_size"])
+    meta["files"][shard.name].update(size=len(data), data_start=8 + len(raw), sha256=[hashlib.sha256(data[lo:hi]).hexdigest() for lo, hi in bounds])
     (directory / "metadata.json").write_text(json.dumps(meta))
 
 

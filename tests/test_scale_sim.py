@@ -26,11 +26,11 @@ def test_small_mode_covers_every_byte_and_every_rank_need(tmp_path):
     assert not list(tmp_path.iterdir())  # the sparse shard files are cleaned up
 
 
-def _fsdp_meta(world: int) -> tuple[dict, dict, dict]:
+def _fsdp_meta(world: int) -> tuple[dict, dict]:
     specs = scale_sim.state_specs(scale_sim.TINY, fsdp=True)
     sizes = scale_sim.shard_sizes(specs, world)
     manifests = scale_sim.manifests_for(specs, world, sizes)
-    return build_metadata(scale_sim.ITERATION, scale_sim.PREFIX, manifests), specs, scale_sim.headers_of(sizes, world)
+    return build_metadata(scale_sim.ITERATION, scale_sim.PREFIX, manifests), specs
 
 
 @pytest.mark.parametrize("world", [2, 5, 16])
@@ -38,25 +38,25 @@ def test_fsdp_load_on_the_saving_world_size_reads_only_own_files(world):
     """As fetch.StateLoader since the steps are pooled (tests/test_fsdp.py checks the real loader):
     on the saving world size each FSDP rank reads its own two files whole and touches no other file,
     and the 0-d steps come from one all-reduce of 8 bytes per step."""
-    meta, specs, headers = _fsdp_meta(world)
+    meta, specs = _fsdp_meta(world)
     steps = sorted(s.name for s in specs[layout.OPTIM_KIND] if s.name.endswith(".step"))
-    plans = [scale_sim.load_plan(meta, world, r, fsdp=True, balanced=False, headers=headers) for r in range(world)]
+    plans = [scale_sim.load_plan(meta, world, r, fsdp=True, balanced=False) for r in range(world)]
     for rank, plan in enumerate(plans):
         own = sorted(layout.shard_filename(scale_sim.PREFIX, k, rank, world) for k in scale_sim.KINDS)
-        assert plan.whole == own and not plan.ranged and plan.files_touched == 2
+        assert plan.checked == own and not plan.ranged and plan.files_touched == 2
         assert plan.bytes_read == sum(meta["files"][f]["size"] for f in own)
-        assert plan.requests == 2 * scale_sim.WHOLE_FILE_REQUESTS
+        assert plan.requests == 2 * (scale_sim.CHECKED_FILE_REQUESTS + 1)
         assert sorted(plan.allreduced) == steps and plan.allreduce_bytes == 8 * len(steps)
     assert scale_sim.check_pooled(meta, plans, world, fsdp=True) == 8 * len(steps)
 
 
 def test_check_pooled_refuses_a_step_copied_twice_or_by_nobody():
-    meta, _, headers = _fsdp_meta(6)
+    meta, _ = _fsdp_meta(6)
     new_world = 4
-    plans = [scale_sim.load_plan(meta, new_world, r, fsdp=True, balanced=False, headers=headers) for r in range(new_world)]
+    plans = [scale_sim.load_plan(meta, new_world, r, fsdp=True, balanced=False) for r in range(new_world)]
     scale_sim.check_pooled(meta, plans, new_world, fsdp=True)
     copy = next(p.pooled[0] for p in plans if p.pooled)
-    twice = [scale_sim.LoadPlan(p.rank, p.whole, p.received, p.takes, p.ranged, list(p.pooled), dict(p.allreduced)) for p in plans]
+    twice = [scale_sim.LoadPlan(p.rank, p.checked, p.received, p.takes, p.ranged, list(p.pooled), dict(p.allreduced)) for p in plans]
     twice[(next(i for i, p in enumerate(plans) if copy in p.pooled) + 1) % new_world].pooled.append(copy)
     with pytest.raises(AssertionError, match="more than one rank"):
         scale_sim.check_pooled(meta, twice, new_world, fsdp=True)

@@ -1,10 +1,11 @@
 """Choose the iteration to load when the tracker's one may be damaged.
 
-The tracker's iteration is verified in full (JSON, sizes, sha256, no extra
-shards). If it fails, or the tracker itself is missing or garbled while
-iterations exist, the newest older iteration that verifies is used, loudly,
-and a damaged tracked iteration is renamed aside (never deleted) so the next
-start does not trip over it again. `checkpoint.fallback: false` turns this
+The tracker's iteration is verified in full (JSON, sizes, the sha256 of
+every checksum block, headers, no extra shards). If it fails, or the
+tracker itself is missing or garbled while iterations exist, the newest
+older iteration that verifies is used, loudly, and a damaged tracked
+iteration is renamed aside (never deleted) so the next start does not trip
+over it again. `checkpoint.fallback: false` turns this
 into an error that lists the iterations that do verify.
 """
 
@@ -27,7 +28,7 @@ def verify(storage, root: str, step: int) -> str | None:
         check_no_extra_shards(storage, it)
         reader = ShardReader(storage, it)
         for name in sorted(it.metadata["files"]):  # streamed: one block in memory at a time
-            reader.read_whole(name, [])
+            reader.read_checked(name, [])
     except (CheckpointError, OSError) as exc:
         return str(exc)
     return None

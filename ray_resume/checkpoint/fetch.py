@@ -4,20 +4,22 @@ A rank asks for element ranges of tensors (all of each tensor under DDP,
 its own dim-0 chunk under FSDP) and gets them in fresh tensors; every byte
 read from storage is counted.
 
-- Direct: the file of saving rank s is read whole, with its sha256 checked,
-  by loading rank s mod W' (its verifier); any other rank that needs part
-  of it reads just those byte ranges. Every file is verified by exactly one
-  rank, and the ranks agree that all checks passed before anyone returns.
+- Direct: the file of saving rank s is read whole, with the sha256 of each
+  checksum block checked, by loading rank s mod W' (its verifier); any other
+  rank that needs part of it reads just those byte ranges. Every file is
+  verified by exactly one rank, and the ranks agree that all checks passed
+  before anyone returns.
   FSDP on the same world size reads each file once; DDP reads the whole
   checkpoint W' times. Small replicated leftovers of an FSDP state (Adam's
   0-d steps) come only from the verifiers' reads and reach every rank in
   one all-reduce.
 - `load_balanced: true` (spec 2.2, scenario D; replicated targets only): the
-  shard files of every kind the restore loads are dealt out together by
-  size (largest first, to the least loaded rank); each rank reads and
-  verifies its own files, then every piece is broadcast from its reader
-  straight into the other ranks' tensors. Each byte comes off storage once
-  in total.
+  checksum blocks of every file of every kind the restore loads are dealt
+  out together by size (largest first, to the least loaded rank); each rank
+  reads and checks its blocks, then every part of a piece is broadcast from
+  the rank that read its block straight into the other ranks' tensors. Each
+  byte comes off storage once in total, and the busiest rank reads at most
+  about one block (4 MiB) more than the mean.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.distributed as dist
 
 from . import layout
 from .reader import Iteration, ShardReader, check_no_extra_shards, open_iteration, plan_reads, shard_files
-from .schema import DTYPES, CheckpointError, tensor_specs
+from .schema import DTYPES, CheckpointError, file_blocks, tensor_specs
 
 
 def collective_device() -> torch.device:
@@ -91,22 +93,42 @@ def deal_by_size(sizes: list[int], world_size: int) -> list[int]:
     return owners
 
 
-def balanced_owners(metadata: dict, kinds, world_size: int) -> dict[str, int]:
-    """load_balanced: shard file -> the rank that reads it.
+def balanced_owners(metadata: dict, kinds, world_size: int) -> dict[tuple[str, int], int]:
+    """load_balanced: (shard file, checksum block) -> the rank that reads it.
 
-    One deal over the files of all `kinds`, not one per kind: per kind, the
-    same (lowest) ranks would draw an extra `model` file *and* an extra `opt`
-    file whenever the files do not divide evenly over the ranks.
+    One deal over the blocks of all `kinds`, not one per kind: per kind, the
+    same (lowest) ranks would draw an extra block of each kind whenever the
+    blocks do not divide evenly over the ranks.
     """
-    files = [f for kind in kinds for f in shard_files(metadata, kind)]
-    return dict(zip(files, deal_by_size([metadata["files"][f]["size"] for f in files], world_size)))
+    blocks = [(f, i, hi - lo) for kind in kinds for f in shard_files(metadata, kind)
+              for i, (lo, hi, _) in enumerate(file_blocks(metadata, f))]
+    owners = deal_by_size([size for _, _, size in blocks], world_size)
+    return {(f, i): owner for (f, i, _), owner in zip(blocks, owners)}
+
+
+def block_parts(spans, blocks):
+    """(block index, request, span's first byte, part's first byte, part's end byte) for each part
+    of a requested span that lies in one checksum block.
+
+    `spans` are `ShardReader.spans`, `blocks` `file_blocks`; both sorted by position.
+    """
+    i = 0
+    for first, last, r in spans:
+        if last <= first:
+            continue
+        while blocks[i][1] <= first:
+            i += 1
+        j = i
+        while j < len(blocks) and blocks[j][0] < last:
+            yield j, r, first, max(first, blocks[j][0]), min(last, blocks[j][1])
+            j += 1
 
 
 class StateLoader:
     """Loads tensors of one iteration for `rank` of a `world_size` group (see the module doc).
 
     `kinds` are the kinds this restore will load (all the iteration holds by
-    default): load_balanced deals their files out in one go.
+    default): load_balanced deals their checksum blocks out in one go.
     """
 
     def __init__(self, storage, it: Iteration, rank: int = 0, world_size: int = 1, balanced: bool = False, kinds=None):
@@ -116,6 +138,13 @@ class StateLoader:
         self.kinds = tuple(kinds or it.metadata["tensors"])
         self.reader = ShardReader(storage, it)
         self.device = collective_device()
+        self._dealt: dict[tuple[str, int], int] | None = None
+
+    def dealt(self) -> dict[tuple[str, int], int]:
+        """load_balanced: who reads each checksum block (`balanced_owners` over `kinds`), computed once."""
+        if self._dealt is None:
+            self._dealt = balanced_owners(self.it.metadata, self.kinds, self.world_size)
+        return self._dealt
 
     @property
     def bytes_read(self) -> int:
@@ -137,17 +166,17 @@ class StateLoader:
         packed, dests = self._pool(kind, {n: ranges[n] for n in sorted(pooled)})  # same layout on every rank
         dests, reads = plan_reads(self.it, kind, ranges, dests)
         files = shard_files(self.it.metadata, kind)
-        if balanced:
-            dealt = balanced_owners(self.it.metadata, self.kinds, self.world_size)
-            owners = [dealt[f] for f in files]
-        else:
-            owners = [saver % self.world_size for saver in range(len(files))]
+        dealt = self.dealt() if balanced else {}
         error = None
         try:
-            for file, owner in zip(files, owners):
-                if owner == self.rank:
-                    self.reader.read_whole(file, reads.get(file, []))
-                elif not balanced:
+            for saver, file in enumerate(files):
+                if balanced:
+                    mine = [i for i in range(len(self.it.metadata["files"][file]["sha256"])) if dealt[file, i] == self.rank]
+                    if mine:
+                        self.reader.read_checked(file, reads.get(file, []), blocks=mine)
+                elif saver % self.world_size == self.rank:
+                    self.reader.read_checked(file, reads.get(file, []))
+                else:
                     mine = [r for r in reads.get(file, []) if r.piece.name not in pooled]
                     if mine:
                         self.reader.read_ranges(file, mine)
@@ -155,9 +184,10 @@ class StateLoader:
             error = exc
         self._agree(error)
         if balanced:
-            for file, owner in zip(files, owners):
-                for request in reads.get(file, []):
-                    self._broadcast(request.dest, owner)
+            for file in files:
+                spans = self.reader.spans(file, reads.get(file, []))
+                for block, r, first, lo, hi in block_parts(spans, file_blocks(self.it.metadata, file)):
+                    self._broadcast(r.dest.view(torch.uint8)[lo - first : hi - first], dealt[file, block])
         if pooled:
             # Each pooled byte was copied by exactly one rank (its file's verifier), zeros
             # elsewhere: an integer sum gives every rank the exact bytes.

@@ -1,9 +1,9 @@
 """Find, verify and load a committed iteration.
 
 Order matters: the tracker names an iteration, its JSON is validated, every
-file it lists is checked for size and sha256, and only then is any tensor
-built. Nothing here writes, so a failed load leaves storage as it was.
-Shards are parsed by safetensors (no pickle).
+file it lists is checked for size and the sha256 of each checksum block,
+and only then is any tensor used. Nothing here writes, so a failed load
+leaves storage as it was. Shards are parsed by safetensors (no pickle).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import safetensors.torch
 import torch
 
 from . import layout
-from .digest import OverlappedSha256
+from .digest import BlockSha256
 from .plan import Piece, SavePlan, TensorSpec
-from .schema import DTYPES, CheckpointError, parse_json, tensor_specs, validate_common, validate_metadata
+from .schema import DTYPES, CheckpointError, file_blocks, parse_json, tensor_specs, validate_common, validate_metadata
 from .storage import READ_BLOCK, LocalStorage
-from .writer import RANK_EXTRAS_KEY
+from .writer import RANK_EXTRAS_KEY, Entry, shard_layout
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +77,15 @@ def open_iteration(storage: LocalStorage, root: str, step: int) -> Iteration:
 
 
 def read_verified(storage: LocalStorage, it: Iteration, names: list[str]) -> dict[str, bytes]:
-    """Whole files as bytes (tools and tests), each checked as a loader checks it: size, then sha256."""
+    """Whole files as bytes (tools and tests), each checked as a loader checks it: size, every block's sha256, the header."""
     reader = ShardReader(storage, it)
     out = {}
     for name in names:
         reader.check_size(name)
         out[name] = storage.read_bytes(reader.path(name))
-        reader.check_sha256(name, hashlib.sha256(out[name]).hexdigest())
+        for index, (lo, hi, _) in enumerate(file_blocks(it.metadata, name)):
+            reader.check_block(name, index, hashlib.sha256(out[name][lo:hi]).hexdigest())
+        reader.check_header(name, out[name][: it.metadata["files"][name]["data_start"]])
     return out
 
 
@@ -94,10 +96,6 @@ def check_no_extra_shards(storage: LocalStorage, it: Iteration) -> None:
             raise CheckpointError(f"{layout.join(it.path, name)}: shard file not listed in metadata.json; remove it or restore the matching metadata.json")
 
 
-# A safetensors header larger than this is not one we wrote (ours are ~100 bytes per tensor).
-MAX_HEADER = 64 << 20
-
-
 @dataclass(frozen=True)
 class Request:
     """Elements [lo, hi) of a saved piece, to be copied into `dest` (a flat view of the rank's tensor)."""
@@ -106,31 +104,35 @@ class Request:
     spec: TensorSpec
     lo: int
     hi: int
-    dest: torch.Tensor | None = None  # None: only checked (verification)
+    dest: torch.Tensor | None = None  # None: only listed (inspect)
 
 
 class ShardReader:
     """Reads shard bytes of one iteration into destination tensors, counting the bytes read.
 
-    Two ways to read a file: `read_whole` reads all of it once, checking
-    its sha256, with the requested pieces read straight into their tensors
-    (no copy of the file is held); `read_ranges` fetches only the requested
-    byte ranges (used when another rank verifies that file). Headers are
-    read and checked against metadata.json before any piece is read.
+    Where each piece sits in its file follows from metadata.json (the
+    layout, via `writer.shard_layout`, and the file's `data_start`), so no
+    read needs the file's header first. Two ways to read a file:
+
+    - `read_checked` reads whole checksum blocks (all of the file unless
+      told which), checks each one's sha256, and for the header block that
+      the header places every piece where the layout says; requested bytes
+      inside land straight in their tensors (no copy of the file is held).
+    - `read_ranges` fetches only the requested byte ranges, unchecked: the
+      rank that reads those blocks checks them, and all ranks agree that
+      every check passed before any tensor is used (`fetch.StateLoader`).
     """
 
     def __init__(self, storage: LocalStorage, it: Iteration):
         self.storage, self.it = storage, it
         self.bytes_read = 0
-        self._headers: dict[str, tuple[int, dict]] = {}
         self._sized: set[str] = set()
+        self._headers: dict[str, dict] = {}
+        self._plans: dict[str, SavePlan] = {}
+        self._layouts: dict[str, dict[str, Entry]] = {}
 
     def path(self, file: str) -> str:
         return layout.join(self.it.path, file)
-
-    def _read_range(self, file: str, offset: int, length: int) -> bytes:
-        self.bytes_read += length
-        return self.storage.read_range(self.path(file), offset, length)
 
     def check_size(self, file: str) -> int:
         """The listed size, after checking it against storage (once per file)."""
@@ -145,85 +147,123 @@ class ShardReader:
             raise CheckpointError(f"{path}: size is {actual} bytes, metadata.json says {size}; the shard is truncated or replaced")
         return size
 
-    def header(self, file: str, head: bytes = b"") -> tuple[int, dict]:
-        """(offset of the data section, header) of a listed shard file, after checking its size.
+    def layout(self, file: str) -> dict[str, Entry]:
+        """Piece name -> where the piece sits in the data section of shard `file` (from metadata.json alone)."""
+        if file not in self._layouts:
+            shard = layout.parse_shard_filename(file)
+            if shard["kind"] not in self._plans:
+                self._plans[shard["kind"]] = SavePlan(tensor_specs(self.it.metadata, shard["kind"]), self.it.metadata["world_size"])
+            placed = shard_layout(shard["kind"], self._plans[shard["kind"]], shard["rank"])
+            info = self.it.metadata["files"][file]
+            if info["data_start"] + placed.nbytes != info["size"]:
+                raise CheckpointError(f"{self.path(file)}: metadata.json lists {info['size']} bytes, but its header and the tensors "
+                                      f"placed in it take {info['data_start'] + placed.nbytes}; the metadata is inconsistent")
+            self._layouts[file] = {e.piece.name: e for e in placed.entries}
+        return self._layouts[file]
 
-        `head` is the file's first bytes when a streamed read already has
-        them; otherwise the header is fetched by two small range reads.
-        """
-        if file in self._headers:
-            return self._headers[file]
-        path, size = self.path(file), self.check_size(file)
-        if size < 8:
-            raise CheckpointError(f"{path}: too short to be a safetensors file")
-        (length,) = struct.unpack("<Q", head[:8] if len(head) >= 8 else self._read_range(file, 0, 8))
-        if length > min(size - 8, MAX_HEADER):
-            raise CheckpointError(f"{path}: safetensors header length {length} exceeds the file")
-        text = head[8 : 8 + length] if len(head) >= 8 + length else self._read_range(file, 8, length)
-        self._headers[file] = (8 + length, parse_json(text, path))
+    def spans(self, file: str, requests: list[Request]) -> list[tuple[int, int, Request]]:
+        """(first byte, end byte) in `file` of each request, with the request, sorted by position."""
+        start, placed = self.it.metadata["files"][file]["data_start"], self.layout(file)
+        out = []
+        for r in requests:
+            first = start + placed[r.piece.name].offset + (r.lo - r.piece.start) * r.spec.itemsize
+            out.append((first, first + (r.hi - r.lo) * r.spec.itemsize, r))
+        return sorted(out, key=lambda s: s[0])
+
+    def header(self, file: str) -> dict:
+        """The file's safetensors header, read as its first checksum block and checked (cached)."""
+        if file not in self._headers:
+            self.read_checked(file, [], blocks=[0])
         return self._headers[file]
 
-    def check(self, file: str, requests: list[Request]) -> list[tuple[int, int, Request]]:
-        """(first byte, end byte, request) in the file for each request, sorted; the header must agree with metadata.json."""
-        data_start, header = self.header(file)
-        size = self.it.metadata["files"][file]["size"]
-        spans = []
-        for r in requests:
-            entry = header.get(r.piece.name)
-            nbytes = r.piece.numel * r.spec.itemsize
-            offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-            if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                    or entry.get("dtype") != r.spec.dtype or entry.get("shape") != [r.piece.numel]
-                    or offsets[1] - offsets[0] != nbytes or offsets[0] < 0 or data_start + offsets[1] > size):
-                raise CheckpointError(f"{self.path(file)}[{r.piece.name!r}]: piece does not match metadata.json (dtype, size or position)")
-            first = data_start + offsets[0] + (r.lo - r.piece.start) * r.spec.itemsize
-            spans.append((first, first + (r.hi - r.lo) * r.spec.itemsize, r))
-        return sorted(spans, key=lambda s: s[0])
+    def check_header(self, file: str, head: bytes) -> dict:
+        """The header (the file's bytes before `data_start`) must place every piece exactly where the layout does."""
+        path, placed = self.path(file), self.layout(file)
+        (length,) = struct.unpack("<Q", head[:8])
+        if 8 + length != len(head):
+            raise CheckpointError(f"{path}: safetensors header length {length} disagrees with data_start {len(head)} in metadata.json")
+        header = parse_json(head[8:], path)
+        for name, e in placed.items():
+            if header.get(name) != {"dtype": e.dtype, "shape": [e.piece.numel], "data_offsets": [e.offset, e.offset + e.nbytes]}:
+                raise CheckpointError(f"{path}[{name!r}]: piece does not match metadata.json (dtype, size or position)")
+        extra = sorted(set(header) - set(placed) - {"__metadata__"})
+        if extra:
+            raise CheckpointError(f"{path}[{extra[0]!r}]: the header holds a tensor that metadata.json does not place in this file")
+        self._headers[file] = header
+        return header
 
-    def read_whole(self, file: str, requests: list[Request]) -> None:
-        """Read the whole file once, checking its sha256; requested pieces land straight in their tensors.
+    def check_block(self, file: str, index: int, hexdigest: str) -> None:
+        lo, hi, expected = file_blocks(self.it.metadata, file)[index]
+        if hexdigest != expected:
+            raise CheckpointError(f"{self.path(file)}: sha256 does not match metadata.json (checksum block {index}, bytes {lo}-{hi}); "
+                                  "the shard is corrupt")
 
-        Each requested span is read into its destination and hashed there;
-        only the bytes between spans pass through scratch blocks. Reads go
-        block by block so that hashing one block overlaps reading the next.
+    def read_checked(self, file: str, requests: list[Request], blocks: list[int] | None = None) -> None:
+        """Read checksum blocks `blocks` (all by default), checking each; requested bytes in them land in their tensors.
+
+        Consecutive blocks are read as one stream, in READ_BLOCK reads, so
+        that hashing one read overlaps the next; only bytes no request wants
+        pass through scratch buffers.
         """
-        size, path = self.check_size(file), self.path(file)
-        digest, scratch = OverlappedSha256(), _ScratchBlocks()
-        with self.storage.open_read(path) as f:
-            head = _read_exactly(f, min(size, READ_BLOCK), path)
-            digest.update(head)
-            spans = []
-            if requests:  # a plain verification needs no header
-                self.header(file, head)  # from the read itself: no extra request
-                spans = [(first, last, _writable_bytes(r.dest)) for first, last, r in self.check(file, requests)]
-            pos = len(head)
-            for first, last, dest in spans + [(size, size, None)]:
-                if first < pos:  # inside the head already read
-                    dest[: min(last, pos) - first] = memoryview(head)[first : min(last, pos)]
-                    first = min(last, pos)
-                while pos < first:  # bytes no one asked for: hashed, not kept
-                    n = min(first - pos, READ_BLOCK)
-                    scratch.hashing(digest.update(_readinto_exactly(f, scratch.take(n), path)))
-                    pos += n
-                while pos < last:
-                    start = pos - (last - len(dest))  # dest holds file bytes [last - len(dest), last)
-                    n = min(last - pos, READ_BLOCK)
-                    digest.update(_readinto_exactly(f, dest[start : start + n], path))
-                    pos += n
-        self.bytes_read += size
-        self.check_sha256(file, digest.hexdigest())
+        self.check_size(file)
+        checksums = file_blocks(self.it.metadata, file)
+        spans, scratch = self.spans(file, requests), _ScratchBlocks()
+        with self.storage.open_read(self.path(file)) as f:
+            for run in consecutive_runs(range(len(checksums)) if blocks is None else sorted(blocks)):
+                lo, hi = checksums[run[0]][0], checksums[run[-1]][1]
+                digest = BlockSha256(lo, [checksums[i][1] for i in run])
+                head = self._stream(f, file, lo, hi, spans, digest, scratch)
+                for index, hexdigest in zip(run, digest.hexdigests()):
+                    self.check_block(file, index, hexdigest)
+                if head is not None:
+                    self.check_header(file, head)
+                self.bytes_read += hi - lo
 
-    def check_sha256(self, file: str, hexdigest: str) -> None:
-        if hexdigest != self.it.metadata["files"][file]["sha256"]:
-            raise CheckpointError(f"{self.path(file)}: sha256 does not match metadata.json; the shard is corrupt")
+    def _stream(self, f, file: str, lo: int, hi: int, spans, digest: BlockSha256, scratch: _ScratchBlocks) -> bytes | None:
+        """Bytes [lo, hi) of `f` into the spans' tensors (scratch elsewhere), all hashed; the header bytes when lo is 0."""
+        path = self.path(file)
+        f.seek(lo)
+        pos, head = lo, None
+        if lo == 0:
+            head = _read_exactly(f, self.it.metadata["files"][file]["data_start"], path)
+            digest.update(head)
+            pos = len(head)
+        for first, last, r in spans:
+            if last <= pos or first >= hi:
+                continue
+            while pos < first:  # bytes no one asked for: hashed, not kept
+                n = min(first - pos, READ_BLOCK)
+                scratch.hashing(digest.update(_readinto_exactly(f, scratch.take(n), path)))
+                pos += n
+            dest = _writable_bytes(r.dest)  # file bytes [first, last)
+            while pos < min(last, hi):
+                n = min(min(last, hi) - pos, READ_BLOCK)
+                digest.update(_readinto_exactly(f, dest[pos - first : pos - first + n], path))
+                pos += n
+        while pos < hi:
+            n = min(hi - pos, READ_BLOCK)
+            scratch.hashing(digest.update(_readinto_exactly(f, scratch.take(n), path)))
+            pos += n
+        return head
 
     def read_ranges(self, file: str, requests: list[Request]) -> None:
-        """Fetch only the requested byte ranges (the file's sha256 is checked by its verifying rank)."""
+        """Fetch only the requested byte ranges, unchecked (see the class doc): no header, no size check."""
         with self.storage.open_read(self.path(file)) as f:
-            for first, last, r in self.check(file, requests):
+            for first, last, r in self.spans(file, requests):
                 f.seek(first)
                 _readinto_exactly(f, _writable_bytes(r.dest), self.path(file))
                 self.bytes_read += last - first
+
+
+def consecutive_runs(indices) -> list[list[int]]:
+    """Sorted indices grouped into runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 class _ScratchBlocks:
@@ -313,7 +353,7 @@ def load_rank_extras(reader: ShardReader, rank: int) -> dict[str, str]:
     """This rank's RNG strings from its opt shard's header (same world size only)."""
     meta = reader.it.metadata
     name = layout.shard_filename(meta.get("prefix", "ckpt"), layout.OPTIM_KIND, rank, meta["world_size"])
-    _, header = reader.header(name)
+    header = reader.header(name)
     extras = (header.get("__metadata__") or {}).get(RANK_EXTRAS_KEY)
     if not isinstance(extras, str):
         raise CheckpointError(f"{reader.path(name)}: header has no {RANK_EXTRAS_KEY!r} (the rank's RNG state)")

@@ -9,11 +9,13 @@ broken disk garbles.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
 
 from . import layout
+from .digest import block_bounds
 from .plan import DIM0, LAYOUTS, TensorSpec
 
 CKPT_STATUS_OK = "ok"
@@ -33,8 +35,12 @@ COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
     "world_size": int, "has_optimizer": bool, "job_id": str,
 }
 METADATA_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "format_version": int, "iteration": int, "world_size": int, "files": dict, "tensors": dict,
+    "format_version": int, "iteration": int, "world_size": int, "block_size": int, "files": dict, "tensors": dict,
 }
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+# A safetensors header larger than this is not one we wrote (ours are ~100 bytes per tensor).
+MAX_HEADER = 64 << 20
 
 
 class CheckpointError(ValueError):
@@ -90,13 +96,13 @@ def validate_metadata(meta: dict, where: str) -> None:
     """Structure checks: no file name can leave the iteration dir, every layout is known, every shard is listed."""
     check_fields(meta, METADATA_FIELDS, where)
     prefix, world = meta.get("prefix", "ckpt"), meta["world_size"]
-    if world < 1:
-        raise CheckpointError(f"{where}: field 'world_size' has the impossible value {world}")
+    for key in ("world_size", "block_size"):
+        if meta[key] < 1:
+            raise CheckpointError(f"{where}: field {key!r} has the impossible value {meta[key]}")
     for name, info in meta["files"].items():
         if not layout.is_plain_filename(name):
             raise CheckpointError(f"{where}: file name {name!r} points outside the iteration directory; refusing to read it")
-        if not isinstance(info, dict) or not isinstance(info.get("size"), int) or not isinstance(info.get("sha256"), str):
-            raise CheckpointError(f"{where}: files[{name!r}] needs an integer 'size' and a string 'sha256'")
+        _check_file_entry(info, meta["block_size"], f"{where}: files[{name!r}]")
     for kind, tensors in meta["tensors"].items():
         if kind not in (layout.MODEL_KIND, layout.OPTIM_KIND) or not isinstance(tensors, dict):
             raise CheckpointError(f"{where}: tensors[{kind!r}] is not a known kind (model, opt)")
@@ -114,6 +120,22 @@ def validate_metadata(meta: dict, where: str) -> None:
                 raise CheckpointError(f"{where}: shard {name!r} of rank {rank} is not listed in 'files'; the iteration is incomplete")
 
 
+def _check_file_entry(info: Any, block_size: int, label: str) -> None:
+    sizes = [info.get(k) for k in ("size", "data_start")] if isinstance(info, dict) else [None]
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) or not 8 <= sizes[1] <= min(sizes[0], 8 + MAX_HEADER):
+        raise CheckpointError(f"{label} needs integers 'size' and 'data_start' (8 <= data_start <= size, a header of at most {MAX_HEADER} bytes)")
+    expected = len(block_bounds(info["size"], info["data_start"], block_size))
+    digests = info.get("sha256")
+    if not isinstance(digests, list) or len(digests) != expected or not all(isinstance(d, str) and _SHA256_HEX.fullmatch(d) for d in digests):
+        raise CheckpointError(f"{label}: 'sha256' must list {expected} lowercase hex sha256 digests, one per checksum block")
+
+
+def file_blocks(meta: dict, name: str) -> list[tuple[int, int, str]]:
+    """(first byte, end byte, sha256) of each checksum block of a listed (validated) file."""
+    info = meta["files"][name]
+    return [(lo, hi, d) for (lo, hi), d in zip(block_bounds(info["size"], info["data_start"], meta["block_size"]), info["sha256"])]
+
+
 def tensor_specs(meta: dict, kind: str) -> list[TensorSpec]:
     """The saved tensors of `kind` (validated metadata), as plan specs."""
     return [TensorSpec(name, t["dtype"], tuple(t["shape"]), DTYPES[t["dtype"]].itemsize, t["layout"])
@@ -129,13 +151,14 @@ def build_metadata(iteration: int, prefix: str, manifests: list[dict]) -> dict:
     files = {}
     for manifest in manifests:
         for name, info in manifest["files"].items():
-            files[name] = {"size": info["size"], "sha256": info["sha256"], "kind": info["kind"], "rank": manifest["rank"]}
+            files[name] = {**info, "rank": manifest["rank"]}
     tensors = {kind: {name: {"dtype": dtype, "shape": shape, "layout": how} for name, dtype, shape, how in specs}
                for kind, specs in manifests[0]["specs"].items()}
     return {
         "format_version": layout.FORMAT_VERSION,
         "iteration": iteration,
         "world_size": len(manifests),
+        "block_size": manifests[0]["block_size"],
         "prefix": prefix,
         "files": files,
         "tensors": tensors,

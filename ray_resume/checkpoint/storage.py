@@ -20,7 +20,6 @@ from collections.abc import Iterable
 
 import pyarrow.fs as pafs
 
-from .digest import OverlappedSha256
 
 # Streamed reads (verification, whole-shard loads) hold one block at a time.
 READ_BLOCK = 8 << 20
@@ -90,9 +89,8 @@ class LocalStorage:
                 os.unlink(tmp)
         _fsync_dir(os.path.dirname(local) or ".")
 
-    def write_durable(self, path: str, chunks: Iterable[bytes]) -> tuple[int, str]:
-        """Stream `chunks` into `path`, fsync, and return (size, sha256 hex); each chunk is hashed while it is written."""
-        digest = OverlappedSha256()
+    def write_durable(self, path: str, chunks: Iterable[bytes], digest) -> int:
+        """Stream `chunks` into `path`, fsync, and return the size; `digest` hashes each chunk while it is written."""
         size = 0
         local = _local(path)
         with open(local, "wb") as f:
@@ -103,7 +101,7 @@ class LocalStorage:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(os.path.dirname(local) or ".")
-        return size, digest.hexdigest()
+        return size
 
     def remove(self, path: str) -> None:
         try:
@@ -193,15 +191,14 @@ class ArrowStorage:
         with self.fs.open_output_stream(self._key(path)) as f:  # one PUT: all or nothing
             f.write(data)
 
-    def write_durable(self, path: str, chunks: Iterable[bytes]) -> tuple[int, str]:
-        digest = OverlappedSha256()
+    def write_durable(self, path: str, chunks: Iterable[bytes], digest) -> int:
         size = 0
         with self.fs.open_output_stream(self._key(path)) as f:
             for chunk in chunks:
                 digest.update(chunk)
                 f.write(chunk)
                 size += len(chunk)
-        return size, digest.hexdigest()
+        return size
 
     def remove(self, path: str) -> None:
         if self.size(path) is not None:

@@ -29,6 +29,7 @@ import torch
 
 from . import layout
 from .plan import DIM0, SPLIT, Piece, SavePlan, TensorSpec
+from .digest import BlockSha256, block_bounds
 from .schema import DTYPE_TAGS, DTYPES
 from .state import dim0_sharded, local_tensor
 from .storage import LocalStorage
@@ -36,6 +37,11 @@ from .storage import LocalStorage
 logger = logging.getLogger(__name__)
 
 RANK_EXTRAS_KEY = "rank_extras"
+
+# Bytes per checksum block of a shard's data section (digest.block_bounds). The
+# unit load_balanced deals and a reader verifies on its own; each costs ~70 bytes
+# of metadata.json (16 MB for a 1 TB checkpoint).
+CHECKSUM_BLOCK = 4 << 20
 
 # safetensors orders a file's tensors by dtype, largest first (the order of its
 # Rust `Dtype` enum, descending), then by name; data offsets follow that order.
@@ -92,21 +98,24 @@ class ShardLayout:
 
 def shard_layouts(states: dict[str, dict[str, torch.Tensor] | None], rank: int, world_size: int) -> list[ShardLayout]:
     """The layout of every shard file this rank writes, model first, for the kinds present."""
-    out = []
-    for kind, state in states.items():
-        if state is None:
-            continue
-        specs = tensor_specs(state)
-        by_name = {s.name: s for s in specs}
-        share = SavePlan(specs, world_size).share(rank)
-        order = sorted(share, key=lambda p: (-_SAFETENSORS_DTYPE_RANK[by_name[p.name].dtype], p.name.encode()))
-        entries, offset = [], 0
-        for p in order:
-            spec = by_name[p.name]
-            entries.append(Entry(p, spec, offset))
-            offset += p.numel * spec.itemsize
-        out.append(ShardLayout(kind, tuple(specs), tuple(entries), offset))
-    return out
+    return [shard_layout(kind, SavePlan(tensor_specs(state), world_size), rank)
+            for kind, state in states.items() if state is not None]
+
+
+def shard_layout(kind: str, plan: SavePlan, rank: int) -> ShardLayout:
+    """Where `rank`'s pieces sit in its file: safetensors order, offsets from the data section's start.
+
+    A pure function of the plan, so a reader finds any piece's bytes from
+    metadata.json alone, and checks the file's header against it.
+    """
+    share = plan.share(rank)
+    order = sorted(share, key=lambda p: (-_SAFETENSORS_DTYPE_RANK[plan.specs[p.name].dtype], p.name.encode()))
+    entries, offset = [], 0
+    for p in order:
+        spec = plan.specs[p.name]
+        entries.append(Entry(p, spec, offset))
+        offset += p.numel * spec.itemsize
+    return ShardLayout(kind, tuple(plan.specs.values()), tuple(entries), offset)
 
 
 def safetensors_header(shard: ShardLayout, metadata: dict[str, str] | None) -> bytes:
@@ -195,6 +204,7 @@ def write_shards(
     shards: list[tuple[ShardLayout, list[memoryview]]],
     rank_extras: dict[str, str],
     on_mid_write: Callable[[], None] = lambda: None,
+    block_size: int = CHECKSUM_BLOCK,
 ) -> dict:
     """Write this rank's shard files of iteration `step` from their data sections; return its manifest.
 
@@ -209,16 +219,19 @@ def write_shards(
         # earlier attempt. Its JSON must not describe the shards we write now.
         for name in (layout.METADATA, layout.COMMON):
             storage.remove(layout.join(iter_dir, name))
-    manifest: dict = {"rank": rank, "world_size": world_size, "files": {}, "specs": {}}
+    manifest: dict = {"rank": rank, "world_size": world_size, "block_size": block_size, "files": {}, "specs": {}}
     for shard, data in shards:
         # One header key: safetensors writes header maps in hash order, and a
         # single entry keeps the file bytes reproducible (exact-resume tests
         # compare bytes).
         header = {RANK_EXTRAS_KEY: json.dumps(rank_extras, sort_keys=True)} if shard.kind == layout.OPTIM_KIND else None
         name = layout.shard_filename(prefix, shard.kind, rank, world_size)
-        chunks = [memoryview(safetensors_header(shard, header)), *_pieces(data)]
-        size, sha256 = storage.write_durable(layout.join(iter_dir, name), _halves(chunks, on_mid_write))
-        manifest["files"][name] = {"size": size, "sha256": sha256, "kind": shard.kind, "rank": rank}
+        head = safetensors_header(shard, header)
+        blocks = block_bounds(len(head) + shard.nbytes, len(head), block_size)
+        digest = BlockSha256(0, [end for _, end in blocks])
+        chunks = [memoryview(head), *_pieces(data)]
+        size = storage.write_durable(layout.join(iter_dir, name), _halves(chunks, on_mid_write), digest)
+        manifest["files"][name] = {"size": size, "data_start": len(head), "sha256": digest.hexdigests(), "kind": shard.kind, "rank": rank}
         if rank == 0:
             manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape), s.layout] for s in shard.specs]
     logger.debug("rank %d wrote %s", rank, json.dumps(manifest["files"]))
@@ -237,12 +250,13 @@ def save_shards(
     optim_state: dict[str, torch.Tensor] | None,
     rank_extras: dict[str, str],
     on_mid_write: Callable[[], None] = lambda: None,
+    block_size: int = CHECKSUM_BLOCK,
 ) -> dict:
     """Synchronous save: write this rank's shards straight from the live tensors; return its manifest."""
     states = {layout.MODEL_KIND: model_state, layout.OPTIM_KIND: optim_state}
     shards = [(s, live_data(s, states[s.kind])) for s in shard_layouts(states, rank, world_size)]
     return write_shards(storage, root, step, prefix=prefix, rank=rank, world_size=world_size,
-                        shards=shards, rank_extras=rank_extras, on_mid_write=on_mid_write)
+                        shards=shards, rank_extras=rank_extras, on_mid_write=on_mid_write, block_size=block_size)
 
 
 # Bytes handed to one write(): each piece is hashed while still in the CPU cache and
