@@ -18,7 +18,7 @@ For each saving world size W it
   `--all-ranks-upto` ranks);
 - synthesises every rank's manifest as `writer.write_shards` reports it
   (names from `layout.shard_filename`, sizes = the share's data bytes plus
-  the safetensors header, fake sha256), creates the shard files as sparse
+  the safetensors header, a fake sha256 per 4 MiB checksum block), creates the shard files as sparse
   files of those sizes in a local temp dir, and runs the driver's real
   commit (`commit.commit_iteration`: a stat per file, `validate_metadata`,
   metadata.json / config.yaml / common.json / tracker, each atomic with
@@ -27,28 +27,29 @@ For each saving world size W it
   that holds the manifests;
 - plans the load on W' = 3W/4 ranks with `load_balanced` off and on: one
   rank's plan is `SavePlan.overlaps` over `needed_range` for every tensor
-  (and `fetch.deal_by_size` over the file sizes for `load_balanced`), timed;
+  (and `fetch.balanced_owners` over the checksum blocks for `load_balanced`), timed;
   every rank's bytes and requests come from a vectorised form of the same
   plan that `--small` (and, on sampled ranks, the full run) checks equal to
   the per-rank plan.
 
 The read policy simulated is the loader's (`fetch.StateLoader.load`, as
 `Checkpointer._load` calls it): the files of saving rank s are read whole,
-with their sha256 checked, by loading rank s % W' (their verifier). Under
-DDP every rank wants every tensor whole, and of every file it does not
-verify it reads the header and one byte range per piece; with
-`load_balanced` the files of both kinds are instead dealt out together by
-`deal_by_size`, read whole by their owner and broadcast. Under FSDP a rank wants its dim-0
-chunk of each `dim0` tensor and the rest (the 0-d `step` tensors) whole:
-those are pooled, i.e. only each file's verifier copies them out of the
-stream it reads anyway and one all-reduce of the packed bytes (8-byte slot
-per tensor) hands them to every rank, so of the files it does not verify a
-rank reads only the header and the ranges of the dim-0 pieces it needs
-(nothing is pooled on a single loading rank). `load_balanced` applies to
-replicated targets only, so under FSDP it changes nothing. Requests are
-counted as the reader makes storage calls: two size checks and one
-streamed GET per whole file; a size check, the header length, the header
-and one read per piece per ranged file.
+every checksum block checked, by loading rank s % W' (their verifier).
+Under DDP every rank wants every tensor whole, and of every file it does
+not verify it reads one byte range per piece (no header: metadata.json
+places every piece); with `load_balanced` the checksum blocks of both
+kinds' files are instead cut into one consecutive run per rank
+(`fetch.balanced_owners`), read and checked by their owner and broadcast.
+Under FSDP a rank wants its dim-0 chunk of each `dim0` tensor and the rest
+(the 0-d `step` tensors) whole: those are pooled, i.e. only each file's
+verifier copies them out of the stream it reads anyway and one all-reduce
+of the packed bytes (8-byte slot per tensor) hands them to every rank, so
+of the files it does not verify a rank reads only the ranges of the dim-0
+pieces it needs (nothing is pooled on a single loading rank).
+`load_balanced` applies to replicated targets only, so under FSDP it
+changes nothing. Requests are counted as the reader makes storage calls
+(`CHECKED_FILE_REQUESTS`; `tests/test_load_balanced.py` checks the counts
+against the real loader).
 
 `--small` asserts only correctness: every element of every tensor is
 written by exactly one rank; every rank's load plan covers exactly the
@@ -82,7 +83,7 @@ import numpy as np
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.commit import commit_iteration
 from ray_resume.checkpoint.digest import block_bounds
-from ray_resume.checkpoint.fetch import balanced_owners, deal_by_size
+from ray_resume.checkpoint.fetch import balanced_owners
 from ray_resume.checkpoint.reader import consecutive_runs
 from ray_resume.checkpoint.plan import DIM0, SPLIT, SavePlan, TensorSpec, dim0_chunk, needed_range, split_replicated, split_specs
 from ray_resume.checkpoint.schema import dumps, file_blocks, parse_json, tensor_specs, validate_metadata
@@ -422,7 +423,7 @@ def lb_owners(meta: dict, new_world: int) -> dict[tuple[str, int], int]:
 
 def dealt_blocks(sizes, world: int, new_world: int, block_size: int) -> dict[str, np.ndarray]:
     """load_balanced in closed form: every checksum block in `fetch.balanced_owners`' order (kinds,
-    then saving ranks, then blocks), with its kind, file, size and the rank `deal_by_size` gives it."""
+    then saving ranks, then blocks), with its kind, file, size and the rank its first byte falls to."""
     kind, file, first, size = [], [], [], []
     for k, name in enumerate(KINDS):
         for r in range(world):
@@ -431,10 +432,11 @@ def dealt_blocks(sizes, world: int, new_world: int, block_size: int) -> dict[str
             file += [k * world + r] * len(blocks)
             first += [i == 0 for i in range(len(blocks))]
             size += [hi - lo for lo, hi in blocks]
-    owner = np.array(deal_by_size(size, new_world), np.int64)
-    file_ids = np.array(file, np.int64)
+    size = np.array(size, np.int64)
+    start = np.cumsum(size) - size
+    owner = np.minimum(new_world - 1, ((start + 1) * new_world - 1) // int(size.sum()))
     run_starts = np.array(first) | np.r_[True, owner[1:] != owner[:-1]]  # a new file, or a new owner
-    return {"kind": np.array(kind), "file": file_ids, "size": np.array(size, np.int64), "owner": owner, "run_start": run_starts}
+    return {"kind": np.array(kind), "file": np.array(file, np.int64), "size": size, "owner": owner, "run_start": run_starts}
 
 
 def read_totals(specs: dict[str, list[TensorSpec]], world: int, new_world: int, sizes, *, fsdp: bool, balanced: bool,
@@ -863,10 +865,6 @@ def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, all_ranks: b
     need = needed_bytes(specs, new_world, fsdp)
     r["read_need_balance"] = balance(need)  # what each rank must end up holding: no read policy does better
     r["read_need_max_rank_bytes"] = int(need.max())
-    if not fsdp:
-        # What load_balanced gave while it dealt whole files (format 2, one sha256 per file).
-        both = [int(x) for kind in KINDS for x in sizes[kind]["size"]]
-        r["read_balance_lb_whole_files"] = balance(np.bincount(deal_by_size(both, new_world), np.array(both, np.float64), new_world))
     return r
 
 
@@ -929,7 +927,6 @@ def table(results: dict) -> str:
             lambda w: ", ".join(f"{g}: {v:.3f}" for g, v in cell(w, "fsdp").get("hsdp_write_balance", {}).items()) or "-"),
         row("read balance max/mean: DDP direct / DDP load_balanced / FSDP2",
             lambda w: f"{ddp(w, 'read_balance_direct'):.3f} / {ddp(w, 'read_balance_lb'):.3f} / {fsdp(w, 'read_balance_direct'):.3f}"),
-        row("(before: load_balanced dealing whole files)", lambda w: f"{ddp(w, 'read_balance_lb_whole_files'):.3f}"),
         row("FSDP2: balance of the bytes each rank needs (the floor for any read policy)",
             lambda w: f"{fsdp(w, 'read_need_balance'):.3f}"),
         row("largest rank read, DDP direct", lambda w: _worst(ddp(w, "read_max_rank_direct"))),

@@ -14,17 +14,16 @@ read from storage is counted.
   0-d steps) come only from the verifiers' reads and reach every rank in
   one all-reduce.
 - `load_balanced: true` (spec 2.2, scenario D; replicated targets only): the
-  checksum blocks of every file of every kind the restore loads are dealt
-  out together by size (largest first, to the least loaded rank); each rank
-  reads and checks its blocks, then every part of a piece is broadcast from
-  the rank that read its block straight into the other ranks' tensors. Each
-  byte comes off storage once in total, and the busiest rank reads at most
-  about one block (4 MiB) more than the mean.
+  checksum blocks of every file of every kind the restore loads are cut into
+  one consecutive run per rank of nearly equal bytes (`balanced_owners`);
+  each rank reads and checks its blocks, then every part of a piece is
+  broadcast from the rank that read its block straight into the other
+  ranks' tensors. Each byte comes off storage once in total, and no rank
+  reads more than one block (4 MiB) above the mean.
 """
 
 from __future__ import annotations
 
-import heapq
 import json
 
 import torch
@@ -82,28 +81,26 @@ def _broadcast_bytes(data: bytes) -> bytes:
     return buf.cpu().numpy().tobytes()
 
 
-def deal_by_size(sizes: list[int], world_size: int) -> list[int]:
-    """Owner rank of each item: largest first to the least-loaded rank (ties to the lowest rank)."""
-    owners = [0] * len(sizes)
-    loads = [(0, rank) for rank in range(world_size)]
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        load, rank = heapq.heappop(loads)
-        owners[index] = rank
-        heapq.heappush(loads, (load + sizes[index], rank))
-    return owners
-
-
 def balanced_owners(metadata: dict, kinds, world_size: int) -> dict[tuple[str, int], int]:
     """load_balanced: (shard file, checksum block) -> the rank that reads it.
 
-    One deal over the blocks of all `kinds`, not one per kind: per kind, the
-    same (lowest) ranks would draw an extra block of each kind whenever the
-    blocks do not divide evenly over the ranks.
+    The checksum blocks of all files of all `kinds`, in order (kind, saving
+    rank, block), are cut into `world_size` consecutive runs as the `split`
+    layout cuts a byte stream: rank k reads the blocks whose first byte lies
+    in [k·T/W, (k+1)·T/W). A rank's bytes are within one block of the mean,
+    and its blocks are a stretch of one or a few files, one streamed read
+    each (dealing blocks one by one would scatter them over hundreds).
+    One cut over all kinds, not one per kind: per kind, the same ranks would
+    draw the extra block of each kind.
     """
     blocks = [(f, i, hi - lo) for kind in kinds for f in shard_files(metadata, kind)
               for i, (lo, hi, _) in enumerate(file_blocks(metadata, f))]
-    owners = deal_by_size([size for _, _, size in blocks], world_size)
-    return {(f, i): owner for (f, i, _), owner in zip(blocks, owners)}
+    total = sum(size for _, _, size in blocks)
+    owners, start = {}, 0
+    for f, i, size in blocks:
+        owners[f, i] = min(world_size - 1, ((start + 1) * world_size - 1) // total)
+        start += size
+    return owners
 
 
 def block_parts(spans, blocks):
@@ -128,7 +125,7 @@ class StateLoader:
     """Loads tensors of one iteration for `rank` of a `world_size` group (see the module doc).
 
     `kinds` are the kinds this restore will load (all the iteration holds by
-    default): load_balanced deals their checksum blocks out in one go.
+    default): load_balanced divides their checksum blocks in one go.
     """
 
     def __init__(self, storage, it: Iteration, rank: int = 0, world_size: int = 1, balanced: bool = False, kinds=None):
