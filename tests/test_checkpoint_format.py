@@ -250,6 +250,15 @@ def _escape(d: Path):
     (d / "metadata.json").write_text(json.dumps(meta))
 
 
+def _meta(edit):
+    """A damage that edits metadata.json's first model shard entry (or the whole object)."""
+    def damage(d: Path):
+        meta = json.loads((d / "metadata.json").read_text())
+        edit(meta, meta["files"]["ckpt-model-0000000-0000002.safetensors"])
+        (d / "metadata.json").write_text(json.dumps(meta))
+    return damage
+
+
 def _status(d: Path):
     common = json.loads((d / "common.json").read_text())
     common["ckpt_status"] = "saving"
@@ -264,6 +273,10 @@ def _status(d: Path):
         (lambda d: (d / "ckpt-opt-0000001-0000002.safetensors").unlink(), "shard listed in metadata.json is missing"),
         (lambda d: (d / "ckpt-opt-0000002-0000003.safetensors").write_bytes(b"x"), "ckpt-opt-0000002-0000003.safetensors: shard file not listed in metadata.json"),
         (_escape, "file name '../../etc/passwd' points outside the iteration directory"),
+        (_meta(lambda m, f: f.update(sha256="ab" * 32)),  # a format-2 entry: one digest for the whole file
+         "files['ckpt-model-0000000-0000002.safetensors']: 'sha256' must list 2 lowercase hex sha256 digests, one per checksum block"),
+        (_meta(lambda m, f: f.update(data_start=f["size"] + 1)), "needs integers 'size' and 'data_start' (8 <= data_start <= size"),
+        (_meta(lambda m, f: m.update(format_version=2)), "format_version 2 is not supported by this ray_resume (it reads version 3)"),
         (_status, "ckpt_status is 'saving', not 'ok'"),
         (lambda d: (d / "common.json").write_text("{not json"), "common.json: not valid JSON"),
         (lambda d: (d / "metadata.json").unlink(), "metadata.json: missing"),
