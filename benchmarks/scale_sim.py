@@ -38,8 +38,9 @@ every checksum block checked, by loading rank s % W' (their verifier).
 Under DDP every rank wants every tensor whole, and of every file it does
 not verify it reads one byte range per piece (no header: metadata.json
 places every piece); with `load_balanced` the checksum blocks of both
-kinds' files are instead cut into one consecutive run per rank
-(`fetch.balanced_owners`), read and checked by their owner and broadcast.
+kinds' files are instead cut into one consecutive run per rank, the
+largest as small as possible (`fetch.balanced_owners`), read and checked
+by their owner and broadcast.
 Under FSDP a rank wants its dim-0 chunk of each `dim0` tensor and the rest
 (the 0-d `step` tensors) whole: those are pooled, i.e. only each file's
 verifier copies them out of the stream it reads anyway and one all-reduce
@@ -83,7 +84,7 @@ import numpy as np
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.commit import commit_iteration
 from ray_resume.checkpoint.digest import block_bounds
-from ray_resume.checkpoint.fetch import balanced_owners
+from ray_resume.checkpoint.fetch import balanced_owners, even_runs
 from ray_resume.checkpoint.reader import consecutive_runs
 from ray_resume.checkpoint.plan import DIM0, SPLIT, SavePlan, TensorSpec, dim0_chunk, needed_range, split_replicated, split_specs
 from ray_resume.checkpoint.schema import dumps, file_blocks, parse_json, tensor_specs, validate_metadata
@@ -423,7 +424,7 @@ def lb_owners(meta: dict, new_world: int) -> dict[tuple[str, int], int]:
 
 def dealt_blocks(sizes, world: int, new_world: int, block_size: int) -> dict[str, np.ndarray]:
     """load_balanced in closed form: every checksum block in `fetch.balanced_owners`' order (kinds,
-    then saving ranks, then blocks), with its kind, file, size and the rank its first byte falls to."""
+    then saving ranks, then blocks), with its kind, file, size and its rank (`fetch.even_runs`)."""
     kind, file, first, size = [], [], [], []
     for k, name in enumerate(KINDS):
         for r in range(world):
@@ -432,9 +433,8 @@ def dealt_blocks(sizes, world: int, new_world: int, block_size: int) -> dict[str
             file += [k * world + r] * len(blocks)
             first += [i == 0 for i in range(len(blocks))]
             size += [hi - lo for lo, hi in blocks]
+    owner = np.array(even_runs(size, new_world), np.int64)
     size = np.array(size, np.int64)
-    start = np.cumsum(size) - size
-    owner = np.minimum(new_world - 1, ((start + 1) * new_world - 1) // int(size.sum()))
     run_starts = np.array(first) | np.r_[True, owner[1:] != owner[:-1]]  # a new file, or a new owner
     return {"kind": np.array(kind), "file": np.array(file, np.int64), "size": size, "owner": owner, "run_start": run_starts}
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+import math
+import random
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks import scale_sim
-from ray_resume.checkpoint.fetch import StateLoader, balanced_owners, open_shared
+from ray_resume.checkpoint.fetch import StateLoader, balanced_owners, even_runs, open_shared
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import CheckpointError, tensor_specs
 from ray_resume.checkpoint.storage import LocalStorage
@@ -69,6 +73,25 @@ def test_load_balanced_reads_each_byte_once_and_loads_the_same_state(tmp_path, b
     for r, report in enumerate(reports):
         assert report["True"]["bits"] == report["False"]["bits"]  # bit-identical state
         assert report["True"]["extras"] == report["False"]["extras"] == {"rank": str(r)}
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_even_runs_is_the_best_cut_into_consecutive_runs(seed):
+    """Against brute force: no cut of the items, in order, into at most W consecutive runs has a
+    smaller largest run than `even_runs`' (and its runs are consecutive, ranks in order)."""
+    rng = random.Random(seed)
+    sizes, world = [rng.randint(1, 50) for _ in range(rng.randint(0, 11))], rng.randint(1, 6)
+    prefix = list(itertools.accumulate(sizes, initial=0))
+
+    @functools.cache
+    def best(i: int, runs: int) -> float:  # smallest largest run for items i.. in `runs` runs
+        if i == len(sizes):
+            return 0
+        return min((max(prefix[j] - prefix[i], best(j, runs - 1)) for j in range(i + 1, len(sizes) + 1)), default=0) if runs else math.inf
+
+    owners = even_runs(sizes, world)
+    assert len(owners) == len(sizes) and owners == sorted(owners) and all(0 <= o < world for o in owners)
+    assert max([sum(s for s, o in zip(sizes, owners) if o == r) for r in range(world)]) == best(0, world)
 
 
 def test_one_cut_over_both_kinds_gives_each_rank_a_consecutive_run_within_a_block_of_the_mean():

@@ -15,15 +15,17 @@ read from storage is counted.
   one all-reduce.
 - `load_balanced: true` (spec 2.2, scenario D; replicated targets only): the
   checksum blocks of every file of every kind the restore loads are cut into
-  one consecutive run per rank of nearly equal bytes (`balanced_owners`);
-  each rank reads and checks its blocks, then every part of a piece is
-  broadcast from the rank that read its block straight into the other
-  ranks' tensors. Each byte comes off storage once in total, and no rank
-  reads more than one block (4 MiB) above the mean.
+  one consecutive run per rank, the largest as small as possible
+  (`balanced_owners`); each rank reads and checks its blocks, then every
+  part of a piece is broadcast from the rank that read its block straight
+  into the other ranks' tensors. Each byte comes off storage once in
+  total, and no rank reads more than one block (4 MiB) above the mean.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 
 import torch
@@ -85,21 +87,48 @@ def balanced_owners(metadata: dict, kinds, world_size: int) -> dict[tuple[str, i
     """load_balanced: (shard file, checksum block) -> the rank that reads it.
 
     The checksum blocks of all files of all `kinds`, in order (kind, saving
-    rank, block), are cut into `world_size` consecutive runs as the `split`
-    layout cuts a byte stream: rank k reads the blocks whose first byte lies
-    in [k·T/W, (k+1)·T/W). A rank's bytes are within one block of the mean,
-    and its blocks are a stretch of one or a few files, one streamed read
-    each (dealing blocks one by one would scatter them over hundreds).
-    One cut over all kinds, not one per kind: per kind, the same ranks would
+    rank, block), are cut into one consecutive run per rank (`even_runs`):
+    a rank reads a stretch of one or a few files, one streamed read each,
+    where dealing blocks one by one would scatter them over hundreds. One
+    cut over all kinds, not one per kind: per kind, the same ranks would
     draw the extra block of each kind.
     """
     blocks = [(f, i, hi - lo) for kind in kinds for f in shard_files(metadata, kind)
               for i, (lo, hi, _) in enumerate(file_blocks(metadata, f))]
-    total = sum(size for _, _, size in blocks)
-    owners, start = {}, 0
-    for f, i, size in blocks:
-        owners[f, i] = min(world_size - 1, ((start + 1) * world_size - 1) // total)
-        start += size
+    owners = even_runs([size for _, _, size in blocks], world_size)
+    return {(f, i): owner for (f, i, _), owner in zip(blocks, owners)}
+
+
+def even_runs(sizes: list[int], world_size: int) -> list[int]:
+    """The rank of each item when the items are cut, in order, into at most `world_size` consecutive
+    runs whose largest total is as small as any such cut allows.
+
+    A binary search on that largest total C, each probe a greedy pass that
+    ends a run where the next item would pass C (bisection on the prefix
+    sums): O(W log n) per probe. Cutting at the even byte marks k·T/W
+    instead can put nearly a whole extra block on a rank, which matters once
+    a rank's share is only a few blocks (1.29× the mean at 98,304 ranks).
+    """
+    prefix = list(itertools.accumulate(sizes, initial=0))
+    total, n, largest = prefix[-1], len(sizes), max(sizes, default=0)
+
+    def run_ends(cap: int) -> list[int] | None:
+        ends, i = [], 0
+        while i < n:
+            j = bisect.bisect_right(prefix, prefix[i] + cap) - 1
+            if j == i or len(ends) == world_size:
+                return None
+            ends.append(j)
+            i = j
+        return ends
+
+    lo, hi = max(-(-total // world_size), largest), -(-total // world_size) + largest  # hi always fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if run_ends(mid) is not None else (mid + 1, hi)
+    owners: list[int] = []
+    for rank, end in enumerate(run_ends(lo)):
+        owners += [rank] * (end - len(owners))
     return owners
 
 
