@@ -18,19 +18,20 @@ For each saving world size W it
   `--all-ranks-upto` ranks);
 - synthesises every rank's manifest as `writer.write_shards` reports it
   (names from `layout.shard_filename`, sizes = the share's data bytes plus
-  the safetensors header, a fake sha256 per 4 MiB checksum block), creates the shard files as sparse
-  files of those sizes in a local temp dir, and runs the driver's real
-  commit (`commit.commit_iteration`: a stat per file, `validate_metadata`,
-  metadata.json / config.yaml / common.json / tracker, each atomic with
-  fsync) through a storage wrapper that counts the calls;
+  the safetensors header, a fake sha256 per 4 MiB checksum block), creates
+  the shard files as sparse files of those sizes in a local temp dir, and
+  runs the driver's real commit (`commit.commit_iteration`: a stat per
+  file, `validate_metadata`, metadata.json / config.yaml / common.json /
+  tracker, each atomic with fsync) through a storage wrapper that counts
+  the calls;
 - times writing and parsing metadata.json, and measures the driver memory
   that holds the manifests;
 - plans the load on W' = 3W/4 ranks with `load_balanced` off and on: one
   rank's plan is `SavePlan.overlaps` over `needed_range` for every tensor
-  (and `fetch.balanced_owners` over the checksum blocks for `load_balanced`), timed;
-  every rank's bytes and requests come from a vectorised form of the same
-  plan that `--small` (and, on sampled ranks, the full run) checks equal to
-  the per-rank plan.
+  (and `fetch.balanced_owners` over the checksum blocks for
+  `load_balanced`), timed; every rank's bytes and requests come from a
+  vectorised form of the same plan that `--small` (and, on sampled ranks,
+  the full run) checks equal to the per-rank plan.
 
 The read policy simulated is the loader's (`fetch.StateLoader.load`, as
 `Checkpointer._load` calls it): the files of saving rank s are read whole,
@@ -40,15 +41,14 @@ not verify it reads one byte range per piece (no header: metadata.json
 places every piece); with `load_balanced` the checksum blocks of both
 kinds' files are instead cut into one consecutive run per rank, the
 largest as small as possible (`fetch.balanced_owners`), read and checked
-by their owner and broadcast.
-Under FSDP a rank wants its dim-0 chunk of each `dim0` tensor and the rest
-(the 0-d `step` tensors) whole: those are pooled, i.e. only each file's
-verifier copies them out of the stream it reads anyway and one all-reduce
-of the packed bytes (8-byte slot per tensor) hands them to every rank, so
-of the files it does not verify a rank reads only the ranges of the dim-0
-pieces it needs (nothing is pooled on a single loading rank).
-`load_balanced` applies to replicated targets only, so under FSDP it
-changes nothing. Requests are counted as the reader makes storage calls
+by their owner and broadcast. Under FSDP a rank wants its dim-0 chunk of
+each `dim0` tensor and the rest (the 0-d `step` tensors) whole: those are
+pooled, i.e. only each file's verifier copies them out of the stream it
+reads anyway and one all-reduce of the packed bytes (8-byte slot per
+tensor) hands them to every rank, so of the files it does not verify a
+rank reads only the ranges of the dim-0 pieces it needs (nothing is
+pooled on a single loading rank). `load_balanced` applies to replicated
+targets only, so under FSDP it changes nothing. Requests are counted as the reader makes storage calls
 (`CHECKED_FILE_REQUESTS`; `tests/test_load_balanced.py` checks the counts
 against the real loader).
 

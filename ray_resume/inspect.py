@@ -252,7 +252,7 @@ def cmd_verify(args) -> int:
                          for n, f in result["files"].items()], right={2, 3, 4}))
         if result["ok"]:
             total = sum(f["size"] for f in result["files"].values())
-            print(f"OK: {label}: {len(result['files'])} files, {human_size(total)}, sizes and sha256 match metadata.json, no extra shards")
+            print(f"OK: {label}: {len(result['files'])} files, {human_size(total)}, sizes and block sha256s match metadata.json, no extra shards")
         else:
             print(f"FAILED: {label}:")
             for problem in result["problems"]:
