@@ -39,9 +39,10 @@ every checksum block checked, by loading rank s % W' (their verifier).
 Under DDP every rank wants every tensor whole, and of every file it does
 not verify it reads one byte range per piece (no header: metadata.json
 places every piece); with `load_balanced` the checksum blocks of both
-kinds' files are instead cut into one consecutive run per rank, the
-largest as small as possible (`fetch.balanced_owners`), read and checked
-by their owner and broadcast. Under FSDP a rank wants its dim-0 chunk of
+kinds' files are instead divided between the ranks
+(`fetch.balanced_owners`: consecutive runs, or single blocks when a
+rank's share is under 10 blocks), read and checked by their owner and
+broadcast. Under FSDP a rank wants its dim-0 chunk of
 each `dim0` tensor and the rest (the 0-d `step` tensors) whole: those are
 pooled, i.e. only each file's verifier copies them out of the stream it
 reads anyway and one all-reduce of the packed bytes (8-byte slot per
@@ -84,7 +85,7 @@ import numpy as np
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.commit import commit_iteration
 from ray_resume.checkpoint.digest import block_bounds
-from ray_resume.checkpoint.fetch import balanced_owners, even_runs
+from ray_resume.checkpoint.fetch import balanced_owners, divide_blocks
 from ray_resume.checkpoint.reader import consecutive_runs
 from ray_resume.checkpoint.plan import DIM0, SPLIT, SavePlan, TensorSpec, dim0_chunk, needed_range, split_replicated, split_specs
 from ray_resume.checkpoint.schema import dumps, file_blocks, parse_json, tensor_specs, validate_metadata
@@ -424,7 +425,7 @@ def lb_owners(meta: dict, new_world: int) -> dict[tuple[str, int], int]:
 
 def dealt_blocks(sizes, world: int, new_world: int, block_size: int) -> dict[str, np.ndarray]:
     """load_balanced in closed form: every checksum block in `fetch.balanced_owners`' order (kinds,
-    then saving ranks, then blocks), with its kind, file, size and its rank (`fetch.even_runs`)."""
+    then saving ranks, then blocks), with its kind, file, size and its rank (`fetch.divide_blocks`)."""
     kind, file, first, size = [], [], [], []
     for k, name in enumerate(KINDS):
         for r in range(world):
@@ -433,7 +434,7 @@ def dealt_blocks(sizes, world: int, new_world: int, block_size: int) -> dict[str
             file += [k * world + r] * len(blocks)
             first += [i == 0 for i in range(len(blocks))]
             size += [hi - lo for lo, hi in blocks]
-    owner = np.array(even_runs(size, new_world), np.int64)
+    owner = np.array(divide_blocks(size, new_world), np.int64)
     size = np.array(size, np.int64)
     run_starts = np.array(first) | np.r_[True, owner[1:] != owner[:-1]]  # a new file, or a new owner
     return {"kind": np.array(kind), "file": np.array(file, np.int64), "size": size, "owner": owner, "run_start": run_starts}
@@ -619,8 +620,9 @@ def check_vectorised_writes(specs: dict[str, list[TensorSpec]], world: int, size
                 f"vectorised write totals differ from SavePlan.share at rank {rank} of {world} ({shard.kind})"
 
 
-# Small mode's checksum block: the tiny decoder's files then hold 1 to ~100 blocks each.
-SMALL_BLOCK = 1024
+# Small mode's checksum block: the tiny decoder's files hold 1 to ~500 blocks each, and
+# load_balanced meets both of `fetch.divide_blocks`' cases (runs at few ranks, a deal at many).
+SMALL_BLOCK = 4096
 
 
 def check_small(tmp: str) -> dict:

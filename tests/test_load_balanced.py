@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks import scale_sim
-from ray_resume.checkpoint.fetch import StateLoader, balanced_owners, even_runs, open_shared
+from ray_resume.checkpoint.fetch import StateLoader, balanced_owners, deal_by_size, divide_blocks, even_runs, open_shared, owned_parts
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import CheckpointError, tensor_specs
 from ray_resume.checkpoint.storage import LocalStorage
@@ -75,41 +75,66 @@ def test_load_balanced_reads_each_byte_once_and_loads_the_same_state(tmp_path, b
         assert report["True"]["extras"] == report["False"]["extras"] == {"rank": str(r)}
 
 
-@pytest.mark.parametrize("seed", range(200))
-def test_even_runs_is_the_best_cut_into_consecutive_runs(seed):
-    """Against brute force: no cut of the items, in order, into at most W consecutive runs has a
-    smaller largest run than `even_runs`' (and its runs are consecutive, ranks in order)."""
-    rng = random.Random(seed)
-    sizes, world = [rng.randint(1, 50) for _ in range(rng.randint(0, 11))], rng.randint(1, 6)
-    prefix = list(itertools.accumulate(sizes, initial=0))
+def test_even_runs_is_the_best_cut_into_consecutive_runs():
+    """Against brute force, on 300 random cases: no cut of the items, in order, into at most W
+    consecutive runs has a smaller largest run than `even_runs`' (whose runs are consecutive,
+    ranks in order)."""
+    rng = random.Random(0)
+    for _ in range(300):
+        sizes, world = [rng.randint(1, 50) for _ in range(rng.randint(0, 11))], rng.randint(1, 6)
+        prefix = list(itertools.accumulate(sizes, initial=0))
 
-    @functools.cache
-    def best(i: int, runs: int) -> float:  # smallest largest run for items i.. in `runs` runs
-        if i == len(sizes):
-            return 0
-        return min((max(prefix[j] - prefix[i], best(j, runs - 1)) for j in range(i + 1, len(sizes) + 1)), default=0) if runs else math.inf
+        @functools.cache
+        def best(i: int, runs: int) -> float:  # smallest largest run for items i.. in `runs` runs
+            if i == len(sizes):
+                return 0
+            return min(max(prefix[j] - prefix[i], best(j, runs - 1)) for j in range(i + 1, len(sizes) + 1)) if runs else math.inf
 
-    owners = even_runs(sizes, world)
-    assert len(owners) == len(sizes) and owners == sorted(owners) and all(0 <= o < world for o in owners)
-    assert max([sum(s for s, o in zip(sizes, owners) if o == r) for r in range(world)]) == best(0, world)
+        owners = even_runs(sizes, world)
+        assert len(owners) == len(sizes) and owners == sorted(owners) and all(0 <= o < world for o in owners)
+        assert max([sum(s for s, o in zip(sizes, owners) if o == r) for r in range(world)]) == best(0, world), (sizes, world)
 
 
 def test_one_cut_over_both_kinds_gives_each_rank_a_consecutive_run_within_a_block_of_the_mean():
-    """4 saving ranks loaded by 3, each file a header block and one data block. One cut over the
-    blocks of both kinds, in order: 400 bytes each, every rank's blocks consecutive (the 4 model
-    files; 2 opt files; 2 opt files). Cut per kind, the first ranks would take an extra block of each."""
-    files = {f"ckpt-{kind}-{r:07d}-0000004.safetensors": {"size": size, "data_start": 8, "sha256": ["0" * 64] * 2}
+    """4 saving ranks loaded by 3, files of 100 and 200 bytes in 10-byte blocks (a share of 40
+    blocks). One cut over the blocks of both kinds, in order: 400 bytes each, every rank's blocks
+    consecutive (the 4 model files; 2 opt files; 2 opt files). Cut per kind, the first ranks
+    would take an extra block of each."""
+    def blocks(size: int) -> int:
+        return 1 + -(-(size - 8) // 10)
+
+    files = {f"ckpt-{kind}-{r:07d}-0000004.safetensors": {"size": size, "data_start": 8, "sha256": ["0" * 64] * blocks(size)}
              for kind, size in (("model", 100), ("opt", 200)) for r in range(4)}
-    meta = {"world_size": 4, "prefix": "ckpt", "block_size": 1 << 20, "files": files}
+    meta = {"world_size": 4, "prefix": "ckpt", "block_size": 10, "files": files}
     owners = balanced_owners(meta, ("model", "opt"), 3)
-    order = [(f"ckpt-{kind}-{r:07d}-0000004.safetensors", i) for kind in ("model", "opt") for r in range(4) for i in (0, 1)]
+    order = [(f"ckpt-{kind}-{r:07d}-0000004.safetensors", i) for kind, size in (("model", 100), ("opt", 200))
+             for r in range(4) for i in range(blocks(size))]
     assert list(owners) == order
     assert [owners[u] for u in order] == sorted(owners[u] for u in order)  # consecutive runs, rank by rank
-    sizes = {(f, i): (8 if i == 0 else files[f]["size"] - 8) for f, i in owners}
+    sizes = {(f, i): (8 if i == 0 else min(10, files[f]["size"] - 8 - 10 * (i - 1))) for f, i in owners}
     assert [sum(sizes[u] for u, o in owners.items() if o == r) for r in range(3)] == [400, 400, 400]
     assert {f for (f, _), o in owners.items() if o == 0} == {f for f in files if "-model-" in f}
     model_only = balanced_owners(meta, ("model",), 3)
     assert sorted({f for f, _ in model_only}) == [f for f in sorted(files) if "-model-" in f]  # a weights-only load divides only what it reads
+
+
+def test_a_share_of_few_blocks_is_dealt_block_by_block():
+    """Under 10 blocks per rank (~100k ranks), runs would leave most of a block of slack on a rank;
+    blocks are dealt largest first to the least loaded rank instead."""
+    assert divide_blocks([5, 5, 5, 5], 2) == deal_by_size([5, 5, 5, 5], 2) == [0, 1, 0, 1]
+    owners = deal_by_size([100, 1, 1, 1, 97], 2)
+    assert sorted(sum(s for s, o in zip([100, 1, 1, 1, 97], owners) if o == r) for r in range(2)) == [100, 100]
+    many = [4] * 200  # 100 blocks per rank: consecutive runs
+    assert divide_blocks(many, 2) == even_runs(many, 2) == [0] * 100 + [1] * 100
+
+
+def test_each_broadcast_is_a_longest_part_one_rank_read():
+    """A requested span over blocks 0-3 read by ranks 0, 0, 1, 1 goes out in two broadcasts, not four."""
+    blocks = [(0, 10, ""), (10, 20, ""), (20, 30, ""), (30, 40, "")]
+    owner = [0, 0, 1, 1]
+    assert list(owned_parts([(5, 35, "r")], blocks, owner.__getitem__)) == [("r", 5, 5, 20, 0), ("r", 5, 20, 35, 1)]
+    assert list(owned_parts([(0, 8, "a"), (12, 40, "b")], blocks, owner.__getitem__)) == \
+        [("a", 0, 0, 8, 0), ("b", 12, 12, 20, 0), ("b", 12, 20, 40, 1)]
 
 
 class _SeekCounting:

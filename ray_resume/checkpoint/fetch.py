@@ -14,9 +14,10 @@ read from storage is counted.
   0-d steps) come only from the verifiers' reads and reach every rank in
   one all-reduce.
 - `load_balanced: true` (spec 2.2, scenario D; replicated targets only): the
-  checksum blocks of every file of every kind the restore loads are cut into
-  one consecutive run per rank, the largest as small as possible
-  (`balanced_owners`); each rank reads and checks its blocks, then every
+  checksum blocks of every file of every kind the restore loads are
+  divided between the ranks (`divide_blocks`: one consecutive run per
+  rank, the largest as small as possible, or at ~100k ranks single blocks
+  dealt largest first); each rank reads and checks its blocks, then every
   part of a piece is broadcast from the rank that read its block straight
   into the other ranks' tensors. Each byte comes off storage once in
   total, and no rank reads more than one block (4 MiB) above the mean.
@@ -25,6 +26,7 @@ read from storage is counted.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import json
 
@@ -84,19 +86,47 @@ def _broadcast_bytes(data: bytes) -> bytes:
 
 
 def balanced_owners(metadata: dict, kinds, world_size: int) -> dict[tuple[str, int], int]:
-    """load_balanced: (shard file, checksum block) -> the rank that reads it.
+    """load_balanced: (shard file, checksum block) -> the rank that reads it (`divide_blocks`).
 
     The checksum blocks of all files of all `kinds`, in order (kind, saving
-    rank, block), are cut into one consecutive run per rank (`even_runs`):
-    a rank reads a stretch of one or a few files, one streamed read each,
-    where dealing blocks one by one would scatter them over hundreds. One
-    cut over all kinds, not one per kind: per kind, the same ranks would
-    draw the extra block of each kind.
+    rank, block), are divided in one go, not kind by kind: per kind, the
+    same ranks would draw the extra block of each kind.
     """
     blocks = [(f, i, hi - lo) for kind in kinds for f in shard_files(metadata, kind)
               for i, (lo, hi, _) in enumerate(file_blocks(metadata, f))]
-    owners = even_runs([size for _, _, size in blocks], world_size)
+    owners = divide_blocks([size for _, _, size in blocks], world_size)
     return {(f, i): owner for (f, i, _), owner in zip(blocks, owners)}
+
+
+# A rank whose share is at least this many blocks reads one consecutive run of them.
+RUN_BLOCKS = 10
+
+
+def divide_blocks(sizes: list[int], world_size: int) -> list[int]:
+    """The rank that reads each checksum block (sizes in file order).
+
+    A share of at least RUN_BLOCKS blocks: one consecutive run per rank
+    (`even_runs`), a stretch of one or a few files read with one request
+    each; the half block of slack a run leaves is then at most 5% of it.
+    A smaller share (~100k ranks): blocks dealt one by one, largest first
+    (`deal_by_size`); a rank then reads fewer than RUN_BLOCKS blocks
+    however scattered, and a run's slack would be a large part of its share
+    (1.28x the mean at 98,304 ranks, against 1.05).
+    """
+    if sum(sizes) >= RUN_BLOCKS * world_size * max(sizes, default=0):
+        return even_runs(sizes, world_size)
+    return deal_by_size(sizes, world_size)
+
+
+def deal_by_size(sizes: list[int], world_size: int) -> list[int]:
+    """Owner rank of each item: largest first to the least-loaded rank (ties to the lowest rank)."""
+    owners = [0] * len(sizes)
+    loads = [(0, rank) for rank in range(world_size)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[index] = rank
+        heapq.heappush(loads, (load + sizes[index], rank))
+    return owners
 
 
 def even_runs(sizes: list[int], world_size: int) -> list[int]:
@@ -106,8 +136,7 @@ def even_runs(sizes: list[int], world_size: int) -> list[int]:
     A binary search on that largest total C, each probe a greedy pass that
     ends a run where the next item would pass C (bisection on the prefix
     sums): O(W log n) per probe. Cutting at the even byte marks k·T/W
-    instead can put nearly a whole extra block on a rank, which matters once
-    a rank's share is only a few blocks (1.29× the mean at 98,304 ranks).
+    instead can put nearly a whole extra block on a rank.
     """
     prefix = list(itertools.accumulate(sizes, initial=0))
     total, n, largest = prefix[-1], len(sizes), max(sizes, default=0)
@@ -132,11 +161,13 @@ def even_runs(sizes: list[int], world_size: int) -> list[int]:
     return owners
 
 
-def block_parts(spans, blocks):
-    """(block index, request, span's first byte, part's first byte, part's end byte) for each part
-    of a requested span that lies in one checksum block.
+def owned_parts(spans, blocks, owner_of):
+    """(request, span's first byte, part's first byte, part's end byte, owner) for each longest part
+    of a requested span whose checksum blocks one rank reads: one broadcast each (a broadcast per
+    block costs ~25% of a 2-rank load over gloo).
 
-    `spans` are `ShardReader.spans`, `blocks` `file_blocks`; both sorted by position.
+    `spans` are `ShardReader.spans`, `blocks` `file_blocks`, both sorted by position;
+    `owner_of(i)` is the rank that reads block i.
     """
     i = 0
     for first, last, r in spans:
@@ -144,9 +175,12 @@ def block_parts(spans, blocks):
             continue
         while blocks[i][1] <= first:
             i += 1
-        j = i
+        j, lo = i, first
         while j < len(blocks) and blocks[j][0] < last:
-            yield j, r, first, max(first, blocks[j][0]), min(last, blocks[j][1])
+            if j + 1 == len(blocks) or blocks[j + 1][0] >= last or owner_of(j + 1) != owner_of(j):
+                end = min(last, blocks[j][1])
+                yield r, first, lo, end, owner_of(j)
+                lo = end
             j += 1
 
 
@@ -212,8 +246,8 @@ class StateLoader:
         if balanced:
             for file in files:
                 spans = self.reader.spans(file, reads.get(file, []))
-                for block, r, first, lo, hi in block_parts(spans, file_blocks(self.it.metadata, file)):
-                    self._broadcast(r.dest.view(torch.uint8)[lo - first : hi - first], dealt[file, block])
+                for r, first, lo, hi, owner in owned_parts(spans, file_blocks(self.it.metadata, file), lambda i: dealt[file, i]):
+                    self._broadcast(r.dest.view(torch.uint8)[lo - first : hi - first], owner)
         if pooled:
             # Each pooled byte was copied by exactly one rank (its file's verifier), zeros
             # elsewhere: an integer sum gives every rank the exact bytes.
