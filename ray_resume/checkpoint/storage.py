@@ -20,7 +20,6 @@ from collections.abc import Iterable
 
 import pyarrow.fs as pafs
 
-
 # Streamed reads (verification, whole-shard loads) hold one block at a time.
 READ_BLOCK = 8 << 20
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from . import layout
-from .plan import DIM0, SPLIT, Piece, SavePlan, TensorSpec
 from .digest import BlockSha256, block_bounds
+from .plan import DIM0, SPLIT, Piece, SavePlan, TensorSpec
 from .schema import DTYPE_TAGS, DTYPES
 from .state import dim0_sharded, local_tensor
 from .storage import LocalStorage
@@ -38,9 +38,9 @@ logger = logging.getLogger(__name__)
 
 RANK_EXTRAS_KEY = "rank_extras"
 
-# Bytes per checksum block of a shard's data section (digest.block_bounds). The
-# unit load_balanced deals and a reader verifies on its own; each costs ~70 bytes
-# of metadata.json (16 MB for a 1 TB checkpoint).
+# Bytes per checksum block of a shard's data section (digest.block_bounds): the
+# unit a reader checks on its own and load_balanced divides between ranks. Each
+# costs ~70 bytes of metadata.json (16 MB for a 1 TB checkpoint).
 CHECKSUM_BLOCK = 4 << 20
 
 # safetensors orders a file's tensors by dtype, largest first (the order of its
