@@ -5,8 +5,8 @@ every checksum block, headers, no extra shards). If it fails, or the
 tracker itself is missing or garbled while iterations exist, the newest
 older iteration that verifies is used, loudly, and a damaged tracked
 iteration is renamed aside (never deleted) so the next start does not trip
-over it again. `checkpoint.fallback: false` turns this
-into an error that lists the iterations that do verify.
+over it again. `checkpoint.fallback: false` turns this into an error that
+lists the iterations that do verify.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def owned_parts(spans, blocks, owner_of):
     of a requested span whose checksum blocks one rank reads: one broadcast each (a broadcast per
     block costs ~25% of a 2-rank load over gloo).
 
-    `spans` are `ShardReader.spans`, `blocks` `file_blocks`, both sorted by position;
+    `spans` are `ShardReader.spans`, `blocks` `ShardReader.blocks`, both sorted by position;
     `owner_of(i)` is the rank that reads block i.
     """
     i = 0
@@ -246,7 +246,7 @@ class StateLoader:
         if balanced:
             for file in files:
                 spans = self.reader.spans(file, reads.get(file, []))
-                for r, first, lo, hi, owner in owned_parts(spans, file_blocks(self.it.metadata, file), lambda i: dealt[file, i]):
+                for r, first, lo, hi, owner in owned_parts(spans, self.reader.blocks(file), lambda i: dealt[file, i]):
                     self._broadcast(r.dest.view(torch.uint8)[lo - first : hi - first], owner)
         if pooled:
             # Each pooled byte was copied by exactly one rank (its file's verifier), zeros

@@ -83,7 +83,7 @@ def read_verified(storage: LocalStorage, it: Iteration, names: list[str]) -> dic
     for name in names:
         reader.check_size(name)
         out[name] = storage.read_bytes(reader.path(name))
-        for index, (lo, hi, _) in enumerate(file_blocks(it.metadata, name)):
+        for index, (lo, hi, _) in enumerate(reader.blocks(name)):
             reader.check_block(name, index, hashlib.sha256(out[name][lo:hi]).hexdigest())
         reader.check_header(name, out[name][: it.metadata["files"][name]["data_start"]])
     return out
@@ -130,6 +130,7 @@ class ShardReader:
         self._headers: dict[str, dict] = {}
         self._plans: dict[str, SavePlan] = {}
         self._layouts: dict[str, dict[str, Entry]] = {}
+        self._blocks: dict[str, list[tuple[int, int, str]]] = {}
 
     def path(self, file: str) -> str:
         return layout.join(self.it.path, file)
@@ -192,8 +193,14 @@ class ShardReader:
         self._headers[file] = header
         return header
 
+    def blocks(self, file: str) -> list[tuple[int, int, str]]:
+        """(first byte, end byte, sha256) of each checksum block of `file` (`schema.file_blocks`, cached)."""
+        if file not in self._blocks:
+            self._blocks[file] = file_blocks(self.it.metadata, file)
+        return self._blocks[file]
+
     def check_block(self, file: str, index: int, hexdigest: str) -> None:
-        lo, hi, expected = file_blocks(self.it.metadata, file)[index]
+        lo, hi, expected = self.blocks(file)[index]
         if hexdigest != expected:
             raise CheckpointError(f"{self.path(file)}: sha256 does not match metadata.json (checksum block {index}, bytes {lo}-{hi}); "
                                   "the shard is corrupt")
@@ -206,7 +213,7 @@ class ShardReader:
         pass through scratch buffers.
         """
         self.check_size(file)
-        checksums = file_blocks(self.it.metadata, file)
+        checksums = self.blocks(file)
         spans, scratch = self.spans(file, requests), _ScratchBlocks()
         with self.storage.open_read(self.path(file)) as f:
             for run in consecutive_runs(range(len(checksums)) if blocks is None else sorted(blocks)):
