@@ -58,7 +58,7 @@ def test_load_balanced_reads_each_byte_once_and_loads_the_same_state(tmp_path, b
     mp.spawn(_load, args=(str(tmp_path / "root"), init, str(tmp_path)), nprocs=WORLD, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     meta = open_iteration(LocalStorage(), str(tmp_path / "root"), 5).metadata
-    files = {f: info for f, info in meta["files"].items()}
+    files = meta["files"]
     total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     assert total == sum(info["size"] for info in files.values())
     direct = [sum(info["size"] if info["rank"] % WORLD == r else info["size"] - info["data_start"] for info in files.values())
