@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -25,13 +26,13 @@ from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .checkpoint import layout
-from .checkpoint.commit import CheckpointCoordinator
 from .checkpoint.fallback import select_iteration
 from .checkpoint.lease import Lease
 from .checkpoint.reader import find_committed, is_export, open_iteration
 from .checkpoint.schema import CheckpointError
 from .checkpoint.storage import storage_for
 from .config import Config, ConfigError, load_config
+from .controller import JobControllerActor
 from .data import DataError, ensure_dataset, scan_units
 from . import parallel
 from .plugins import make_model, resolve
@@ -103,12 +104,12 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
         raise
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # On the driver's node: the commit must run where the driver does (it dies with it).
-    coordinator = CheckpointCoordinator.options(scheduling_strategy=here).remote(
+    controller = JobControllerActor.options(scheduling_strategy=here).remote(
         cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid()
     )
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"config": cfg.to_dict(), "coordinator": coordinator, "load": load, "job_id": job_id, "plugins": plugins},
+        train_loop_config={"config": cfg.to_dict(), "controller": controller, "load": load, "job_id": job_id, "plugins": plugins},
         scaling_config=scaling_config(cfg.scaling),
         run_config=ray.train.RunConfig(
             name=f"{cfg.name}-{job_id}",
@@ -117,12 +118,12 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
     )
     error = None
     try:
-        with stop_on_sigterm(coordinator, cfg.name):
+        with stop_on_sigterm(controller, cfg.name):
             trainer.fit()
     except Exception as exc:  # Ray wraps worker errors; report them, keep what was committed
         error = exc
-    outcome = ray.get(coordinator.result.remote())
-    ray.get(coordinator.release.remote())
+    outcome = ray.get(controller.result.remote())
+    ray.get(controller.release.remote())
     committed = outcome["committed"]
     path = layout.iteration_dir(cfg.checkpoint.save_path, committed) if committed is not None else None
     if error is None and outcome["metrics"].get("stopped"):
@@ -134,7 +135,7 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
 
 
 @contextlib.contextmanager
-def stop_on_sigterm(coordinator, name: str):
+def stop_on_sigterm(controller, name: str):
     """SIGTERM (a preemption notice, `kill`, a scheduler's grace period) becomes a clean stop:
     the ranks save and commit at the next step boundary and the run returns."""
     if threading.current_thread() is not threading.main_thread():
@@ -143,7 +144,7 @@ def stop_on_sigterm(coordinator, name: str):
 
     def on_sigterm(signum, frame):
         logger.warning("[%s] SIGTERM: saving a checkpoint at the next step boundary, then stopping", name)
-        coordinator.request_stop.remote()
+        controller.request_stop.remote()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
@@ -242,9 +243,29 @@ def init_ray(address: str | None, cfg: Config) -> None:
     if address:
         ray.init(address=address)
     else:
-        # "local": a new Ray of our own, never a stale `ray start` cluster file.
         # Room for the training workers plus the Ray Data read tasks beside them.
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers + 2), include_dashboard=False)
+        init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers + 2))
+
+
+def init_local_ray(**options) -> str:
+    """Start a new Ray of our own (never a stale `ray start` cluster) with its dashboard on a
+    free loopback port; returns the dashboard's URL.
+
+    Ray Train v2's placement-group cleaner asks the state API, which the dashboard serves,
+    whether the controller is alive, and `fit()` returns only once that call is done or 12 s
+    have passed. Without a dashboard, or when the state API finds another Ray (the
+    `/tmp/ray/ray_current_cluster` file a `ray start` leaves behind, a second Ray on the
+    host), each call hangs 10-40 s: every job ended 12 s late and logged "Failed to query
+    Ray Train Controller actor state". RAY_API_SERVER_ADDRESS sends the state API of every
+    process of this job to our own dashboard.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
+             runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": url}}, **options)
+    return url
 
 
 if __name__ == "__main__":

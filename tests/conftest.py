@@ -13,7 +13,7 @@ import ray
 
 from ray_resume.checkpoint import layout
 from ray_resume.config import Config
-from ray_resume.run import run
+from ray_resume.run import init_local_ray, run
 from ray_resume.metrics import read_metrics  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ def ray_cluster():
     """A local Ray with room for 2 training workers and the Ray Data readers beside them."""
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=4, object_store_memory=300 * 1024**2, include_dashboard=False)
+        init_local_ray(num_cpus=4, object_store_memory=300 * 1024**2)
     yield
     if started:
         ray.shutdown()
