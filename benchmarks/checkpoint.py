@@ -8,7 +8,7 @@ Setup: 2 plain Ray actors (one CPU each) joined by a gloo process group on
 loopback, each holding the same real `ray_resume.model.GPT` and AdamW state
 (one optimizer step taken, so exp_avg/exp_avg_sq exist), writing to a local
 temp dir. Our saves go through the real `Checkpointer.maybe_save` and a real
-driver-side `CheckpointCoordinator` (so a save is timed up to its commit);
+driver-side `JobController` (so a save is timed up to its commit);
 our loads through the real `Checkpointer.restore` (fetch.StateLoader, which
 streams shard bytes into the rank's tensors), with and without load_balanced. Every number is the
 slowest rank's, measured after a barrier, and the median over `--repeats` rounds in which every
@@ -356,13 +356,13 @@ def _rounds(repeats: int, phases: dict) -> None:
 
 
 def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: int = 1) -> dict:
-    from ray_resume.checkpoint.commit import CheckpointCoordinator
+    from ray_resume.controller import JobControllerActor
     from ray_resume.config import Config
 
     root = tempfile.mkdtemp(prefix=f"ckpt-bench-{size}-", dir=base)
     cfg = Config.from_dict(_config(root, size))
     os.makedirs(cfg.checkpoint.save_path)
-    coordinator = CheckpointCoordinator.remote(cfg.checkpoint.save_path, f"bench-{size}", cfg.to_dict(), os.getpid())
+    coordinator = JobControllerActor.remote(cfg.checkpoint.save_path, f"bench-{size}", cfg.to_dict(), os.getpid())
     ray.get(coordinator.start_attempt.remote())  # attempt 0
     coordinators = [coordinator]
     port = _free_port()
@@ -453,7 +453,7 @@ def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: 
                     train_root = os.path.join(root, f"train-{mode}-{round_}")
                     train_cfg = Config.from_dict(_config(train_root, size))
                     os.makedirs(train_cfg.checkpoint.save_path)
-                    coordinators.append(CheckpointCoordinator.remote(train_cfg.checkpoint.save_path, f"bench-{size}-{mode}",
+                    coordinators.append(JobControllerActor.remote(train_cfg.checkpoint.save_path, f"bench-{size}-{mode}",
                                                                      train_cfg.to_dict(), os.getpid()))
                     ray.get(coordinators[-1].start_attempt.remote())
                     res = _all(workers, "train", steps, every, mode, train_root, coordinators[-1])

@@ -2,7 +2,7 @@
 
 Ray Train runs `train_func` on every rank. After a worker loss Ray restarts
 the whole group and this function runs again from the top; what it resumes
-comes from the driver-side coordinator, which remembers what this job has
+comes from the job's controller on the driver, which remembers what this job has
 committed, so a restart continues from the newest committed iteration even
 when the first start had no `load_path`.
 """
@@ -23,6 +23,7 @@ from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.fetch import collective_device
 from .checkpoint.state import seed_everything
 from .config import Config
+from .controller import call
 from .data import SampleStream
 from .faults import FaultInjector
 from .metrics import MetricsWriter
@@ -33,20 +34,33 @@ logger = logging.getLogger(__name__)
 
 
 def train_func(args: dict) -> None:
+    """Ray Train's entry point on every rank: Ray's context, device and data reader around `train_worker`."""
     cfg = Config.from_dict(args["config"])
-    coordinator = args["coordinator"]
     ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    train_worker(
+        cfg, args["controller"], ctx.get_world_rank(), ctx.get_world_size(),
+        ray.train.torch.get_device(),  # cuda:N with use_gpu (NCCL), else cpu (gloo)
+        plugins=args["plugins"], load=args.get("load"), job_id=args["job_id"], stream=SampleStream,
+        preempted=lambda: ray.train.get_preemption_info() is not None,
+    )
+
+
+def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plugins, load, job_id: str,
+                 stream=SampleStream, preempted=lambda: False) -> None:
+    """Restore, loop, maybe save: one rank's whole run, in an initialised process group.
+
+    `controller` is the job's controller (reached through `controller.call`),
+    `stream` makes the data stream (SampleStream's signature), `preempted()`
+    says whether the platform announced a preemption.
+    """
     torch.set_num_threads(1)  # deterministic and fair on small CPU hosts
     train = cfg.training
 
-    attempt, resume_step = _agree_on_attempt(coordinator, rank, collective_device())
-    faults = FaultInjector(cfg.fault, rank, lambda: ray.get(coordinator.claim_fault.remote()))
-    checkpointer = Checkpointer(cfg, coordinator, rank, world, attempt, faults)
+    attempt, resume_step = _agree_on_attempt(controller, rank, collective_device())
+    faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
+    checkpointer = Checkpointer(cfg, controller, rank, world, attempt, faults)
 
     seed_everything(train.seed)  # identical initial weights on every rank
-    plugins = args["plugins"]
-    device = ray.train.torch.get_device()  # cuda:N with use_gpu (NCCL), else cpu (gloo)
     model = parallel.wrap(make_model(plugins, cfg).to(device), train.strategy, cfg.model.fsdp_units, device, world)
     optimizer = MainParamsOptimizer(model, lr=train.lr, weight_decay=train.weight_decay)
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
@@ -54,14 +68,14 @@ def train_func(args: dict) -> None:
     if resume_step is not None:  # a restart within this job: its own newest commit
         source, full = (cfg.checkpoint.save_path, resume_step), True
     else:
-        source, full = args.get("load"), not cfg.checkpoint.no_load_optim
+        source, full = load, not cfg.checkpoint.no_load_optim
     resume = checkpointer.restore(model, optimizer, source, full=full)
-    stream = SampleStream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
-                          resume.consumed_samples, columns=cfg.data.columns or None)
-    progress = Progress(cfg, rank, attempt, args["job_id"], coordinator)
+    samples = stream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
+                     resume.consumed_samples, columns=cfg.data.columns or None)
+    progress = Progress(cfg, rank, attempt, job_id, controller)
     progress.resumed(resume, world, attempt)
 
-    batches = iter(stream)
+    batches = iter(samples)
     accumulation = train.accumulation_steps(world)
     for step in range(resume.global_step + 1, train.train_steps + 1):
         batch = next(batches)
@@ -69,14 +83,14 @@ def train_func(args: dict) -> None:
             group["lr"] = learning_rate(train, step)
         loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world, device)
         faults.maybe_kill("after_optimizer_step", step)
-        consumed = stream.position
-        stop = step < train.train_steps and _agree_to_stop(coordinator, rank, check_ray_notice=step % train.log_every == 0)
+        consumed = samples.position
+        stop = step < train.train_steps and _agree_to_stop(controller, rank, preempted if step % train.log_every == 0 else None)
         saved = checkpointer.maybe_save(step, model, optimizer, force=stop, common={
             "global_step": step,
             "global_batch_size": train.global_batch_size,
             "consumed_samples": consumed,
-            "epoch_num": consumed // stream.num_samples,
-            "step_num": (consumed % stream.num_samples) // train.global_batch_size,
+            "epoch_num": consumed // samples.num_samples,
+            "step_num": (consumed % samples.num_samples) // train.global_batch_size,
             **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
         })
         progress.step(step, loss, batch["sample_id"], saved, checkpointer.last_stall_s if saved else None)
@@ -88,7 +102,7 @@ def train_func(args: dict) -> None:
     if checkpointer.stalls:
         progress._record({"event": "save_wait", "step": train.train_steps, "save_stall_s": final_wait}, flush=True)
     if rank == 0:
-        ray.get(coordinator.finish.remote(progress.last))
+        call(controller, "finish", progress.last)
 
 
 def learning_rate(train, step: int) -> float:
@@ -116,23 +130,23 @@ def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumul
     return total.item() / world
 
 
-def _agree_to_stop(coordinator, rank: int, *, check_ray_notice: bool) -> bool:
-    """Stop after this step? The driver got SIGTERM, or Ray Train reports a node about to be
-    preempted (checked every log_every steps: ~7 ms, and a barrier every rank must reach).
-    All ranks stop at the same step."""
-    stop = rank == 0 and ray.get(coordinator.should_stop.remote())
-    if check_ray_notice and ray.train.get_preemption_info() is not None:
+def _agree_to_stop(controller, rank: int, preempted) -> bool:
+    """Stop after this step? The driver got SIGTERM, or `preempted()` (Ray Train's notice of a
+    node about to be preempted; asked every log_every steps: ~7 ms, and a barrier every rank
+    must reach) says so. All ranks stop at the same step."""
+    stop = rank == 0 and call(controller, "should_stop")
+    if preempted is not None and preempted():
         stop = True
     flag = torch.tensor([1 if stop else 0], device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
-def _agree_on_attempt(coordinator, rank: int, device) -> tuple[int, int | None]:
+def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None]:
     """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None)."""
     facts = torch.tensor([-1, -1], device=device)
     if rank == 0:
-        reply = ray.get(coordinator.start_attempt.remote())
+        reply = call(controller, "start_attempt")
         facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"]], device=device)
     dist.broadcast(facts, src=0)
     attempt, step = facts.tolist()
@@ -142,9 +156,9 @@ def _agree_on_attempt(coordinator, rank: int, device) -> tuple[int, int | None]:
 class Progress:
     """Progress lines on rank 0, and every rank's per-step metrics beside the checkpoint root."""
 
-    def __init__(self, cfg, rank: int, attempt: int, job_id: str, coordinator):
+    def __init__(self, cfg, rank: int, attempt: int, job_id: str, controller):
         self.cfg, self.rank = cfg, rank
-        self.coordinator = coordinator
+        self.controller = controller
         self.total = cfg.training.train_steps
         self.gbs = cfg.training.global_batch_size
         self.window_start = time.monotonic()
@@ -199,7 +213,7 @@ class Progress:
             return
         elapsed = max(time.monotonic() - self.window_start, 1e-9)
         rate = self.window_steps / elapsed
-        committed = ray.get(self.coordinator.last_committed.remote())
+        committed = call(self.controller, "last_committed")
         eta = (self.total - step) / rate if rate else 0.0
         self._say(
             f"step {step}/{self.total} | loss {loss:.4f} | {rate * self.gbs:.0f} samples/s | "

@@ -11,9 +11,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-import ray
 import torch
 
+from ..controller import call
 from . import layout, state
 from .fetch import StateLoader, open_shared
 from .plan import TensorSpec, needed_range
@@ -37,10 +37,10 @@ class ResumePoint:
 
 
 class Checkpointer:
-    def __init__(self, cfg, coordinator, rank: int, world_size: int, attempt: int, faults):
+    def __init__(self, cfg, controller, rank: int, world_size: int, attempt: int, faults):
         self.cfg = cfg
         self.ckpt = cfg.checkpoint
-        self.coordinator = coordinator
+        self.controller = controller  # the job's controller (ray_resume.controller), reached through `call`
         self.rank = rank
         self.world_size = world_size
         self.attempt = attempt
@@ -178,7 +178,7 @@ class Checkpointer:
             on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step),
         )
         self.faults.maybe_kill("before_report", step)
-        ray.get(self.coordinator.report.remote(self.attempt, step, manifest, common))
+        call(self.controller, "report", self.attempt, step, manifest, common)
 
 
 def _sharded(spec: TensorSpec, live: torch.Tensor | None) -> bool:
