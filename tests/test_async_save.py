@@ -1,22 +1,22 @@
 """Async checkpoint save: same bytes as a sync save, reused buffers, errors that surface, crash safety.
 
-The unit tests drive the real `Checkpointer.maybe_save` without Ray: a fake
-coordinator records the manifests it is sent. The end-to-end tests run real
-jobs on the shared 2-worker Ray and compare shard bytes with the reference
-run (which saves asynchronously: `async_save` is on by default).
+These drive the real `Checkpointer.maybe_save` without Ray: a stand-in for
+the job's controller records the manifests it is sent. End to end, the Ray
+reference run saves asynchronously (the default) and the sync-saving faulty
+runs of tests/test_resume_e2e.py end byte-identical to it; a kill while an
+async write is in flight is tests/test_harness.py's mid_shard_write case.
 """
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import safetensors.torch
 import torch
 
-from conftest import FINAL, read_metrics, run_job, shard_bytes, tiny_config
+from conftest import shard_bytes, tiny_config
 from ray_resume.checkpoint import checkpointer as checkpointer_module
 from ray_resume.checkpoint import layout, state
 from ray_resume.checkpoint.async_save import AsyncSaveError
@@ -32,22 +32,16 @@ from test_checkpoint_format import make_state
 
 
 class FakeCoordinator:
-    """Stands in for the driver's actor: `.report.remote(...)` records and returns a plain value."""
+    """Stands in for the job's controller: records the manifests it is sent."""
 
     def __init__(self):
         self.reports: list[tuple] = []
         self.threads: set[str] = set()
-        self.report = SimpleNamespace(remote=self._report)
 
-    def _report(self, attempt, step, manifest, common):
+    def report(self, attempt, step, manifest, common):
         self.reports.append((attempt, step, manifest, common))
         self.threads.add(threading.current_thread().name)
         return True
-
-
-@pytest.fixture
-def no_ray(monkeypatch):
-    monkeypatch.setattr(checkpointer_module.ray, "get", lambda value: value)
 
 
 def checkpointer_for(root: Path, rank: int, world: int, *, async_save: bool, coordinator=None, **checkpoint):
@@ -75,7 +69,7 @@ def test_streamed_shards_are_exactly_what_safetensors_writes(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_async_and_sync_saves_write_identical_files(tmp_path, no_ray, dtype):
+def test_async_and_sync_saves_write_identical_files(tmp_path, dtype):
     model, opt = make_state(dtype=dtype)
     common = {"global_step": 3}
     roots = {mode: tmp_path / mode / "ckpt" for mode in ("sync", "async")}
@@ -111,7 +105,7 @@ def test_async_and_sync_saves_write_identical_files(tmp_path, no_ray, dtype):
     assert set(load_rank_extras(ShardReader(LocalStorage(), it), 1)) == {"rng_torch", "rng_numpy", "rng_python"}
 
 
-def test_snapshot_is_taken_at_the_save_step_and_buffers_are_reused(tmp_path, no_ray):
+def test_snapshot_is_taken_at_the_save_step_and_buffers_are_reused(tmp_path):
     model, opt = make_state()
     expected = checkpointer_for(tmp_path / "sync" / "ckpt", 0, 2, async_save=False)
     torch.manual_seed(5)
@@ -134,7 +128,7 @@ def test_snapshot_is_taken_at_the_save_step_and_buffers_are_reused(tmp_path, no_
     assert [step for step, _ in ck.stalls] == [1, 2]
 
 
-def test_a_failed_background_write_surfaces_at_the_next_save(tmp_path, no_ray, monkeypatch):
+def test_a_failed_background_write_surfaces_at_the_next_save(tmp_path, monkeypatch):
     model, opt = make_state()
     ck = checkpointer_for(tmp_path / "ckpt", 0, 1, async_save=True)
     real = checkpointer_module.write_shards
@@ -157,7 +151,7 @@ def test_a_failed_background_write_surfaces_at_the_next_save(tmp_path, no_ray, m
     assert len(files_of(tmp_path / "ckpt", 2)) == 2
 
 
-def test_a_failed_last_write_surfaces_at_the_final_wait(tmp_path, no_ray, monkeypatch):
+def test_a_failed_last_write_surfaces_at_the_final_wait(tmp_path, monkeypatch):
     model, opt = make_state()
     ck = checkpointer_for(tmp_path / "ckpt", 0, 1, async_save=True)
     monkeypatch.setattr(checkpointer_module, "write_shards", lambda *a, **k: 1 / 0)
@@ -168,7 +162,7 @@ def test_a_failed_last_write_surfaces_at_the_final_wait(tmp_path, no_ray, monkey
     assert ck.finish() == 0.0  # nothing left in flight
 
 
-def test_a_failure_is_raised_even_at_a_step_that_does_not_save(tmp_path, no_ray, monkeypatch):
+def test_a_failure_is_raised_even_at_a_step_that_does_not_save(tmp_path, monkeypatch):
     model, opt = make_state()
     ck = checkpointer_for(tmp_path / "ckpt", 0, 1, async_save=True, save_interleaved_steps=4)
     monkeypatch.setattr(checkpointer_module, "write_shards", lambda *a, **k: 1 / 0)
@@ -176,35 +170,3 @@ def test_a_failure_is_raised_even_at_a_step_that_does_not_save(tmp_path, no_ray,
     ck.background._pending[1].exception()  # let the thread fail
     with pytest.raises(AsyncSaveError):
         ck.maybe_save(5, model, opt, {"global_step": 5})
-
-
-# ---------------------------------------------------------------- end to end (real Ray, 2 workers)
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster")
-def test_sync_run_writes_the_same_shards_as_the_async_reference(tmp_path, reference):
-    assert Config.from_dict(tiny_config(tmp_path)).checkpoint.async_save  # the reference run saved asynchronously
-    cfg = tiny_config(tmp_path, checkpoint={"async_save": False})
-    cfg["data"]["path"] = reference["data"]
-    run_job(cfg)
-    for step in (4, 8, FINAL):
-        assert shard_bytes(cfg["checkpoint"]["save_path"], step) == shard_bytes(reference["root"], step), step
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster")
-def test_kill_during_an_async_write_never_commits_it_and_resumes_exactly(tmp_path, reference):
-    cfg = tiny_config(tmp_path, fault={"phase": "mid_shard_write", "step": 8, "rank": 1})
-    cfg["data"]["path"] = reference["data"]
-    run_job(cfg)
-    root = cfg["checkpoint"]["save_path"]
-    records = read_metrics(root)
-    starts = [r for r in records if r.get("event") == "start" and r["rank"] == 0]
-    assert [r["step"] for r in starts] == [0, 4]  # iteration 8 was in flight on rank 1: never committed
-    assert starts[1]["source"].endswith("iteration_00000004")
-    for step in (4, 8, FINAL):
-        assert shard_bytes(root, step) == shard_bytes(reference["root"], step), step
-    # The final wait was recorded by every rank of the last attempt.
-    waits = [r for r in records if r.get("event") == "save_wait"]
-    assert {r["rank"] for r in waits if r["attempt"] == starts[1]["attempt"]} == {0, 1}

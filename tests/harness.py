@@ -1,0 +1,151 @@
+"""The in-process harness: a whole job on real gloo ranks, without Ray.
+
+`run_job(cfg)` does what `ray_resume.run` and Ray Train do, with plain
+processes: the driver's checks (`preflight`), the lease and the job's
+controller (the real `JobController`, served from a process of its own, as
+the actor is from its own), then W rank processes in a gloo group, each
+running the real `train_worker` -- restore, loop, maybe save, the real
+Checkpointer, writer and commit. Only two parts are swapped:
+
+* Ray Train's restarts: when a rank dies, the others are killed and a new
+  group starts (a new attempt), up to `failure.max_failures` times;
+* Ray Data's executor: `LocalStream` reads the very plan of `SampleStream`
+  with its very read function, in the rank's own process (tests/test_data.py
+  checks that Ray Data delivers exactly that order).
+
+A job run here writes the same bytes as the same job on Ray Train
+(tests/test_harness.py checks it against the Ray reference run), so every
+fault phase, commit, retention, fallback and resharding case can be run in
+seconds. Ranks are forked from a forkserver that has torch and ray_resume
+imported already.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing.managers import BaseManager
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ray_resume import controller as controller_module
+from ray_resume.checkpoint.lease import Lease
+from ray_resume.checkpoint.storage import storage_for
+from ray_resume.config import Config
+from ray_resume.data import SAMPLE_ID, SampleStream, _read_unit_batch, plan_epoch_units
+from ray_resume.plugins import resolve
+from ray_resume.run import absolute_paths, preflight
+from ray_resume.train_loop import train_worker
+
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "ray_resume.train_loop", "harness"])
+
+
+class LocalStream(SampleStream):
+    """SampleStream's plan and read function, run in this process instead of by Ray Data."""
+
+    def _epoch_blocks(self, epoch: int, start_in_epoch: int):
+        for ui, row_start in plan_epoch_units(self.units, self.seed, epoch, self.shuffle, start_in_epoch):
+            unit = self.units[ui]
+            item = {"file": np.array([unit.file]), "row_group": np.array([unit.row_group]), "unit_index": np.array([ui]),
+                    "row_start": np.array([row_start]), "num_rows": np.array([unit.num_rows])}
+            block = _read_unit_batch(item, seed=self.seed, epoch=epoch, shuffle=self.shuffle, columns=self.columns)
+            yield {name: block[name] for name in (SAMPLE_ID, *self.columns)}
+
+
+class DriverSide(controller_module.JobController):
+    """The job's controller with the driver's lease, in one process: the job's driver.
+
+    A fault that kills the driver (`commit_before_tracker`, `retention_delete`)
+    kills this process, and with it the lease holder, as on a real cluster.
+    """
+
+    def __init__(self, save_path: str, job_id: str, config: dict):
+        ckpt = config["checkpoint"]
+        if ckpt["enable_save"]:
+            Lease(storage_for(save_path, ckpt["storage"]), save_path, job_id, ckpt["lease_ttl_s"]).acquire()
+        super().__init__(save_path, job_id, config, driver_pid=os.getpid())
+
+
+class Driver(BaseManager):
+    pass
+
+
+Driver.register("JobController", DriverSide)
+
+
+@dataclass
+class Outcome:
+    committed: int | None  # the newest iteration the job committed
+    attempts: int  # worker groups started
+    driver_killed: bool  # the job's driver (the controller's process) died
+    error: str | None  # why the job failed, if it did
+
+
+def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, plugins, load, job_id: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    train_worker(Config.from_dict(cfg_dict), controller, rank, world, torch.device("cpu"), plugins=plugins, load=load,
+                 job_id=job_id, stream=LocalStream)
+    dist.barrier()
+    os._exit(0)  # not a teardown of the group under live DDP objects: that sometimes hangs at exit
+
+
+def _run_group(world: int, tmp: Path, args: tuple, driver: Driver, timeout: float) -> str | None:
+    """One worker group to its end; None if every rank finished, else why not. A dead rank ends the group."""
+    init = f"file://{tmp / f'pg-{uuid.uuid4().hex}'}"
+    procs = [CTX.Process(target=_rank, args=(rank, world, init, *args), daemon=True) for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.exitcode for p in procs]
+            if not driver._process.is_alive():
+                return "driver died"
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                return "rank {} exited with {}".format(*failed[0])
+            if all(c == 0 for c in codes):
+                return None
+            if time.monotonic() > deadline:
+                return f"worker group still running after {timeout:.0f} s"
+            time.sleep(0.02)
+    finally:
+        for p in procs:  # as Ray Train ends a group: what still runs is killed
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join()
+
+
+def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, timeout: float = 120) -> Outcome:
+    """Run a job to its end as `ray_resume.run.run` does, its ranks in a gloo group of this machine."""
+    cfg = absolute_paths(Config.from_dict(cfg_dict))
+    plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
+    load = preflight(cfg)
+    tmp = Path(tempfile.gettempdir())  # the groups' rendezvous files
+    job_id = uuid.uuid4().hex[:12]
+    driver = Driver(ctx=CTX)
+    driver.start()
+    try:
+        controller = driver.JobController(cfg.checkpoint.save_path, job_id, cfg.to_dict())
+        args = (cfg.to_dict(), controller, plugins, load, job_id)
+        attempts, error = 0, None
+        for attempts in range(1, cfg.failure.max_failures + 2):
+            error = _run_group(cfg.scaling.max_workers, tmp, args, driver, timeout)
+            if error is None or error == "driver died":
+                break
+        if error == "driver died":
+            return Outcome(None, attempts, True, error)
+        committed = controller.last_committed()
+        controller.release()
+        return Outcome(committed, attempts, False, error)
+    finally:
+        driver.shutdown()
