@@ -96,16 +96,27 @@ def capture_rng() -> dict[str, str]:
     return {
         "rng_torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
         "rng_numpy": json.dumps([keys.tolist(), int(pos), int(has_gauss), float(gauss)]),
-        "rng_python": json.dumps(random.getstate()[1]),
+        "rng_python": json.dumps(_python_rng_state()),
         **({"rng_cuda": base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()} if torch.cuda.is_available() else {}),
     }
+
+
+def _python_rng_state() -> dict:
+    """`random`'s Mersenne Twister state and the second Gaussian of the last `gauss()` pair,
+    which the next `gauss()` returns: without it a resumed run draws another value there."""
+    version, internal, gauss_next = random.getstate()
+    assert version == 3, f"unknown random state version {version}"
+    return {"state": list(internal), "gauss_next": gauss_next}
 
 
 def restore_rng(saved: dict[str, str]) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(saved["rng_torch"])), dtype=torch.uint8))
     keys, pos, has_gauss, gauss = json.loads(saved["rng_numpy"])
     np.random.set_state(("MT19937", np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    random.setstate((3, tuple(json.loads(saved["rng_python"])), None))
+    python = json.loads(saved["rng_python"])
+    if isinstance(python, list):  # written before the Gaussian cache was kept: it had none to give
+        python = {"state": python, "gauss_next": None}
+    random.setstate((3, tuple(python["state"]), python["gauss_next"]))
     if "rng_cuda" in saved and torch.cuda.is_available():  # dropout on a GPU draws from the CUDA generator
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(saved["rng_cuda"])), dtype=torch.uint8))
 
