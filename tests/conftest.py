@@ -19,6 +19,11 @@ from ray_resume.metrics import read_metrics  # noqa: F401  (re-exported for the 
 REPO = Path(__file__).resolve().parent.parent
 FINAL = 12  # train_steps of tiny_config
 
+# Ray Train's controller polls its workers every 2 s by default: each job would wait up to that
+# long to learn that a rank finished or died. Set before any Ray starts, so the session's Ray
+# and the drivers started by tests (which inherit this environment) poll 4x as often.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
@@ -105,6 +110,16 @@ def run_job(cfg: dict):
     assert result.error is None, result.error
     assert result.committed_iteration == cfg["training"]["train_steps"]
     return result
+
+
+def run_on_harness(cfg: dict, **plugins):
+    """Run a job on the in-process harness (tests/harness.py, no Ray) and check it committed its last step."""
+    import harness
+
+    outcome = harness.run_job(cfg, **plugins)
+    assert outcome.error is None and not outcome.driver_killed, outcome
+    assert outcome.committed == cfg["training"]["train_steps"]
+    return outcome
 
 
 @pytest.fixture(scope="session")

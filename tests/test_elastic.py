@@ -1,5 +1,7 @@
 """Resume on another world size (DDP resharding), with another global batch size (scenario C),
-and the load_balanced load (scenario D)."""
+and the load_balanced load (scenario D), as whole jobs on the in-process harness (real gloo
+ranks, no Ray; tests/test_harness.py shows its runs equal Ray Train's byte for byte).
+Growing and shrinking under Ray Train itself is tests/test_elastic_cluster.py."""
 
 from __future__ import annotations
 
@@ -8,13 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import per_step, read_metrics, run_job, tiny_config
+import harness
+from conftest import per_step, read_metrics, run_on_harness, tiny_config
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.schema import CheckpointError
-from ray_resume.config import Config
-from ray_resume.run import run
-
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 
 def resume_root(src_root: str, step: int, dest: Path) -> str:
@@ -35,7 +34,7 @@ def reference24(tmp_path_factory, reference):
     tmp = tmp_path_factory.mktemp("reference24")
     cfg = tiny_config(tmp, model={"dropout": 0.0}, training={"global_batch_size": 24})
     cfg["data"]["path"] = reference["data"]
-    run_job(cfg)
+    run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
     return {"root": root, "steps": per_step(read_metrics(root)), "data": reference["data"]}
 
@@ -46,7 +45,7 @@ def test_resume_on_another_world_size(tmp_path, reference24, workers, balanced):
     cfg = tiny_config(tmp_path, model={"dropout": 0.0}, training={"global_batch_size": 24}, scaling={"num_workers": workers},
                       checkpoint={"load_path": root, "load_balanced": balanced})
     cfg["data"]["path"] = reference24["data"]
-    run_job(cfg)
+    run_on_harness(cfg)
     begun = starts(root)
     assert {(r["step"], r["world_size"], r["consumed_samples"]) for r in begun} == {(4, workers, 96)}
     # The whole saved state is read: once in total with load_balanced, once per rank without.
@@ -70,10 +69,10 @@ def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, reference, n
     cfg = tiny_config(tmp_path, training={"global_batch_size": new_gbs, "train_steps": final}, checkpoint={"load_path": loaded})
     cfg["data"]["path"] = reference["data"]
     with pytest.raises(CheckpointError) as err:  # the rescaled steps would overwrite the run being resumed
-        run(Config.from_dict({**cfg, "checkpoint": {**cfg["checkpoint"], "save_path": loaded}}))
+        harness.run_job({**cfg, "checkpoint": {**cfg["checkpoint"], "save_path": loaded}})
     assert f"resumes iteration {saved_step} at step {resume_step}" in str(err.value)
     assert "set checkpoint.save_path to a new directory" in str(err.value)
-    run_job(cfg)
+    run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
     begun = starts(root)
     assert {(r["step"], r["consumed_samples"]) for r in begun} == {(resume_step, 128)}

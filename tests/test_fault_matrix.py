@@ -79,7 +79,7 @@ def tracker_value(root) -> int | None:
 STEP_SLEEP = 0.15  # seconds per micro-batch: ~0.3 s per step, ~4 s for the 12 steps
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])  # more seeds, in seconds each, on the harness (tests/test_harness.py)
 def test_worker_sigkilled_from_outside_at_a_random_moment(tmp_path, reference, ray_cluster, seed):
     rng = random.Random(seed)
     # Uniform over the training window: from the first micro-batch to before the last step ends

@@ -4,10 +4,23 @@ resharding, in seconds; the Ray Train runs in tests/test_resume_e2e.py show what
 
 from __future__ import annotations
 
+import functools
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
 import pytest
 
 import harness
 from conftest import FINAL, assert_same_as_reference, per_step, read_metrics, shard_bytes, tiny_config
+from ray_resume.checkpoint import layout
+from ray_resume.checkpoint.reader import open_iteration
+from ray_resume.checkpoint.schema import CheckpointError
+from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.plugins import next_token_loss
 
 
 def run(cfg: dict) -> harness.Outcome:
@@ -45,3 +58,99 @@ def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, ref
     assert restarts[1]["source"].endswith("iteration_00000004")
     # 8 was saved again by the new attempt and replaced cleanly: the very bytes of the reference.
     assert_same_as_reference(root, reference)
+
+
+def test_fsdp_rank_killed_resumes_exactly(tmp_path, reference):
+    """Under strategy fsdp (FSDP2 dim-0 shards) an interrupted run also ends byte-identical to its
+    uninterrupted twin, with the same samples at every step as under DDP."""
+    fsdp = {"training": {"strategy": "fsdp"}}
+    clean = tiny_config(tmp_path / "clean", **fsdp)
+    clean["data"]["path"] = reference["data"]
+    run(clean)
+    twin = {"root": clean["checkpoint"]["save_path"], "steps": per_step(read_metrics(clean["checkpoint"]["save_path"]))}
+    cfg = tiny_config(tmp_path / "faulty", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
+                      checkpoint={"async_save": False}, **fsdp)
+    cfg["data"]["path"] = reference["data"]
+    run(cfg)
+    root = cfg["checkpoint"]["save_path"]
+    assert [r["step"] for r in starts(root)] == [0, 4]
+    assert_same_as_reference(root, twin)
+    it = open_iteration(LocalStorage(), root, FINAL)
+    assert {t["layout"] for t in it.metadata["tensors"]["model"].values()} == {"dim0"}
+    for step, runs in twin["steps"].items():  # FSDP changes where the state lives, not which samples a step sees
+        assert runs[0]["ids"] == reference["steps"][step][0]["ids"]
+
+
+def tracker(root) -> str:
+    return Path(layout.tracker_path(str(root))).read_text().strip()
+
+
+def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp_path, reference):
+    cfg = tiny_config(tmp_path, fault={"phase": "commit_before_tracker", "step": 8})
+    cfg["data"]["path"] = reference["data"]
+    root = cfg["checkpoint"]["save_path"]
+    assert harness.run_job(cfg).driver_killed
+    # The JSON of iteration 8 is on disk, but the tracker never moved past 4.
+    assert (Path(root) / "iteration_00000008" / "metadata.json").exists() and tracker(root) == "4"
+    # The same config again, without load_path, would overwrite a committed root: refused on the driver.
+    again = {**cfg, "fault": None}
+    with pytest.raises(CheckpointError, match="already holds committed iteration 4 .* set checkpoint.load_path"):
+        harness.run_job(again)
+    run({**again, "checkpoint": {**cfg["checkpoint"], "load_path": root}})  # the dead driver's lease is taken over
+    [start] = starts(root)[-1:]
+    assert start["source"].endswith("iteration_00000004")  # never the half-committed 8
+    for step in (8, FINAL):  # 8 was written again and replaced cleanly
+        assert shard_bytes(root, step) == shard_bytes(reference["root"], step)
+
+
+def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path, reference):
+    # save_max 1: committing 8 deletes 4, and the driver dies half way through that deletion.
+    cfg = tiny_config(tmp_path, checkpoint={"save_max": 1}, fault={"phase": "retention_delete", "step": 4})
+    cfg["data"]["path"] = reference["data"]
+    root = cfg["checkpoint"]["save_path"]
+    assert harness.run_job(cfg).driver_killed
+    assert tracker(root) == "8"
+    half_deleted = Path(root) / "iteration_00000004"
+    assert half_deleted.exists() and not (half_deleted / "common.json").exists()  # never passes as complete
+    run({**cfg, "fault": None, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
+    assert starts(root)[-1]["source"].endswith("iteration_00000008")
+    assert shard_bytes(root, FINAL) == shard_bytes(reference["root"], FINAL)
+    # The resumed job keeps its own newest (12) and leaves the first job's 8 alone.
+    kept = sorted(p.name for p in Path(root).iterdir() if p.name.startswith("iteration_"))
+    assert kept[-2:] == ["iteration_00000008", "iteration_00000012"]
+
+
+def marked_slow_loss(marks: str, step_sleep: float, model, batch):
+    """The built-in loss (the same numbers), slower, leaving a file named by the pid that trains."""
+    (Path(marks) / str(os.getpid())).touch()
+    time.sleep(step_sleep)
+    return next_token_loss(model, batch)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rank_sigkilled_from_outside_at_a_random_moment(tmp_path, reference, seed):
+    """Anywhere: mid-step, mid-write in the writer thread, mid-report to the controller."""
+    rng = random.Random(seed)
+    step_sleep = 0.03  # per micro-batch, 2 per step: the 12 steps take ~0.7 s
+    cfg = tiny_config(tmp_path)
+    cfg["data"]["path"] = reference["data"]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    outcome = {}
+    job = threading.Thread(target=lambda: outcome.update(
+        result=harness.run_job(cfg, loss=functools.partial(marked_slow_loss, str(marks), step_sleep))))
+    job.start()
+    try:
+        while not any(marks.iterdir()):  # training has begun
+            assert job.is_alive(), outcome
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, (FINAL - 1) * 2 * step_sleep))
+        victim = rng.choice(sorted(int(p.name) for p in marks.iterdir()))
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        job.join(timeout=120)
+    result = outcome["result"]
+    assert result.error is None and result.committed == FINAL and result.attempts == 2, result
+    restarts = assert_same_as_reference(cfg["checkpoint"]["save_path"], reference)
+    assert [r["attempt"] for r in restarts] == [0, 1]
+    assert restarts[1]["step"] in (0, 4, 8, FINAL)

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FINAL, run_job, shard_bytes, tiny_config
+from conftest import FINAL, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.digest import block_bounds
 from ray_resume.checkpoint.fallback import select_iteration
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.config import Config
+from ray_resume.metrics import read_metrics
 from ray_resume.run import find_load_source
 from test_checkpoint_format import make_state, tree, write_iteration
 
@@ -125,15 +126,17 @@ def test_bad_load_path_is_refused_by_key(tmp_path, make, message):
     assert "checkpoint.load_path" in str(err.value) and message in str(err.value)
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster")
 def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, reference):
+    """The whole job (on the in-process harness): the driver sets 12 aside, the ranks load 8 and
+    redo 9-12 to the very bytes of the reference."""
     root = tmp_path / "ckpt"
     shutil.copytree(reference["root"], root)
     flip_byte(root / "iteration_00000012" / "ckpt-model-0000001-0000002.safetensors")
     (root / layout.TRACKER).write_text("12\n")
     cfg = tiny_config(tmp_path, training={"train_steps": FINAL}, checkpoint={"load_path": str(root)})
     cfg["data"]["path"] = reference["data"]
-    run_job(cfg)
+    run_on_harness(cfg)
     assert any(p.name.startswith("iteration_00000012.damaged-") for p in root.iterdir())
+    [start] = [r for r in read_metrics(str(root)) if r.get("event") == "start" and r["rank"] == 0]
+    assert start["source"].endswith("iteration_00000008")
     assert shard_bytes(root, FINAL) == shard_bytes(reference["root"], FINAL)  # redone from 8, the same bytes

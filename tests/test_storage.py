@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import FINAL, per_step, read_metrics, run_job, shard_bytes, tiny_config
+from conftest import FINAL, per_step, read_metrics, run_job, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.fetch import load_state
 from ray_resume.checkpoint.reader import find_committed, open_iteration, read_verified
@@ -117,21 +117,20 @@ def iterations(root) -> list[int]:
     return sorted(s for s in (layout.parse_iteration_dirname(p.name) for p in root.iterdir()) if s is not None)
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster")
 def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, reference):
+    """Two whole jobs on the in-process harness; a reader polls the root all along."""
     root = tmp_path / "ckpt"
     first = tiny_config(tmp_path, training={"train_steps": 14}, checkpoint={"save_interleaved_steps": 2, "save_max": 2})
     first["data"]["path"] = reference["data"]
     with TornReadWatcher(str(root)) as watcher:
-        run_job(first)
+        run_on_harness(first)
     assert watcher.reads > 0 and watcher.torn == []
     assert iterations(root) == [12, 14]  # 7 saves, the last 2 kept
 
     second = tiny_config(tmp_path, training={"train_steps": 20},
                          checkpoint={"save_interleaved_steps": 2, "save_max": 1, "load_path": str(root)})
     second["data"]["path"] = reference["data"]
-    run_job(second)
+    run_on_harness(second)
     # The first job's iterations stay; of its own (16, 18, 20) the second keeps 1.
     assert iterations(root) == [12, 14, 20]
     assert (root / layout.TRACKER).read_text().strip() == "20"

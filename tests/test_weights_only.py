@@ -1,4 +1,6 @@
-"""Scenario B (weights-only start), mixed precision with fp32 main params, optimizer-less checkpoints."""
+"""Scenario B (weights-only start), mixed precision with fp32 main params, optimizer-less checkpoints.
+
+Whole jobs run on the in-process harness (tests/harness.py: real gloo ranks, no Ray)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import FINAL, per_step, read_metrics, run_job, shard_bytes, tiny_config
+import harness
+
+from conftest import FINAL, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.fetch import load_state
@@ -20,7 +24,7 @@ from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.config import Config
 from ray_resume.model import GPT, lm_loss
 from ray_resume.optim import LossScaler, MainParamsOptimizer
-from ray_resume.run import run
+from ray_resume import run as run_module
 from test_checkpoint_format import make_state, write_iteration
 
 
@@ -106,8 +110,7 @@ def test_export_then_load_as_weights_round_trips_bitwise(tmp_path):
         find_load_source(full.checkpoint)
 
 
-# ---- end to end ---------------------------------------------------------------------------
-
+# ---- whole jobs -----------------------------------------------------------------------------
 
 
 def first_batch_loss(reference, weights: dict) -> float:
@@ -122,15 +125,13 @@ def first_batch_loss(reference, weights: dict) -> float:
         return lm_loss(model, torch.tensor([rows[i] for i in ids], dtype=torch.long)).item()
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster")
 def test_scenario_b_starts_at_step_0_from_the_loaded_weights(tmp_path, reference):
     runs = []
     for name in ("b1", "b2"):
         cfg = tiny_config(tmp_path / name, model={"dropout": 0.0},
                           checkpoint={"load_path": reference["root"], "no_load_optim": True})
         cfg["data"]["path"] = reference["data"]
-        run_job(cfg)
+        run_on_harness(cfg)
         runs.append(cfg["checkpoint"]["save_path"])
     records = read_metrics(runs[0])
     start = [r for r in records if r.get("event") == "start" and r["rank"] == 0]
@@ -145,15 +146,13 @@ def test_scenario_b_starts_at_step_0_from_the_loaded_weights(tmp_path, reference
         assert shard_bytes(runs[0], step) == shard_bytes(runs[1], step)
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, reference, dtype):
     roots = {}
     for name, fault in (("clean", None), ("killed", {"phase": "after_optimizer_step", "step": 6, "rank": 1})):
         cfg = tiny_config(tmp_path / name, model={"dtype": dtype}, fault=fault)
         cfg["data"]["path"] = reference["data"]
-        run_job(cfg)
+        run_on_harness(cfg)
         roots[name] = cfg["checkpoint"]["save_path"]
     for step in (4, 8, FINAL):
         assert shard_bytes(roots["killed"], step) == shard_bytes(roots["clean"], step)
@@ -165,31 +164,28 @@ def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, refer
     assert {s: r[-1]["loss"] for s, r in killed.items()} == {s: r[0]["loss"] for s, r in clean.items()}
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster")
-def test_no_save_optim_then_full_resume_is_refused_by_name(tmp_path, reference):
+def test_no_save_optim_then_full_resume_is_refused_by_name(tmp_path, reference, monkeypatch):
     cfg = tiny_config(tmp_path, training={"train_steps": 4}, checkpoint={"no_save_optim": True})
     cfg["data"]["path"] = reference["data"]
-    run_job(cfg)
+    run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
     it = open_iteration(LocalStorage(), root, 4)
     assert it.common["has_optimizer"] is False and "opt" not in it.metadata["tensors"]
     assert not [n for n in it.metadata["files"] if "-opt-" in n] and not list(Path(it.path).glob("*-opt-*"))
     resume = tiny_config(tmp_path / "again", checkpoint={"load_path": root})
     resume["data"]["path"] = reference["data"]
-    with pytest.raises(CheckpointError) as err:
-        run(Config.from_dict(resume))
+    monkeypatch.setattr(run_module, "init_ray", lambda *args: pytest.fail("refused only after Ray was asked to start"))
+    with pytest.raises(CheckpointError) as err:  # on the driver, before Ray starts
+        run_module.run(Config.from_dict(resume))
     assert f"{it.path}: iteration 4 was saved without optimizer state" in str(err.value)
     assert "set checkpoint.no_load_optim: true" in str(err.value)
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster")
 def test_enable_save_false_writes_nothing_and_says_so(tmp_path, reference, caplog):
     cfg = tiny_config(tmp_path, training={"train_steps": 4}, checkpoint={"enable_save": False})
     cfg["data"]["path"] = reference["data"]
     with caplog.at_level(logging.WARNING, logger="ray_resume"):
-        result = run(Config.from_dict(cfg))
-    assert result.error is None and result.committed_iteration is None
+        outcome = harness.run_job(cfg)
+    assert outcome.error is None and outcome.committed is None
     assert "checkpoints are off (checkpoint.enable_save: false)" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no checkpoint root, no metrics

@@ -2,7 +2,8 @@
 
 These start their own Ray (a local one inside the driver, or a head node
 started here for `ray job submit`), on loopback only, and end exactly the
-processes they started.
+processes they started. The driver-kill phases are also run, each with
+its follow-up checks, on the in-process harness (tests/test_harness.py).
 """
 
 from __future__ import annotations
@@ -49,13 +50,17 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def end_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        time.sleep(2)
+def end_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """End what is left of the child's process group: SIGTERM, and SIGKILL after `grace_s`."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            os.killpg(proc.pid, 0)  # raises once the whole group is gone
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def tracker(root: str) -> str:
@@ -70,10 +75,6 @@ def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tm
     # The JSON of iteration 8 is on disk, but the tracker never moved past 4.
     assert (Path(root) / "iteration_00000008" / "metadata.json").exists()
     assert tracker(root) == "4"
-
-    # Restarting the same config without load_path would overwrite a committed root: refused.
-    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--set", "fault=null"]), timeout=120)
-    assert code == 2 and "already holds committed iteration 4" in out and "set checkpoint.load_path" in out
 
     code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--set", "fault=null",
                               "--set", f"checkpoint.load_path={root}"]), timeout=300)
@@ -130,27 +131,6 @@ def test_ray_job_submit_against_a_local_head_node(tmp_path, reference):
     root = str(tmp_path / "ckpt")
     assert tracker(root) == str(FINAL)
     assert len(shard_bytes(root, FINAL)) == 2  # one rank: its model and opt shards
-
-
-def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path, reference):
-    # save_max 1: committing 8 deletes 4, and the driver dies half way through that deletion.
-    config = write_config(tmp_path, reference, checkpoint={"save_max": 1},
-                          fault={"phase": "retention_delete", "step": 4})
-    root = str(tmp_path / "ckpt")
-    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config)]), timeout=300)
-    assert code == -signal.SIGKILL, out[-3000:]
-    assert tracker(root) == "8"
-    half_deleted = Path(root) / "iteration_00000004"
-    assert not half_deleted.exists() or not (half_deleted / "common.json").exists()
-
-    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--set", "fault=null",
-                              "--set", f"checkpoint.load_path={root}"]), timeout=300)
-    assert code == 0, out[-3000:]
-    assert f"resumed from {root}/iteration_00000008" in out
-    assert shard_bytes(root, FINAL) == shard_bytes(reference["root"], FINAL)
-    # The resumed job keeps its own newest (12) and leaves the first job's 8 alone.
-    kept = sorted(p.name for p in Path(root).iterdir() if p.name.startswith("iteration_"))
-    assert kept[-2:] == ["iteration_00000008", "iteration_00000012"]
 
 
 def test_sigterm_to_the_driver_saves_commits_and_exits_cleanly(tmp_path, reference):
