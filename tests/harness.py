@@ -90,10 +90,10 @@ class Outcome:
     error: str | None  # why the job failed, if it did
 
 
-def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, plugins, load, job_id: str) -> None:
+def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, plugins, load, job_id: str, preempted) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     train_worker(Config.from_dict(cfg_dict), controller, rank, world, torch.device("cpu"), plugins=plugins, load=load,
-                 job_id=job_id, stream=LocalStream)
+                 job_id=job_id, stream=LocalStream, preempted=preempted)
     dist.barrier()
     os._exit(0)  # not a teardown of the group under live DDP objects: that sometimes hangs at exit
 
@@ -125,8 +125,15 @@ def _run_group(world: int, tmp: Path, args: tuple, driver: Driver, timeout: floa
             p.join()
 
 
-def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, timeout: float = 120) -> Outcome:
-    """Run a job to its end as `ray_resume.run.run` does, its ranks in a gloo group of this machine."""
+def never() -> bool:
+    return False
+
+
+def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preempted=never, timeout: float = 120) -> Outcome:
+    """Run a job to its end as `ray_resume.run.run` does, its ranks in a gloo group of this machine.
+
+    `preempted()` stands in for Ray Train's preemption notice (`ray.train.get_preemption_info()`).
+    """
     cfg = absolute_paths(Config.from_dict(cfg_dict))
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
     load = preflight(cfg)
@@ -136,7 +143,7 @@ def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, timeou
     driver.start()
     try:
         controller = driver.JobController(cfg.checkpoint.save_path, job_id, cfg.to_dict())
-        args = (cfg.to_dict(), controller, plugins, load, job_id)
+        args = (cfg.to_dict(), controller, plugins, load, job_id, preempted)
         attempts, error = 0, None
         for attempts in range(1, cfg.failure.max_failures + 2):
             error = _run_group(cfg.scaling.max_workers, tmp, args, driver, timeout)

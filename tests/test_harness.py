@@ -154,3 +154,30 @@ def test_a_rank_sigkilled_from_outside_at_a_random_moment(tmp_path, reference, s
     restarts = assert_same_as_reference(cfg["checkpoint"]["save_path"], reference)
     assert [r["attempt"] for r in restarts] == [0, 1]
     assert restarts[1]["step"] in (0, 4, 8, FINAL)
+
+
+class NoticeFrom:
+    """Ray Train's preemption notice, patched: none for the first `calls - 1` questions, then one."""
+
+    def __init__(self, calls: int):
+        self.calls, self.asked = calls, 0
+
+    def __call__(self) -> bool:
+        self.asked += 1
+        return self.asked >= self.calls
+
+
+def test_a_preemption_notice_saves_at_the_step_boundary_and_stops(tmp_path, reference):
+    """Asked every log_every (4) steps: the notice comes at the second question, step 8. Every rank
+    stops at that step, which is saved and committed, off the save interval (6) included."""
+    cfg = tiny_config(tmp_path, checkpoint={"save_interleaved_steps": 6})
+    cfg["data"]["path"] = reference["data"]
+    outcome = harness.run_job(cfg, preempted=NoticeFrom(2))
+    assert outcome.error is None and outcome.committed == 8 and outcome.attempts == 1
+    root = cfg["checkpoint"]["save_path"]
+    assert tracker(root) == "8" and sorted(p.name for p in Path(root).iterdir() if p.name.startswith("iteration_")) == [
+        "iteration_00000006", "iteration_00000008"]
+    records = read_metrics(root)
+    assert {r["rank"] for r in records if r.get("event") == "stop" and r["step"] == 8} == {0, 1}
+    assert max(r["step"] for r in records if "loss" in r) == 8
+    assert shard_bytes(root, 8) == shard_bytes(reference["root"], 8)  # the run that would have happened, to there
