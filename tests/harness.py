@@ -49,6 +49,11 @@ CTX = mp.get_context("forkserver")
 CTX.set_forkserver_preload(["torch", "ray_resume.train_loop", "harness"])
 
 
+def spawn(fn, args: tuple, nprocs: int) -> None:
+    """`torch.multiprocessing.spawn`, its processes forked from the preloaded forkserver (seconds faster each)."""
+    torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 class LocalStream(SampleStream):
     """SampleStream's plan and read function, run in this process instead of by Ray Data."""
 

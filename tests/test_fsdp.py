@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+import harness
 from conftest import tiny_config
 from ray_resume import parallel
 from ray_resume.checkpoint import layout, state
@@ -122,7 +122,7 @@ def _exit() -> None:
 
 def spawn(fn, world: int, tmp: Path, *args) -> None:
     init = f"file://{tmp / f'pg-{uuid.uuid4().hex}'}"  # a fresh rendezvous file per group
-    mp.spawn(fn, args=(world, init, str(tmp), *args), nprocs=world, join=True)
+    harness.spawn(fn, (world, init, str(tmp), *args), world)
 
 
 def assert_same(a: dict, b: dict) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import harness
 from benchmarks import scale_sim
 from ray_resume.checkpoint.fetch import StateLoader, balanced_owners, deal_by_size, divide_blocks, even_runs, open_shared, owned_parts
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
@@ -55,7 +55,7 @@ def test_load_balanced_reads_each_byte_once_and_loads_the_same_state(tmp_path, b
     model, opt = make_state()
     directory = write_iteration(tmp_path / "root", world=3, model=model, opt=opt, block_size=block_size)
     init = f"file://{tmp_path / 'pg'}"
-    mp.spawn(_load, args=(str(tmp_path / "root"), init, str(tmp_path)), nprocs=WORLD, join=True)
+    harness.spawn(_load, (str(tmp_path / "root"), init, str(tmp_path)), WORLD)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     meta = open_iteration(LocalStorage(), str(tmp_path / "root"), 5).metadata
     files = meta["files"]
@@ -193,7 +193,7 @@ def test_scale_simulation_counts_what_the_real_loader_does(tmp_path):
     rank's bytes read, storage requests and files touched of the real loader exactly (DDP, 3 -> 2
     ranks, 256-byte checksum blocks, load_balanced off and on)."""
     write_iteration(tmp_path / "root", world=3, block_size=256)
-    mp.spawn(_count, args=(str(tmp_path / "root"), f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=WORLD, join=True)
+    harness.spawn(_count, (str(tmp_path / "root"), f"file://{tmp_path / 'pg'}", str(tmp_path)), WORLD)
     meta = open_iteration(LocalStorage(), str(tmp_path / "root"), 5).metadata
     for rank in range(WORLD):
         real = json.loads((tmp_path / f"count{rank}.json").read_text())
@@ -240,7 +240,7 @@ def test_only_rank_0_reads_the_iteration_json_and_every_rank_gets_its_verdict(tm
         common = json.loads((directory / "common.json").read_text())
         common["ckpt_status"] = "saving"
         (directory / "common.json").write_text(json.dumps(common))
-    mp.spawn(_open, args=(str(tmp_path / "root"), f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=WORLD, join=True)
+    harness.spawn(_open, (str(tmp_path / "root"), f"file://{tmp_path / 'pg'}", str(tmp_path)), WORLD)
     reports = [json.loads((tmp_path / f"open{r}.json").read_text()) for r in range(WORLD)]
     assert reports[0]["calls"][:2] == ["common.json", "metadata.json"]
     assert all(r["calls"] == [] for r in reports[1:])  # nothing read from storage by the other ranks
