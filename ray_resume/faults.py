@@ -1,7 +1,7 @@
 """Fault injection for tests: kill a chosen rank at a chosen step and phase.
 
 Configured by the `fault:` block of the config (`--set fault.phase=...`).
-A fault fires once per job: the driver-side coordinator hands out a single
+A fault fires once per job: the job controller on the driver hands out a single
 claim, so the restarted worker group runs through the same step unharmed.
 SIGKILL, not an exception: a real crash runs no cleanup and flushes nothing.
 """

@@ -2,8 +2,8 @@
 
 Two jobs writing one root would interleave iterations and fight over the
 tracker. The driver takes the lease before anything is written; the
-coordinator renews it every ttl/3 for as long as the job runs, so worker
-restarts and resizes (same job, same coordinator) keep it. A job that dies
+controller renews it every ttl/3 for as long as the job runs, so worker
+restarts and resizes (same job, same controller) keep it. A job that dies
 stops renewing, and its lease can be taken over once it has expired.
 Object stores have no compare-and-swap here, so taking a lease writes it and
 reads it back: of two jobs starting in the same instant one sees the other's
