@@ -276,6 +276,24 @@ def _meta(edit):
     return damage
 
 
+def _common(**fields):
+    """A damage that rewrites fields of common.json (a file that still parses and passes its own checks)."""
+    def damage(d: Path):
+        common = json.loads((d / "common.json").read_text())
+        common.update(fields)
+        (d / "common.json").write_text(json.dumps(common))
+    return damage
+
+
+def _listed_as_another_world(d: Path):
+    """A file of another world size listed in metadata.json (and present, with its true size and digests)."""
+    meta = json.loads((d / "metadata.json").read_text())
+    src = d / "ckpt-model-0000001-0000002.safetensors"
+    (d / "ckpt-model-0000002-0000003.safetensors").write_bytes(src.read_bytes())
+    meta["files"]["ckpt-model-0000002-0000003.safetensors"] = dict(meta["files"][src.name])
+    (d / "metadata.json").write_text(json.dumps(meta))
+
+
 def _status(d: Path):
     common = json.loads((d / "common.json").read_text())
     common["ckpt_status"] = "saving"
@@ -298,6 +316,12 @@ def _status(d: Path):
         (lambda d: (d / "common.json").write_text("{not json"), "common.json: not valid JSON"),
         (lambda d: (d / "metadata.json").unlink(), "metadata.json: missing"),
         (lambda d: (d / "common.json").write_text('{"format_version": 1}'), "common.json: missing field 'global_step'"),
+        # A committed iteration must agree with itself: its step, world size and optimizer files.
+        (_common(global_step=4), "common.json: global_step 4 is not this directory's iteration 5"),
+        (_common(world_size=3), "common.json: world_size 3, but metadata.json lists the shards of 2 ranks"),
+        (_common(has_optimizer=False), "common.json: has_optimizer is false, but metadata.json lists optimizer state"),
+        (_meta(lambda m, f: m.update(iteration=4)), "metadata.json: iteration 4 is not this directory's iteration 5"),
+        (_listed_as_another_world, "metadata.json: files['ckpt-model-0000002-0000003.safetensors'] is not a shard of this 2-rank iteration"),
         (lambda d: (d.parent / layout.TRACKER).write_text(""), "tracker is empty"),
         (lambda d: (d.parent / layout.TRACKER).write_text("abc"), "tracker must hold a non-negative iteration number, got 'abc'"),
         (lambda d: (d.parent / layout.TRACKER).write_text("-3"), "tracker must hold a non-negative iteration number, got '-3'"),

@@ -52,6 +52,16 @@ def test_damaged_newest_falls_back_loudly_and_is_set_aside(root, caplog):
     assert "iteration_00000010" not in names and any(n.startswith("iteration_00000010.damaged-") for n in names)
 
 
+def test_an_iteration_that_disagrees_with_itself_is_damage_and_falls_back(root, caplog):
+    """A common.json of step 5 in iteration_00000010/ (copied, edited): resuming it would redo steps
+    6-10 and then save over committed iterations."""
+    common_file = root / "iteration_00000010" / "common.json"
+    common_file.write_text(json.dumps({**json.loads(common_file.read_text()), "global_step": 5}))
+    with caplog.at_level(logging.WARNING):
+        assert select_iteration(LocalStorage(), str(root), fallback=True) == 5
+    assert "global_step 5 is not this directory's iteration 10" in caplog.text
+
+
 def test_no_fallback_lists_the_valid_iterations_and_changes_nothing(root):
     flip_byte(root / "iteration_00000010" / "ckpt-model-0000000-0000002.safetensors")
     before = tree(root)
@@ -126,17 +136,17 @@ def test_bad_load_path_is_refused_by_key(tmp_path, make, message):
     assert "checkpoint.load_path" in str(err.value) and message in str(err.value)
 
 
-def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, reference):
+def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_reference):
     """The whole job (on the in-process harness): the driver sets 12 aside, the ranks load 8 and
-    redo 9-12 to the very bytes of the reference."""
+    redo 9-12 to the very bytes of the local_reference."""
     root = tmp_path / "ckpt"
-    shutil.copytree(reference["root"], root)
+    shutil.copytree(local_reference["root"], root)
     flip_byte(root / "iteration_00000012" / "ckpt-model-0000001-0000002.safetensors")
     (root / layout.TRACKER).write_text("12\n")
     cfg = tiny_config(tmp_path, training={"train_steps": FINAL}, checkpoint={"load_path": str(root)})
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     run_on_harness(cfg)
     assert any(p.name.startswith("iteration_00000012.damaged-") for p in root.iterdir())
     [start] = [r for r in read_metrics(str(root)) if r.get("event") == "start" and r["rank"] == 0]
     assert start["source"].endswith("iteration_00000008")
-    assert shard_bytes(root, FINAL) == shard_bytes(reference["root"], FINAL)  # redone from 8, the same bytes
+    assert shard_bytes(root, FINAL) == shard_bytes(local_reference["root"], FINAL)  # redone from 8, the same bytes

@@ -20,7 +20,7 @@ import torch
 from . import layout
 from .digest import BlockSha256
 from .plan import Piece, SavePlan, TensorSpec
-from .schema import DTYPES, CheckpointError, file_blocks, parse_json, tensor_specs, validate_common, validate_metadata
+from .schema import DTYPES, CheckpointError, file_blocks, parse_json, tensor_specs, validate_common, validate_iteration, validate_metadata
 from .storage import READ_BLOCK, LocalStorage
 from .writer import RANK_EXTRAS_KEY, Entry, shard_layout
 
@@ -73,6 +73,7 @@ def open_iteration(storage: LocalStorage, root: str, step: int) -> Iteration:
         docs[name] = parse_json(storage.read_bytes(file), file)
     validate_common(docs[layout.COMMON], layout.join(path, layout.COMMON))
     validate_metadata(docs[layout.METADATA], layout.join(path, layout.METADATA))
+    validate_iteration(docs[layout.COMMON], docs[layout.METADATA], step, path)
     return Iteration(root, step, path, docs[layout.COMMON], docs[layout.METADATA])
 
 

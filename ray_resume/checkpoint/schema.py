@@ -120,6 +120,30 @@ def validate_metadata(meta: dict, where: str) -> None:
                 raise CheckpointError(f"{where}: shard {name!r} of rank {rank} is not listed in 'files'; the iteration is incomplete")
 
 
+def validate_iteration(common: dict, meta: dict, step: int, directory: str) -> None:
+    """A committed iteration agrees with itself: its directory's step, common.json and metadata.json.
+
+    Each file may pass its own checks and still belong elsewhere (a copied or
+    hand-edited common.json): a resume from it would redo or skip steps and
+    then save over committed iterations, so any mismatch is damage.
+    """
+    common_file, meta_file = layout.join(directory, layout.COMMON), layout.join(directory, layout.METADATA)
+    if common["global_step"] != step:
+        raise CheckpointError(f"{common_file}: global_step {common['global_step']} is not this directory's iteration {step}")
+    if meta["iteration"] != step:
+        raise CheckpointError(f"{meta_file}: iteration {meta['iteration']} is not this directory's iteration {step}")
+    world = meta["world_size"]
+    if common["world_size"] != world:
+        raise CheckpointError(f"{common_file}: world_size {common['world_size']}, but metadata.json lists the shards of {world} ranks")
+    for name in meta["files"]:
+        shard = layout.parse_shard_filename(name)
+        if shard is None or shard["world"] != world or shard["rank"] >= world or shard["kind"] not in meta["tensors"]:
+            raise CheckpointError(f"{meta_file}: files[{name!r}] is not a shard of this {world}-rank iteration")
+    if common["has_optimizer"] != (layout.OPTIM_KIND in meta["tensors"]):
+        lists = "lists" if layout.OPTIM_KIND in meta["tensors"] else "lists no"
+        raise CheckpointError(f"{common_file}: has_optimizer is {str(common['has_optimizer']).lower()}, but metadata.json {lists} optimizer state")
+
+
 def _check_file_entry(info: Any, block_size: int, label: str) -> None:
     sizes = [info.get(k) for k in ("size", "data_start")] if isinstance(info, dict) else [None]
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) or not 8 <= sizes[1] <= min(sizes[0], 8 + MAX_HEADER):
