@@ -231,6 +231,20 @@ class StorageConfig(_Section):
     secret_access_key: str = ""  # prefer the env var AWS_SECRET_ACCESS_KEY over plain text here
 
 
+SECRET_STORAGE_KEYS = ("access_key_id", "secret_access_key")
+REDACTED = "<redacted>"
+
+
+def redacted(config: dict) -> dict:
+    """A copy of a config dict fit to write down: storage credentials replaced by REDACTED."""
+    out = copy.deepcopy(config)
+    storage = out.get("checkpoint", {}).get("storage") or {}
+    for key in SECRET_STORAGE_KEYS:
+        if storage.get(key):
+            storage[key] = REDACTED
+    return out
+
+
 @dataclass(kw_only=True)
 class CheckpointConfig(_Section):
     enable_save: bool = True  # write checkpoints during training

@@ -27,6 +27,7 @@ from .checkpoint import layout
 from .checkpoint.commit import commit_iteration
 from .checkpoint.lease import Lease
 from .checkpoint.storage import storage_for
+from .config import redacted
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class JobController:
     def _commit(self, iteration: int, manifests: list[dict], common: dict) -> None:
         metadata = commit_iteration(
             self.storage, self.root, iteration, manifests, common, prefix=self.config["checkpoint"]["prefix"],
-            config=self.config, job_id=self.job_id, before_tracker=lambda: self._maybe_kill_driver(iteration),
+            config=redacted(self.config), job_id=self.job_id, before_tracker=lambda: self._maybe_kill_driver(iteration),
         )
         self.committed_by_job.append(iteration)
         logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["files"]), layout.iteration_dir(self.root, iteration))

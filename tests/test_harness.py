@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 import harness
 from conftest import FINAL, assert_same_as_reference, per_step, read_metrics, shard_bytes, tiny_config
@@ -34,43 +35,39 @@ def starts(root) -> list[dict]:
     return [r for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0]
 
 
-def test_a_job_on_the_harness_is_the_same_job_as_on_ray_train(tmp_path, reference):
+def test_a_job_on_the_harness_is_the_same_job_as_on_ray_train(local_reference, reference):
     """Same bytes at every iteration, same loss and samples at every step as the Ray Train run:
     what the harness shows holds for the product."""
-    cfg = tiny_config(tmp_path)
-    cfg["data"]["path"] = reference["data"]
-    run(cfg)
-    root = cfg["checkpoint"]["save_path"]
     for step in (4, 8, FINAL):
-        assert shard_bytes(root, step) == shard_bytes(reference["root"], step), step
-    assert per_step(read_metrics(root)) == reference["steps"]
+        assert shard_bytes(local_reference["root"], step) == shard_bytes(reference["root"], step), step
+    assert local_reference["steps"] == reference["steps"]
 
 
 @pytest.mark.parametrize("phase", ["mid_shard_write", "before_report"])
-def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, reference, phase):
+def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, local_reference, phase):
     cfg = tiny_config(tmp_path, fault={"phase": phase, "step": 8, "rank": 1})
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     assert run(cfg).attempts == 2
     root = cfg["checkpoint"]["save_path"]
     restarts = starts(root)
     # Iteration 8 was being written when rank 1 died: the restart must use 4.
     assert [r["step"] for r in restarts] == [0, 4]
     assert restarts[1]["source"].endswith("iteration_00000004")
-    # 8 was saved again by the new attempt and replaced cleanly: the very bytes of the reference.
-    assert_same_as_reference(root, reference)
+    # 8 was saved again by the new attempt and replaced cleanly: the very bytes of the local_reference.
+    assert_same_as_reference(root, local_reference)
 
 
-def test_fsdp_rank_killed_resumes_exactly(tmp_path, reference):
+def test_fsdp_rank_killed_resumes_exactly(tmp_path, local_reference):
     """Under strategy fsdp (FSDP2 dim-0 shards) an interrupted run also ends byte-identical to its
     uninterrupted twin, with the same samples at every step as under DDP."""
     fsdp = {"training": {"strategy": "fsdp"}}
     clean = tiny_config(tmp_path / "clean", **fsdp)
-    clean["data"]["path"] = reference["data"]
+    clean["data"]["path"] = local_reference["data"]
     run(clean)
     twin = {"root": clean["checkpoint"]["save_path"], "steps": per_step(read_metrics(clean["checkpoint"]["save_path"]))}
     cfg = tiny_config(tmp_path / "faulty", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
                       checkpoint={"async_save": False}, **fsdp)
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     run(cfg)
     root = cfg["checkpoint"]["save_path"]
     assert [r["step"] for r in starts(root)] == [0, 4]
@@ -78,16 +75,16 @@ def test_fsdp_rank_killed_resumes_exactly(tmp_path, reference):
     it = open_iteration(LocalStorage(), root, FINAL)
     assert {t["layout"] for t in it.metadata["tensors"]["model"].values()} == {"dim0"}
     for step, runs in twin["steps"].items():  # FSDP changes where the state lives, not which samples a step sees
-        assert runs[0]["ids"] == reference["steps"][step][0]["ids"]
+        assert runs[0]["ids"] == local_reference["steps"][step][0]["ids"]
 
 
 def tracker(root) -> str:
     return Path(layout.tracker_path(str(root))).read_text().strip()
 
 
-def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp_path, reference):
+def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp_path, local_reference):
     cfg = tiny_config(tmp_path, fault={"phase": "commit_before_tracker", "step": 8})
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     root = cfg["checkpoint"]["save_path"]
     assert harness.run_job(cfg).driver_killed
     # The JSON of iteration 8 is on disk, but the tracker never moved past 4.
@@ -100,13 +97,13 @@ def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp
     [start] = starts(root)[-1:]
     assert start["source"].endswith("iteration_00000004")  # never the half-committed 8
     for step in (8, FINAL):  # 8 was written again and replaced cleanly
-        assert shard_bytes(root, step) == shard_bytes(reference["root"], step)
+        assert shard_bytes(root, step) == shard_bytes(local_reference["root"], step)
 
 
-def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path, reference):
+def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path, local_reference):
     # save_max 1: committing 8 deletes 4, and the driver dies half way through that deletion.
     cfg = tiny_config(tmp_path, checkpoint={"save_max": 1}, fault={"phase": "retention_delete", "step": 4})
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     root = cfg["checkpoint"]["save_path"]
     assert harness.run_job(cfg).driver_killed
     assert tracker(root) == "8"
@@ -114,7 +111,7 @@ def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path
     assert half_deleted.exists() and not (half_deleted / "common.json").exists()  # never passes as complete
     run({**cfg, "fault": None, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
     assert starts(root)[-1]["source"].endswith("iteration_00000008")
-    assert shard_bytes(root, FINAL) == shard_bytes(reference["root"], FINAL)
+    assert shard_bytes(root, FINAL) == shard_bytes(local_reference["root"], FINAL)
     # The resumed job keeps its own newest (12) and leaves the first job's 8 alone.
     kept = sorted(p.name for p in Path(root).iterdir() if p.name.startswith("iteration_"))
     assert kept[-2:] == ["iteration_00000008", "iteration_00000012"]
@@ -128,12 +125,12 @@ def marked_slow_loss(marks: str, step_sleep: float, model, batch):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_a_rank_sigkilled_from_outside_at_a_random_moment(tmp_path, reference, seed):
+def test_a_rank_sigkilled_from_outside_at_a_random_moment(tmp_path, local_reference, seed):
     """Anywhere: mid-step, mid-write in the writer thread, mid-report to the controller."""
     rng = random.Random(seed)
     step_sleep = 0.03  # per micro-batch, 2 per step: the 12 steps take ~0.7 s
     cfg = tiny_config(tmp_path)
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     marks = tmp_path / "marks"
     marks.mkdir()
     outcome = {}
@@ -151,7 +148,7 @@ def test_a_rank_sigkilled_from_outside_at_a_random_moment(tmp_path, reference, s
         job.join(timeout=120)
     result = outcome["result"]
     assert result.error is None and result.committed == FINAL and result.attempts == 2, result
-    restarts = assert_same_as_reference(cfg["checkpoint"]["save_path"], reference)
+    restarts = assert_same_as_reference(cfg["checkpoint"]["save_path"], local_reference)
     assert [r["attempt"] for r in restarts] == [0, 1]
     assert restarts[1]["step"] in (0, 4, 8, FINAL)
 
@@ -167,11 +164,11 @@ class NoticeFrom:
         return self.asked >= self.calls
 
 
-def test_a_preemption_notice_saves_at_the_step_boundary_and_stops(tmp_path, reference):
+def test_a_preemption_notice_saves_at_the_step_boundary_and_stops(tmp_path, local_reference):
     """Asked every log_every (4) steps: the notice comes at the second question, step 8. Every rank
     stops at that step, which is saved and committed, off the save interval (6) included."""
     cfg = tiny_config(tmp_path, checkpoint={"save_interleaved_steps": 6})
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     outcome = harness.run_job(cfg, preempted=NoticeFrom(2))
     assert outcome.error is None and outcome.committed == 8 and outcome.attempts == 1
     root = cfg["checkpoint"]["save_path"]
@@ -180,4 +177,20 @@ def test_a_preemption_notice_saves_at_the_step_boundary_and_stops(tmp_path, refe
     records = read_metrics(root)
     assert {r["rank"] for r in records if r.get("event") == "stop" and r["step"] == 8} == {0, 1}
     assert max(r["step"] for r in records if "loss" in r) == 8
-    assert shard_bytes(root, 8) == shard_bytes(reference["root"], 8)  # the run that would have happened, to there
+    assert shard_bytes(root, 8) == shard_bytes(local_reference["root"], 8)  # the run that would have happened, to there
+
+
+def test_no_storage_secret_lands_in_a_checkpoint_or_beside_it(tmp_path, local_reference):
+    """Credentials given in checkpoint.storage are redacted in every iteration's config.yaml (and so in
+    exports of it); no file the job writes holds them."""
+    secrets = {"access_key_id": "AKIATESTKEYID0000001", "secret_access_key": "s3cr3t/Value+0000000000000000000000000"}
+    cfg = tiny_config(tmp_path, checkpoint={"storage": secrets})
+    cfg["data"]["path"] = local_reference["data"]
+    run(cfg)
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.name == "config.yaml" for p in written)
+    for path in written:
+        data = path.read_bytes()
+        assert not any(value.encode() in data for value in secrets.values()), path
+    saved = yaml.safe_load((Path(layout.iteration_dir(cfg["checkpoint"]["save_path"], FINAL)) / layout.CONFIG).read_text())
+    assert saved["checkpoint"]["storage"]["secret_access_key"] == "<redacted>"
