@@ -179,7 +179,13 @@ def preflight(cfg: Config) -> tuple[str, int | None] | None:
                 f"checkpoint.save_path {ckpt.save_path!r} already holds committed iteration {existing} of an earlier run; "
                 "set checkpoint.load_path to the same directory to resume it, or choose an empty save_path"
             )
-    if ckpt.enable_save and load and load[1] is not None and load[0] == ckpt.save_path and not ckpt.no_load_optim:
+    if ckpt.enable_save and load and load[1] is not None and load[0] == ckpt.save_path:
+        if ckpt.no_load_optim:
+            raise CheckpointError(
+                f"checkpoint.save_path {ckpt.save_path!r} holds committed iteration {load[1]}, and no_load_optim: true "
+                "starts over at step 0, so this run's saves would overwrite it; set checkpoint.save_path to a new "
+                "directory (checkpoint.load_path stays where it is)"
+            )
         refuse_step_rewind(cfg, *load)
     return load
 

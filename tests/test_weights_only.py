@@ -25,7 +25,7 @@ from ray_resume.config import Config
 from ray_resume.model import GPT, lm_loss
 from ray_resume.optim import LossScaler, MainParamsOptimizer
 from ray_resume import run as run_module
-from test_checkpoint_format import make_state, write_iteration
+from test_checkpoint_format import make_state, tree, write_iteration
 
 
 def test_weights_only_load_refreshes_the_fp32_main_params(tmp_path):
@@ -91,6 +91,23 @@ def test_export_with_a_mismatched_tensor_is_refused_by_name(tmp_path):
     assert all(torch.equal(before[n], t) for n, t in state.model_tensors(other).items())  # nothing half-loaded
 
 
+def test_weights_only_onto_its_own_committed_root_is_refused_naming_save_path(tmp_path):
+    """Step 0 again, saving into the root whose committed iterations it loads, would overwrite them."""
+    from ray_resume.run import absolute_paths, preflight
+
+    write_iteration(tmp_path / "ckpt", world=2)
+    root = str(tmp_path / "ckpt")
+    before = tree(tmp_path / "ckpt")
+    cfg = tiny_config(tmp_path, checkpoint={"save_path": root, "load_path": root, "no_load_optim": True})
+    with pytest.raises(CheckpointError) as err:
+        preflight(absolute_paths(Config.from_dict(cfg)))
+    assert f"checkpoint.save_path {root!r} holds committed iteration 5" in str(err.value)
+    assert "set checkpoint.save_path to a new directory" in str(err.value)
+    assert tree(tmp_path / "ckpt") == before
+    fresh = tiny_config(tmp_path, checkpoint={"save_path": str(tmp_path / "new"), "load_path": root, "no_load_optim": True})
+    assert preflight(absolute_paths(Config.from_dict(fresh))) == (root, 5)  # scenario B: a new root
+
+
 def test_export_then_load_as_weights_round_trips_bitwise(tmp_path):
     from ray_resume import inspect
     from ray_resume.run import find_load_source
@@ -113,10 +130,10 @@ def test_export_then_load_as_weights_round_trips_bitwise(tmp_path):
 # ---- whole jobs -----------------------------------------------------------------------------
 
 
-def first_batch_loss(reference, weights: dict) -> float:
+def first_batch_loss(local_reference, weights: dict) -> float:
     """The loss of `weights` on the first global batch of the order, computed here from the parquet rows."""
-    ids = reference["steps"][1][0]["ids"]
-    table = pq.ParquetDataset(reference["data"]).read().to_pydict()
+    ids = local_reference["steps"][1][0]["ids"]
+    table = pq.ParquetDataset(local_reference["data"]).read().to_pydict()
     rows = dict(zip(table["sample_id"], table["input_ids"]))
     model = GPT(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2)
     model.load_state_dict(weights)
@@ -125,33 +142,33 @@ def first_batch_loss(reference, weights: dict) -> float:
         return lm_loss(model, torch.tensor([rows[i] for i in ids], dtype=torch.long)).item()
 
 
-def test_scenario_b_starts_at_step_0_from_the_loaded_weights(tmp_path, reference):
+def test_scenario_b_starts_at_step_0_from_the_loaded_weights(tmp_path, local_reference):
     runs = []
     for name in ("b1", "b2"):
         cfg = tiny_config(tmp_path / name, model={"dropout": 0.0},
-                          checkpoint={"load_path": reference["root"], "no_load_optim": True})
-        cfg["data"]["path"] = reference["data"]
+                          checkpoint={"load_path": local_reference["root"], "no_load_optim": True})
+        cfg["data"]["path"] = local_reference["data"]
         run_on_harness(cfg)
         runs.append(cfg["checkpoint"]["save_path"])
     records = read_metrics(runs[0])
     start = [r for r in records if r.get("event") == "start" and r["rank"] == 0]
     assert [(r["step"], Path(r["source"]).name) for r in start] == [(0, "iteration_00000012")]
     steps = per_step(records)
-    assert min(steps) == 1 and steps[1][0]["ids"] == reference["steps"][1][0]["ids"]  # the first batch of the order
+    assert min(steps) == 1 and steps[1][0]["ids"] == local_reference["steps"][1][0]["ids"]  # the first batch of the order
     storage = LocalStorage()
-    weights = load_state(storage, open_iteration(storage, reference["root"], FINAL), "model")
-    assert steps[1][0]["loss"] == pytest.approx(first_batch_loss(reference, weights), rel=1e-5)
+    weights = load_state(storage, open_iteration(storage, local_reference["root"], FINAL), "model")
+    assert steps[1][0]["loss"] == pytest.approx(first_batch_loss(local_reference, weights), rel=1e-5)
     assert json.loads(Path(layout.iteration_dir(runs[0], 4), "common.json").read_text())["consumed_samples"] == 64
     for step in (4, FINAL):  # deterministic from there
         assert shard_bytes(runs[0], step) == shard_bytes(runs[1], step)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, reference, dtype):
+def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, local_reference, dtype):
     roots = {}
     for name, fault in (("clean", None), ("killed", {"phase": "after_optimizer_step", "step": 6, "rank": 1})):
         cfg = tiny_config(tmp_path / name, model={"dtype": dtype}, fault=fault)
-        cfg["data"]["path"] = reference["data"]
+        cfg["data"]["path"] = local_reference["data"]
         run_on_harness(cfg)
         roots[name] = cfg["checkpoint"]["save_path"]
     for step in (4, 8, FINAL):
@@ -164,16 +181,16 @@ def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, refer
     assert {s: r[-1]["loss"] for s, r in killed.items()} == {s: r[0]["loss"] for s, r in clean.items()}
 
 
-def test_no_save_optim_then_full_resume_is_refused_by_name(tmp_path, reference, monkeypatch):
+def test_no_save_optim_then_full_resume_is_refused_by_name(tmp_path, local_reference, monkeypatch):
     cfg = tiny_config(tmp_path, training={"train_steps": 4}, checkpoint={"no_save_optim": True})
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
     it = open_iteration(LocalStorage(), root, 4)
     assert it.common["has_optimizer"] is False and "opt" not in it.metadata["tensors"]
     assert not [n for n in it.metadata["files"] if "-opt-" in n] and not list(Path(it.path).glob("*-opt-*"))
     resume = tiny_config(tmp_path / "again", checkpoint={"load_path": root})
-    resume["data"]["path"] = reference["data"]
+    resume["data"]["path"] = local_reference["data"]
     monkeypatch.setattr(run_module, "init_ray", lambda *args: pytest.fail("refused only after Ray was asked to start"))
     with pytest.raises(CheckpointError) as err:  # on the driver, before Ray starts
         run_module.run(Config.from_dict(resume))
@@ -181,9 +198,9 @@ def test_no_save_optim_then_full_resume_is_refused_by_name(tmp_path, reference, 
     assert "set checkpoint.no_load_optim: true" in str(err.value)
 
 
-def test_enable_save_false_writes_nothing_and_says_so(tmp_path, reference, caplog):
+def test_enable_save_false_writes_nothing_and_says_so(tmp_path, local_reference, caplog):
     cfg = tiny_config(tmp_path, training={"train_steps": 4}, checkpoint={"enable_save": False})
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     with caplog.at_level(logging.WARNING, logger="ray_resume"):
         outcome = harness.run_job(cfg)
     assert outcome.error is None and outcome.committed is None
