@@ -25,6 +25,13 @@ FINAL = 12  # train_steps of tiny_config
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
+def pytest_collection_modifyitems(items):
+    """`slow` is exactly the tests that need a Ray cluster: `pytest -m 'not slow'` runs the rest without one."""
+    for item in items:
+        if "ray_cluster" in item.fixturenames or item.get_closest_marker("starts_ray"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray with room for 2 training workers and the Ray Data readers beside them."""
@@ -124,10 +131,21 @@ def run_on_harness(cfg: dict, **plugins):
 
 @pytest.fixture(scope="session")
 def reference(ray_cluster, tmp_path_factory):
-    """The uninterrupted run every faulty run is compared with."""
+    """The uninterrupted run on Ray Train that every faulty Ray run is compared with."""
     tmp = tmp_path_factory.mktemp("reference")
     cfg = tiny_config(tmp)
     run_job(cfg)
+    root = cfg["checkpoint"]["save_path"]
+    return {"root": root, "steps": per_step(read_metrics(root)), "data": cfg["data"]["path"]}
+
+
+@pytest.fixture(scope="session")
+def local_reference(tmp_path_factory):
+    """The same uninterrupted run on the in-process harness, no Ray: what harness runs are compared
+    with (tests/test_harness.py checks that it equals `reference` byte for byte)."""
+    tmp = tmp_path_factory.mktemp("local_reference")
+    cfg = tiny_config(tmp)
+    run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
     return {"root": root, "steps": per_step(read_metrics(root)), "data": cfg["data"]["path"]}
 

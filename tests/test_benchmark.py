@@ -6,11 +6,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, env_for_subprocess
 
 from benchmarks.checkpoint import ROWS, TRAIN_ROWS
 
 
+@pytest.mark.starts_ray
 def test_small_benchmark_writes_every_row(tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run(

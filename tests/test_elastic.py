@@ -29,14 +29,14 @@ def starts(root):
 
 
 @pytest.fixture(scope="module")
-def reference24(tmp_path_factory, reference):
+def reference24(tmp_path_factory, local_reference):
     """Uninterrupted 2-worker run at global batch 24 (divisible by 1, 2 and 3 workers x 4), no dropout."""
     tmp = tmp_path_factory.mktemp("reference24")
     cfg = tiny_config(tmp, model={"dropout": 0.0}, training={"global_batch_size": 24})
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
-    return {"root": root, "steps": per_step(read_metrics(root)), "data": reference["data"]}
+    return {"root": root, "steps": per_step(read_metrics(root)), "data": local_reference["data"]}
 
 
 @pytest.mark.parametrize("workers, balanced", [(1, False), (3, True)])
@@ -63,11 +63,11 @@ def test_resume_on_another_world_size(tmp_path, reference24, workers, balanced):
 
 
 @pytest.mark.parametrize("new_gbs, final, saved_step, resume_step", [(32, 6, 8, 4), (24, 7, 8, 5)])
-def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, reference, new_gbs, final, saved_step, resume_step):
+def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, local_reference, new_gbs, final, saved_step, resume_step):
     """Spec 1.4: 8 steps at gbs 16 = 128 samples -> step 4 at gbs 32; at gbs 24, 128/24 = 5.33 -> step 5, cursor 128."""
-    loaded = resume_root(reference["root"], saved_step, tmp_path / "old")
+    loaded = resume_root(local_reference["root"], saved_step, tmp_path / "old")
     cfg = tiny_config(tmp_path, training={"global_batch_size": new_gbs, "train_steps": final}, checkpoint={"load_path": loaded})
-    cfg["data"]["path"] = reference["data"]
+    cfg["data"]["path"] = local_reference["data"]
     with pytest.raises(CheckpointError) as err:  # the rescaled steps would overwrite the run being resumed
         harness.run_job({**cfg, "checkpoint": {**cfg["checkpoint"], "save_path": loaded}})
     assert f"resumes iteration {saved_step} at step {resume_step}" in str(err.value)
@@ -79,10 +79,10 @@ def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, reference, n
     steps = per_step(read_metrics(root))
     assert sorted(steps) == list(range(resume_step + 1, final + 1))
     consumed_after = 128 + (final - resume_step) * new_gbs
-    old_ids = [i for s in range(saved_step + 1, consumed_after // 16 + 1) for i in reference["steps"][s][0]["ids"]]
+    old_ids = [i for s in range(saved_step + 1, consumed_after // 16 + 1) for i in local_reference["steps"][s][0]["ids"]]
     new_ids = [i for s in steps for i in steps[s][-1]["ids"]]
     # Exactly the samples the old run took next, as a multiset (ids recur across the
-    # epoch boundary at 160, as they do in the reference): none repeated, none skipped.
+    # epoch boundary at 160, as they do in the local_reference): none repeated, none skipped.
     assert len(new_ids) == consumed_after - 128
     assert sorted(new_ids) == sorted(old_ids)
     common = (Path(layout.iteration_dir(root, final)) / "common.json").read_text()

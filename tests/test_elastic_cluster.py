@@ -66,7 +66,6 @@ from ray_resume.config import Config
 from ray_resume.data import ensure_dataset
 from test_whole_job import end_group
 
-pytestmark = pytest.mark.slow
 
 DRIVER = r'''
 """Driver of the elastic-cluster test: a multi-node Ray of its own (ray.cluster_utils.Cluster)."""

@@ -33,7 +33,6 @@ from ray_resume.plugins import next_token_loss
 from ray_resume.run import run
 from test_whole_job import end_group
 
-pytestmark = pytest.mark.slow
 
 MICRO_BATCHES = 2  # tiny_config: global batch 16 = 2 workers x micro batch 4 x 2 accumulation steps
 

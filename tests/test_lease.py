@@ -43,7 +43,6 @@ def test_a_dead_jobs_lease_is_taken_over(tmp_path, record, caplog):
     assert f"taking over the expired lease of job {record['job_id']}" in caplog.text
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_two_real_jobs_on_one_save_path(tmp_path, reference):
     cfg = tiny_config(tmp_path, training={"train_steps": 40})

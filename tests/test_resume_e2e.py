@@ -17,7 +17,7 @@ from ray_resume.checkpoint.fetch import load_state
 from ray_resume.checkpoint.reader import open_iteration, read_verified, saved_pieces
 from ray_resume.checkpoint.storage import LocalStorage
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 def faulty_run(tmp, reference, phase: str, step: int, rank: int = 1, **sections) -> dict:

@@ -89,7 +89,6 @@ class TornReadWatcher:
         self.thread.join()
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_exact_resume_on_object_storage(tmp_path, reference, s3):
     root = "s3://ckpts/exact"
@@ -117,11 +116,11 @@ def iterations(root) -> list[int]:
     return sorted(s for s in (layout.parse_iteration_dirname(p.name) for p in root.iterdir()) if s is not None)
 
 
-def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, reference):
+def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, local_reference):
     """Two whole jobs on the in-process harness; a reader polls the root all along."""
     root = tmp_path / "ckpt"
     first = tiny_config(tmp_path, training={"train_steps": 14}, checkpoint={"save_interleaved_steps": 2, "save_max": 2})
-    first["data"]["path"] = reference["data"]
+    first["data"]["path"] = local_reference["data"]
     with TornReadWatcher(str(root)) as watcher:
         run_on_harness(first)
     assert watcher.reads > 0 and watcher.torn == []
@@ -129,7 +128,7 @@ def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, re
 
     second = tiny_config(tmp_path, training={"train_steps": 20},
                          checkpoint={"save_interleaved_steps": 2, "save_max": 1, "load_path": str(root)})
-    second["data"]["path"] = reference["data"]
+    second["data"]["path"] = local_reference["data"]
     run_on_harness(second)
     # The first job's iterations stay; of its own (16, 18, 20) the second keeps 1.
     assert iterations(root) == [12, 14, 20]

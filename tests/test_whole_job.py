@@ -19,13 +19,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
 import yaml
 
 from conftest import FINAL, REPO, env_for_subprocess, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout
 
-pytestmark = pytest.mark.slow
 
 
 def write_config(tmp: Path, reference, **sections) -> Path:
