@@ -82,7 +82,7 @@ def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, local_refere
     old_ids = [i for s in range(saved_step + 1, consumed_after // 16 + 1) for i in local_reference["steps"][s][0]["ids"]]
     new_ids = [i for s in steps for i in steps[s][-1]["ids"]]
     # Exactly the samples the old run took next, as a multiset (ids recur across the
-    # epoch boundary at 160, as they do in the local_reference): none repeated, none skipped.
+    # epoch boundary at 160, as they do in the reference run): none repeated, none skipped.
     assert len(new_ids) == consumed_after - 128
     assert sorted(new_ids) == sorted(old_ids)
     common = (Path(layout.iteration_dir(root, final)) / "common.json").read_text()

@@ -16,19 +16,12 @@ import pytest
 import yaml
 
 import harness
-from conftest import FINAL, assert_same_as_reference, per_step, read_metrics, shard_bytes, tiny_config
+from conftest import FINAL, assert_same_as_reference, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.plugins import next_token_loss
-
-
-def run(cfg: dict) -> harness.Outcome:
-    outcome = harness.run_job(cfg)
-    assert outcome.error is None and not outcome.driver_killed, outcome
-    assert outcome.committed == cfg["training"]["train_steps"]
-    return outcome
 
 
 def starts(root) -> list[dict]:
@@ -47,14 +40,17 @@ def test_a_job_on_the_harness_is_the_same_job_as_on_ray_train(local_reference, r
 def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, local_reference, phase):
     cfg = tiny_config(tmp_path, fault={"phase": phase, "step": 8, "rank": 1})
     cfg["data"]["path"] = local_reference["data"]
-    assert run(cfg).attempts == 2
+    assert run_on_harness(cfg).attempts == 2
     root = cfg["checkpoint"]["save_path"]
     restarts = starts(root)
     # Iteration 8 was being written when rank 1 died: the restart must use 4.
     assert [r["step"] for r in restarts] == [0, 4]
     assert restarts[1]["source"].endswith("iteration_00000004")
-    # 8 was saved again by the new attempt and replaced cleanly: the very bytes of the local_reference.
+    # 8 was saved again by the new attempt and replaced cleanly: the very bytes of the reference run.
     assert_same_as_reference(root, local_reference)
+    # The last (async) save was waited for by every rank of the last attempt before it returned.
+    waits = [r for r in read_metrics(root) if r.get("event") == "save_wait"]
+    assert {r["rank"] for r in waits if r["attempt"] == restarts[1]["attempt"]} == {0, 1}
 
 
 def test_fsdp_rank_killed_resumes_exactly(tmp_path, local_reference):
@@ -63,12 +59,12 @@ def test_fsdp_rank_killed_resumes_exactly(tmp_path, local_reference):
     fsdp = {"training": {"strategy": "fsdp"}}
     clean = tiny_config(tmp_path / "clean", **fsdp)
     clean["data"]["path"] = local_reference["data"]
-    run(clean)
+    run_on_harness(clean)
     twin = {"root": clean["checkpoint"]["save_path"], "steps": per_step(read_metrics(clean["checkpoint"]["save_path"]))}
     cfg = tiny_config(tmp_path / "faulty", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
                       checkpoint={"async_save": False}, **fsdp)
     cfg["data"]["path"] = local_reference["data"]
-    run(cfg)
+    run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
     assert [r["step"] for r in starts(root)] == [0, 4]
     assert_same_as_reference(root, twin)
@@ -93,7 +89,7 @@ def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp
     again = {**cfg, "fault": None}
     with pytest.raises(CheckpointError, match="already holds committed iteration 4 .* set checkpoint.load_path"):
         harness.run_job(again)
-    run({**again, "checkpoint": {**cfg["checkpoint"], "load_path": root}})  # the dead driver's lease is taken over
+    run_on_harness({**again, "checkpoint": {**cfg["checkpoint"], "load_path": root}})  # the dead driver's lease is taken over
     [start] = starts(root)[-1:]
     assert start["source"].endswith("iteration_00000004")  # never the half-committed 8
     for step in (8, FINAL):  # 8 was written again and replaced cleanly
@@ -109,7 +105,7 @@ def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path
     assert tracker(root) == "8"
     half_deleted = Path(root) / "iteration_00000004"
     assert half_deleted.exists() and not (half_deleted / "common.json").exists()  # never passes as complete
-    run({**cfg, "fault": None, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
+    run_on_harness({**cfg, "fault": None, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
     assert starts(root)[-1]["source"].endswith("iteration_00000008")
     assert shard_bytes(root, FINAL) == shard_bytes(local_reference["root"], FINAL)
     # The resumed job keeps its own newest (12) and leaves the first job's 8 alone.
@@ -186,7 +182,7 @@ def test_no_storage_secret_lands_in_a_checkpoint_or_beside_it(tmp_path, local_re
     secrets = {"access_key_id": "AKIATESTKEYID0000001", "secret_access_key": "s3cr3t/Value+0000000000000000000000000"}
     cfg = tiny_config(tmp_path, checkpoint={"storage": secrets})
     cfg["data"]["path"] = local_reference["data"]
-    run(cfg)
+    run_on_harness(cfg)
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert any(p.name == "config.yaml" for p in written)
     for path in written:

@@ -138,7 +138,7 @@ def test_bad_load_path_is_refused_by_key(tmp_path, make, message):
 
 def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_reference):
     """The whole job (on the in-process harness): the driver sets 12 aside, the ranks load 8 and
-    redo 9-12 to the very bytes of the local_reference."""
+    redo 9-12 to the very bytes of the reference run."""
     root = tmp_path / "ckpt"
     shutil.copytree(local_reference["root"], root)
     flip_byte(root / "iteration_00000012" / "ckpt-model-0000001-0000002.safetensors")
