@@ -18,7 +18,7 @@ import yaml
 import harness
 from conftest import FINAL, assert_same_as_reference, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout
-from ray_resume.checkpoint.reader import open_iteration
+from ray_resume.checkpoint.reader import check_no_extra_shards, open_iteration
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.plugins import next_token_loss
@@ -190,3 +190,26 @@ def test_no_storage_secret_lands_in_a_checkpoint_or_beside_it(tmp_path, local_re
         assert not any(value.encode() in data for value in secrets.values()), path
     saved = yaml.safe_load((Path(layout.iteration_dir(cfg["checkpoint"]["save_path"], FINAL)) / layout.CONFIG).read_text())
     assert saved["checkpoint"]["storage"]["secret_access_key"] == "<redacted>"
+
+
+def test_a_resave_on_fewer_ranks_leaves_no_file_of_the_larger_world(tmp_path, local_reference):
+    """A 3-rank job dies while writing iteration 8; the next job resumes from 4 on 2 ranks and saves 8
+    again. The 3-rank files of the first attempt must be gone before 8's commit lands: a committed
+    iteration holds exactly the files its metadata.json lists."""
+    sections = {"model": {"dropout": 0.0}, "training": {"global_batch_size": 24}}
+    root = str(tmp_path / "ckpt")
+    first = tiny_config(tmp_path, scaling={"num_workers": 3}, failure={"max_failures": 0},
+                        checkpoint={"async_save": False}, fault={"phase": "before_report", "step": 8, "rank": 2}, **sections)
+    first["data"]["path"] = local_reference["data"]
+    assert harness.run_job(first).error is not None  # no restart allowed: the job fails
+    iteration_8 = Path(layout.iteration_dir(root, 8))
+    assert {p.name for p in iteration_8.iterdir()} >= {"ckpt-model-0000002-0000003.safetensors", "ckpt-opt-0000002-0000003.safetensors"}
+    again = tiny_config(tmp_path, scaling={"num_workers": 2}, checkpoint={"load_path": root}, **sections)
+    again["data"]["path"] = local_reference["data"]
+    run_on_harness(again)
+    assert starts(root)[-1]["step"] == 4
+    storage = LocalStorage()
+    for step in (8, FINAL):
+        it = open_iteration(storage, root, step)
+        check_no_extra_shards(storage, it)
+        assert sorted(p.name for p in Path(it.path).glob("*.safetensors")) == sorted(it.metadata["files"])

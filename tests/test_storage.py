@@ -17,6 +17,7 @@ from conftest import FINAL, per_step, read_metrics, run_job, run_on_harness, sha
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.fetch import load_state
 from ray_resume.checkpoint.reader import find_committed, open_iteration, read_verified
+from ray_resume.checkpoint.commit import remove_unlisted
 from ray_resume.checkpoint.digest import BlockSha256
 from ray_resume.checkpoint.storage import storage_for
 
@@ -36,6 +37,18 @@ def test_object_storage_basics(s3):
     assert digest.hexdigests() == [hashlib.sha256(b"a").hexdigest(), hashlib.sha256(b"bcd").hexdigest()]
     storage.remove_tree("s3://ckpts/basics")
     assert storage.listdir("s3://ckpts/basics") == []
+
+
+def test_a_commit_on_object_storage_leaves_only_the_files_it_lists(s3):
+    """The same cleanup as on disk (tests/test_harness.py runs it in a whole job): files of an
+    earlier, larger attempt and its unfinished common.json are deleted, the listed shards kept."""
+    directory = "s3://ckpts/resave/iteration_00000008"
+    storage = storage_for(directory, s3)
+    names = ["ckpt-model-0000000-0000002.safetensors", "ckpt-model-0000002-0000003.safetensors", "common.json", "metadata.json"]
+    for name in names:
+        storage.write_atomic(f"{directory}/{name}", b"x")
+    remove_unlisted(storage, directory, {"ckpt-model-0000000-0000002.safetensors"})
+    assert storage.listdir(directory) == ["ckpt-model-0000000-0000002.safetensors"]
 
 
 def test_small_files_go_to_object_storage_as_one_put(s3):

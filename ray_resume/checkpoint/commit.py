@@ -34,7 +34,8 @@ def commit_iteration(
     """Commit `iteration` from every rank's manifest (`manifests[r]` is rank r's); return its metadata.
 
     Checks that every reported file is on storage with its reported size and
-    that the metadata lists every rank's shard of every kind, then writes
+    that the metadata lists every rank's shard of every kind, removes every
+    other file of the directory (`remove_unlisted`), then writes
     metadata.json, config.yaml and common.json (rank 0's `common` completed
     here), calls `before_tracker` (fault injection), and moves the tracker
     last. Raises on any mismatch, before the tracker moves.
@@ -56,9 +57,25 @@ def commit_iteration(
         format_version=layout.FORMAT_VERSION, ckpt_status=CKPT_STATUS_OK, world_size=world,
         job_id=job_id, saved_at=time.time(), has_optimizer=layout.OPTIM_KIND in metadata["tensors"],
     )
+    remove_unlisted(storage, iter_dir, set(reported))
     storage.write_atomic(layout.join(iter_dir, layout.METADATA), dumps(metadata))
     storage.write_atomic(layout.join(iter_dir, layout.CONFIG), yaml.safe_dump(config, sort_keys=False).encode())
     storage.write_atomic(layout.join(iter_dir, layout.COMMON), dumps(common))
     before_tracker()
     storage.write_atomic(layout.tracker_path(root), f"{iteration}\n".encode())
     return metadata
+
+
+def remove_unlisted(storage, iter_dir: str, listed: set[str]) -> None:
+    """Remove every file of `iter_dir` but `listed`: what an iteration holds is what its commit lists.
+
+    A re-save of an iteration (a new attempt, after a crash mid-save) may run
+    on fewer ranks than the attempt that died, whose shards of the larger world
+    size would otherwise outlive the commit, and every later load would refuse
+    the iteration for them. A common.json left by an earlier, unfinished commit
+    goes first: until the new one is written the directory never passes as
+    committed, wherever a crash cuts this short.
+    """
+    stale = [name for name in storage.listdir(iter_dir) if name not in listed]
+    for name in sorted(stale, key=lambda name: name != layout.COMMON):
+        storage.remove(layout.join(iter_dir, name))
