@@ -41,6 +41,10 @@ from .train_loop import train_func
 logger = logging.getLogger("ray_resume")
 
 USER_ERRORS = (ConfigError, CheckpointError, DataError)
+# Stopped on request before train_steps (SIGTERM): saved and committed, to be resumed. Neither 0
+# (finished) nor 1/2 (failed, refused): 128 + SIGTERM, the status a scheduler (Kubernetes, Slurm,
+# a RayJob) expects of a job it preempted and requeues.
+EXIT_STOPPED = 128 + signal.SIGTERM
 
 
 @dataclass
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if result.error is not None:
         print(f"error: training failed: {result.error}", file=sys.stderr)
         return 1
-    return 0
+    return EXIT_STOPPED if result.metrics.get("stopped") else 0
 
 
 def scaling_config(scaling) -> ray.train.ScalingConfig:

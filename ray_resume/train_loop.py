@@ -77,6 +77,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
 
     batches = iter(samples)
     accumulation = train.accumulation_steps(world)
+    noticed = False  # a preemption notice was seen and saved for
     for step in range(resume.global_step + 1, train.train_steps + 1):
         batch = next(batches)
         for group in optimizer.param_groups:
@@ -84,8 +85,11 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
         loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world, device)
         faults.maybe_kill("after_optimizer_step", step)
         consumed = samples.position
-        stop = step < train.train_steps and _agree_to_stop(controller, rank, preempted if step % train.log_every == 0 else None)
-        saved = checkpointer.maybe_save(step, model, optimizer, force=stop, common={
+        stop, notice = False, False
+        if step < train.train_steps:
+            stop, notice = _agree_on_stop_or_notice(controller, rank, preempted if step % train.log_every == 0 and not noticed else None)
+            noticed = noticed or notice
+        saved = checkpointer.maybe_save(step, model, optimizer, force=stop or notice, common={
             "global_step": step,
             "global_batch_size": train.global_batch_size,
             "consumed_samples": consumed,
@@ -130,16 +134,20 @@ def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumul
     return total.item() / world
 
 
-def _agree_to_stop(controller, rank: int, preempted) -> bool:
-    """Stop after this step? The driver got SIGTERM, or `preempted()` (Ray Train's notice of a
-    node about to be preempted; asked every log_every steps: ~7 ms, and a barrier every rank
-    must reach) says so. All ranks stop at the same step."""
+def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[bool, bool]:
+    """(stop after this step, save now and go on), the same on every rank.
+
+    Stop: the driver got SIGTERM. Save and go on: `preempted()` (Ray Train's
+    notice that a node will be preempted; asked every log_every steps, ~7 ms)
+    is true on some rank. As Ray Train documents, the run keeps training on
+    the node's remaining time: the commit bounds what its loss costs, and
+    the group restarts from it when the node is gone.
+    """
     stop = rank == 0 and call(controller, "should_stop")
-    if preempted is not None and preempted():
-        stop = True
-    flag = torch.tensor([1 if stop else 0], device=collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    notice = preempted is not None and preempted()
+    flags = torch.tensor([int(stop), int(notice)], device=collective_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0].item()), bool(flags[1].item())
 
 
 def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None]:

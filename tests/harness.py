@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import tempfile
 import time
 import uuid
@@ -125,8 +124,7 @@ def _run_group(world: int, tmp: Path, args: tuple, driver: Driver, timeout: floa
             time.sleep(0.02)
     finally:
         for p in procs:  # as Ray Train ends a group: what still runs is killed
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+            p.kill()  # SIGKILL; nothing if it has exited meanwhile
             p.join()
 
 
