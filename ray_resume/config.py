@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("ddp", "fsdp")  # DistributedDataParallel, or FSDP2 fully_shard (params and optimizer state sharded on dim 0)
-FAULT_PHASES = ("after_optimizer_step", "mid_shard_write", "before_report", "commit_before_tracker", "retention_delete")
+FAULT_PHASES = ("after_optimizer_step", "mid_shard_write", "before_report", "commit_before_tracker", "retention_delete", "commit_fails")
 
 
 class ConfigError(ValueError):
@@ -276,7 +276,7 @@ class CheckpointConfig(_Section):
 
 @dataclass(kw_only=True)
 class FaultConfig(_Section):
-    phase: str  # where to die: after_optimizer_step | mid_shard_write | before_report | commit_before_tracker
+    phase: str  # where to die: after_optimizer_step | mid_shard_write | before_report | commit_before_tracker | retention_delete; or commit_fails (its tracker write fails)
     step: int  # optimizer step at which to die (>= 1)
     rank: int = 0  # which worker rank dies
 

@@ -17,6 +17,7 @@ test harness serves the very same class without Ray.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -30,6 +31,10 @@ from .checkpoint.storage import storage_for
 from .config import redacted
 
 logger = logging.getLogger(__name__)
+
+
+class CommitError(RuntimeError):
+    """A commit failed: the run ends with this error, and its tracker stays on the last good commit."""
 
 
 def call(controller, method: str, *args):
@@ -55,6 +60,7 @@ class JobController:
         self.fault_claimed = False
         self.final_metrics: dict = {}
         self.stop_requested = False
+        self.commit_error: str | None = None  # the first failed commit, for the driver's result
         self.lease = None
         if self.storage and config["checkpoint"]["enable_save"]:
             # The driver took the lease; this actor outlives worker restarts, so it renews it.
@@ -81,7 +87,8 @@ class JobController:
         self.stop_requested = True
 
     def should_stop(self) -> bool:
-        return self.stop_requested
+        """Stop at the next step boundary: a stop was requested, or a commit failed (never silently)."""
+        return self.stop_requested or self.commit_error is not None
 
     def release(self) -> None:
         """The job is over: stop renewing and give the save_path back."""
@@ -93,7 +100,13 @@ class JobController:
         self.final_metrics = metrics
 
     def result(self) -> dict:
-        return {"committed": self.last_committed(), "metrics": self.final_metrics}
+        """What the job committed, rank 0's last metrics, and why the run failed if a commit did."""
+        error = None
+        if self.commit_error:
+            last = self.last_committed()
+            where = f"iteration {last}, the last good commit" if last is not None else "what it named before"
+            error = f"{self.commit_error}; the tracker of {self.root} stays on {where}; run again with checkpoint.load_path={self.root} to resume from it"
+        return {"committed": self.last_committed(), "metrics": self.final_metrics, "error": error}
 
     def last_committed(self) -> int | None:
         return self.committed_by_job[-1] if self.committed_by_job else None
@@ -120,14 +133,15 @@ class JobController:
                 raise RuntimeError(f"iteration {iteration}: manifests came from ranks {sorted(got)[:8]}..., not 0..{len(got) - 1}")
             self._commit(iteration, [got[rank] for rank in range(len(got))], common)
             return True
-        except Exception:  # never raise into Ray: a failed commit just leaves the tracker where it was
+        except Exception as exc:  # never raised into Ray: the ranks stop, and the driver fails the run with it
             logger.exception("commit of iteration %d failed; the tracker stays on the previous iteration", iteration)
+            self.commit_error = self.commit_error or f"the commit of iteration {iteration} failed: {exc}"
             return False
 
     def _commit(self, iteration: int, manifests: list[dict], common: dict) -> None:
         metadata = commit_iteration(
             self.storage, self.root, iteration, manifests, common, prefix=self.config["checkpoint"]["prefix"],
-            config=redacted(self.config), job_id=self.job_id, before_tracker=lambda: self._maybe_kill_driver(iteration),
+            config=redacted(self.config), job_id=self.job_id, before_tracker=lambda: self._before_tracker(iteration),
         )
         self.committed_by_job.append(iteration)
         logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["files"]), layout.iteration_dir(self.root, iteration))
@@ -156,9 +170,12 @@ class JobController:
         self.storage.remove_tree(iter_dir)
         logger.info("retention (save_max=%d): removed iteration %d", self.config["checkpoint"]["save_max"], step)
 
-    def _maybe_kill_driver(self, iteration: int) -> None:
+    def _before_tracker(self, iteration: int) -> None:
+        """Fault injection between the JSON files and the tracker: the driver dies, or the write fails."""
         f = self.fault
-        if f and f["phase"] == "commit_before_tracker" and f["step"] == iteration and self.claim_fault():
+        if f and f["step"] == iteration and f["phase"] in ("commit_before_tracker", "commit_fails") and self.claim_fault():
+            if f["phase"] == "commit_fails":
+                raise OSError(errno.EIO, f"injected fault: the tracker write for iteration {iteration} failed")
             self._kill_driver(f"before moving the tracker to {iteration}")
 
     def _kill_driver(self, when: str) -> None:

@@ -32,7 +32,7 @@ from .checkpoint.reader import find_committed, is_export, open_iteration
 from .checkpoint.schema import CheckpointError
 from .checkpoint.storage import storage_for
 from .config import Config, ConfigError, load_config
-from .controller import JobControllerActor
+from .controller import CommitError, JobControllerActor
 from .data import DataError, ensure_dataset, scan_units
 from . import parallel
 from .plugins import make_model, resolve
@@ -128,6 +128,8 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
         error = exc
     outcome = ray.get(controller.result.remote())
     ray.get(controller.release.remote())
+    if error is None and outcome["error"]:
+        error = CommitError(outcome["error"])
     committed = outcome["committed"]
     path = layout.iteration_dir(cfg.checkpoint.save_path, committed) if committed is not None else None
     if error is None and outcome["metrics"].get("stopped"):

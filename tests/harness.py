@@ -154,8 +154,8 @@ def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preemp
                 break
         if error == "driver died":
             return Outcome(None, attempts, True, error)
-        committed = controller.last_committed()
+        result = controller.result()
         controller.release()
-        return Outcome(committed, attempts, False, error)
+        return Outcome(result["committed"], attempts, False, error or result["error"])
     finally:
         driver.shutdown()

@@ -173,7 +173,7 @@ def test_bad_enums():
         "x.yaml: training.strategy must be one of ddp, fsdp; got 'zero3'"]
     assert problems(cfg(fault={"phase": "sometime", "step": 5})) == [
         "x.yaml: fault.phase must be one of after_optimizer_step, mid_shard_write, before_report, "
-        "commit_before_tracker, retention_delete; got 'sometime'"]
+        "commit_before_tracker, retention_delete, commit_fails; got 'sometime'"]
 
 
 def test_enable_save_requires_save_path_and_fault_rank():

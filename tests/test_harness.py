@@ -214,3 +214,20 @@ def test_a_resave_on_fewer_ranks_leaves_no_file_of_the_larger_world(tmp_path, lo
         it = open_iteration(storage, root, step)
         check_no_extra_shards(storage, it)
         assert sorted(p.name for p in Path(it.path).glob("*.safetensors")) == sorted(it.metadata["files"])
+
+
+def test_a_failed_commit_ends_the_run_with_its_error_and_the_next_start_resumes(tmp_path, local_reference):
+    """The tracker write of iteration 8 fails: the ranks stop at the next step boundary (saving it),
+    the job ends with the failure named, and a new start resumes from the last good commit."""
+    cfg = tiny_config(tmp_path, fault={"phase": "commit_fails", "step": 8})
+    cfg["data"]["path"] = local_reference["data"]
+    root = cfg["checkpoint"]["save_path"]
+    outcome = harness.run_job(cfg)
+    assert outcome.error.startswith("the commit of iteration 8 failed: [Errno 5] injected fault: the tracker write for iteration 8 failed")
+    assert f"the tracker of {root} stays on iteration {outcome.committed}" in outcome.error and outcome.committed < FINAL
+    assert tracker(root) == str(outcome.committed) and outcome.attempts == 1
+    stops = {r["step"] for r in read_metrics(root) if r.get("event") == "stop"}
+    assert stops == {outcome.committed}  # the stop step was saved and committed
+    run_on_harness({**cfg, "fault": None, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
+    assert starts(root)[-1]["step"] == outcome.committed
+    assert shard_bytes(root, FINAL) == shard_bytes(local_reference["root"], FINAL)

@@ -9,13 +9,17 @@ harness (tests/test_harness.py), whose runs equal this reference byte for byte.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import yaml
 
 from conftest import FINAL, assert_same_as_reference, read_metrics, run_job, tiny_config
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.fetch import load_state
 from ray_resume.checkpoint.reader import open_iteration, read_verified, saved_pieces
 from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.run import main
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -63,3 +67,17 @@ def test_rank_killed_after_optimizer_step_resumes_exactly(tmp_path, reference):
     restarts = starts(read_metrics(root))
     assert [r["step"] for r in restarts] == [0, 4]  # resumed from the newest commit, by itself
     assert restarts[1]["source"].endswith("iteration_00000004")
+
+
+def test_a_failed_commit_ends_the_run_non_zero_naming_it(tmp_path, reference, capsys, caplog):
+    """On Ray Train, through the CLI's own main(): the failure reaches the driver, which says which
+    iteration and why, and exits 1 (before, it logged "finished" and exited 0)."""
+    cfg = tiny_config(tmp_path, fault={"phase": "commit_fails", "step": 8})
+    cfg["data"]["path"] = reference["data"]
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
+    with caplog.at_level(logging.INFO, logger="ray_resume"):
+        code = main([str(tmp_path / "job.yaml")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the workers' lines Ray forwards
+    assert code == 1, last
+    assert last.startswith("error: training failed: the commit of iteration 8 failed: [Errno 5] injected fault")
+    assert "run again with checkpoint.load_path=" in last and "finished:" not in caplog.text
