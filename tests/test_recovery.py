@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -10,15 +11,19 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import FINAL, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout
+from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.digest import block_bounds
 from ray_resume.checkpoint.fallback import select_iteration
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.config import Config
 from ray_resume.metrics import read_metrics
+from ray_resume.model import GPT
+from ray_resume.optim import MainParamsOptimizer
 from ray_resume.run import find_load_source
 from test_checkpoint_format import make_state, tree, write_iteration
 
@@ -42,14 +47,63 @@ def test_intact_tracker_iteration_is_used(root):
     assert select_iteration(LocalStorage(), str(root), fallback=True) == 10
 
 
-def test_damaged_newest_falls_back_loudly_and_is_set_aside(root, caplog):
+def restore(root: Path, step: int, **checkpoint):
+    """What a rank of a 1-rank group loads from `(root, step)`: its resume point."""
+    model, opt = make_state(seed=4)
+    cfg = Config.from_dict(tiny_config(root.parent, checkpoint=checkpoint))
+    return Checkpointer(cfg, None, 0, 1, 0, None).restore(model, opt, (str(root), step), full=True)
+
+
+def read_chars() -> int:
+    """Bytes this process has read through read(2) and friends so far (/proc/self/io rchar)."""
+    return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar:")).split()[1])
+
+
+def test_the_driver_reads_metadata_not_shards_and_the_ranks_find_the_damage(tmp_path, caplog):
+    """Choosing what to resume reads the tracker and the JSON only (<10% of the checkpoint),
+    even when a shard's bytes are damaged; the loading ranks find the damage, fall back loudly
+    to the next older iteration and set the damaged one aside."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, seq_len=8, d_model=256, n_layers=2, n_heads=4)
+    opt = MainParamsOptimizer(model, lr=1e-2, weight_decay=0.0)
+    opt.backward(model(torch.randint(0, 32, (2, 8))).float().sum())
+    opt.step()
+    root = tmp_path / "ckpt"
+    for step in (5, 10):
+        write_iteration(root, world=2, step=step, model=model, opt=opt)
     flip_byte(root / "iteration_00000010" / "ckpt-opt-0000001-0000002.safetensors")
+    checkpoint_bytes = sum(p.stat().st_size for p in (root / "iteration_00000010").iterdir())
+    cfg = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(root), "save_path": str(root)}))
+    before = read_chars()
+    assert find_load_source(cfg.checkpoint) == (str(root), 10)
+    driver_read = read_chars() - before
+    assert checkpoint_bytes > 10_000_000 and driver_read < 0.1 * checkpoint_bytes, (driver_read, checkpoint_bytes)
+
+    big = GPT(vocab_size=32, seq_len=8, d_model=256, n_layers=2, n_heads=4)
     with caplog.at_level(logging.WARNING):
-        assert select_iteration(LocalStorage(), str(root), fallback=True) == 5
+        point = Checkpointer(cfg, None, 0, 1, 0, None).restore(big, MainParamsOptimizer(big, lr=1e-2, weight_decay=0.0),
+                                                                (str(root), 10), full=True)
+    assert point.consumed_samples == 8 * 5 and point.source.endswith("iteration_00000005")
     assert "ckpt-opt-0000001-0000002.safetensors: sha256 does not match metadata.json" in caplog.text
     assert "Resuming from iteration 5 instead" in caplog.text
     names = sorted(p.name for p in root.iterdir())
     assert "iteration_00000010" not in names and any(n.startswith("iteration_00000010.damaged-") for n in names)
+
+
+def test_a_storage_error_is_not_damage(root, monkeypatch):
+    """A read that fails (EIO) is raised as it is: nothing is set aside, no fallback."""
+    before = tree(root)
+    real = LocalStorage.read_bytes
+
+    def read_bytes(self, path):
+        if path.endswith(f"iteration_00000010/{layout.METADATA}"):
+            raise OSError(errno.EIO, "injected EIO", path)
+        return real(self, path)
+
+    monkeypatch.setattr(LocalStorage, "read_bytes", read_bytes)
+    with pytest.raises(OSError, match="injected EIO"):
+        select_iteration(LocalStorage(), str(root), fallback=True)
+    assert tree(root) == before
 
 
 def test_an_iteration_that_disagrees_with_itself_is_damage_and_falls_back(root, caplog):
@@ -66,8 +120,8 @@ def test_no_fallback_lists_the_valid_iterations_and_changes_nothing(root):
     flip_byte(root / "iteration_00000010" / "ckpt-model-0000000-0000002.safetensors")
     before = tree(root)
     with pytest.raises(CheckpointError) as err:
-        select_iteration(LocalStorage(), str(root), fallback=False)
-    assert "sha256 does not match" in str(err.value) and "Iterations that verify: [5]" in str(err.value)
+        restore(root, 10, fallback=False)
+    assert "sha256 does not match" in str(err.value) and "Iterations that check out: [5]" in str(err.value)
     assert tree(root) == before
 
 
@@ -78,7 +132,7 @@ def test_missing_or_garbled_tracker_with_valid_iterations(root, tracker):
     else:
         (root / layout.TRACKER).write_text(tracker)
     assert select_iteration(LocalStorage(), str(root), fallback=True) == 10
-    with pytest.raises(CheckpointError, match=r"Iterations that verify: \[10, 5\]"):
+    with pytest.raises(CheckpointError, match=r"Iterations that check out: \[10, 5\]"):
         select_iteration(LocalStorage(), str(root), fallback=False)
 
 
@@ -111,14 +165,10 @@ def shape_mismatch(directory: Path) -> None:
     (shape_mismatch, "head.weight"),
 ])
 def test_lying_shards_are_refused_by_name_through_the_loader(root, damage, message):
-    from ray_resume.checkpoint.checkpointer import Checkpointer
-
     damage(root / "iteration_00000010")
     before = tree(root)
-    model, opt = make_state(seed=4)
-    cfg = Config.from_dict(tiny_config(root.parent))
     with pytest.raises(CheckpointError) as err:
-        Checkpointer(cfg, None, 0, 1, 0, None).restore(model, opt, (str(root), 10), full=True)
+        restore(root, 10, fallback=False)
     assert message in str(err.value) and "iteration_00000010" in str(err.value)
     assert tree(root) == before
 

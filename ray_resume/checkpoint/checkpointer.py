@@ -15,10 +15,11 @@ import torch
 
 from ..controller import call
 from . import layout, state
-from .fetch import StateLoader, open_shared
+from .fallback import fall_back
+from .fetch import StateLoader, decided_by_rank0, open_shared
 from .plan import TensorSpec, needed_range
 from .reader import load_rank_extras, read_export
-from .schema import DTYPE_TAGS, DTYPES, CheckpointError, tensor_specs
+from .schema import DTYPE_TAGS, DTYPES, CheckpointError, DamagedShards, tensor_specs
 from .async_save import BackgroundSave
 from .storage import storage_for
 from .writer import SnapshotBuffers, live_data, shard_layouts, write_shards
@@ -61,6 +62,17 @@ class Checkpointer:
             return ResumePoint()
         root, step = source
         storage = storage_for(root, self.ckpt.storage)
+        try:
+            return self._restore(storage, model, optimizer, root, step, full=full)
+        except DamagedShards as exc:  # every rank gets here (the loader agrees), with the same step
+            if step is None:
+                raise
+            logger.warning("rank %d: %s", self.rank, exc)
+            older = decided_by_rank0(lambda: fall_back(storage, root, step, str(exc), fallback=self.ckpt.fallback),
+                                     self.rank, self.world_size, f"fall back from the damaged iteration {step}")
+            return self.restore(model, optimizer, (root, older), full=full)
+
+    def _restore(self, storage, model, optimizer, root: str, step: int | None, *, full: bool) -> ResumePoint:
         if step is None:
             load_weights(model, read_export(storage, root), root, self.rank, self.world_size)
             optimizer.reload_main_params_from_model()

@@ -1,12 +1,17 @@
 """Choose the iteration to load when the tracker's one may be damaged.
 
-The tracker's iteration is verified in full (JSON, sizes, the sha256 of
-every checksum block, headers, no extra shards). If it fails, or the
-tracker itself is missing or garbled while iterations exist, the newest
-older iteration that verifies is used, loudly, and a damaged tracked
-iteration is renamed aside (never deleted) so the next start does not trip
-over it again. `checkpoint.fallback: false` turns this into an error that
-lists the iterations that do verify.
+The driver checks what it can without reading shard bytes: the tracker,
+common.json and metadata.json (parsed and consistent with the directory),
+every listed shard's size (one listing) and no unlisted shards. The bytes
+are verified by the ranks that load them (every checksum block is read and
+checked by exactly one rank). Damage found either way falls back the same
+way: the newest older iteration whose metadata checks out is used, loudly,
+and the damaged one is renamed aside (never deleted) so the next start does
+not trip over it again. `checkpoint.fallback: false` turns this into an
+error that lists the iterations that do check out.
+
+A storage error (OSError: EIO, a timeout, a 5xx) is not damage: it is raised,
+and nothing is set aside because a read failed.
 """
 
 from __future__ import annotations
@@ -15,21 +20,25 @@ import logging
 import time
 
 from . import layout
-from .reader import ShardReader, check_no_extra_shards, find_committed, iteration_steps, open_iteration
+from .reader import check_no_extra_shards, find_committed, iteration_steps, open_iteration
 from .schema import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 
-def verify(storage, root: str, step: int) -> str | None:
-    """None if iteration `step` is complete and intact, else what is wrong with it."""
+def check_metadata(storage, root: str, step: int) -> str | None:
+    """None if iteration `step`'s JSON, listing and shard sizes are intact, else what is wrong with it."""
     try:
         it = open_iteration(storage, root, step)
         check_no_extra_shards(storage, it)
-        reader = ShardReader(storage, it)
-        for name in sorted(it.metadata["files"]):  # streamed: one block in memory at a time
-            reader.read_checked(name, [])
-    except (CheckpointError, OSError) as exc:
+        sizes = storage.sizes(it.path, sorted(it.metadata["files"]))
+        for name, actual in sizes.items():
+            listed = it.metadata["files"][name]["size"]
+            if actual != listed:
+                path = layout.join(it.path, name)
+                return (f"{path}: shard listed in metadata.json is missing" if actual is None
+                        else f"{path}: size is {actual} bytes, metadata.json says {listed}; the shard is truncated or replaced")
+    except CheckpointError as exc:
         return str(exc)
     return None
 
@@ -42,7 +51,7 @@ def select_iteration(storage, root: str, *, fallback: bool) -> int | None:
     """The iteration under `root` to load, or None when nothing was ever committed there."""
     try:
         tracked = find_committed(storage, root)
-        failure = None if tracked is None else verify(storage, root, tracked)
+        failure = None if tracked is None else check_metadata(storage, root, tracked)
         if tracked is not None and failure is None:
             return tracked
         if tracked is None:
@@ -52,19 +61,25 @@ def select_iteration(storage, root: str, *, fallback: bool) -> int | None:
             failure = f"{layout.tracker_path(root)}: missing, but iterations {sorted(present)} are present"
     except CheckpointError as exc:  # a garbled tracker, or one naming a missing iteration
         tracked, failure = None, str(exc)
-    candidates = [s for s in newest_first(storage, root) if tracked is None or s < tracked]
-    valid = [s for s in candidates if verify(storage, root, s) is None]
+    return fall_back(storage, root, tracked, failure, fallback=fallback)
+
+
+def fall_back(storage, root: str, damaged: int | None, failure: str, *, fallback: bool) -> int:
+    """Iteration `damaged` (None: the tracker) cannot be used because of `failure`: the newest older
+    iteration that checks out, with `damaged` set aside; or, without `fallback`, an error listing them."""
+    candidates = [s for s in newest_first(storage, root) if damaged is None or s < damaged]
+    valid = [s for s in candidates if check_metadata(storage, root, s) is None]
     if not fallback:
         raise CheckpointError(
-            f"{failure}. Iterations that verify: {valid or 'none'}; set checkpoint.fallback: true to resume from the newest "
-            "of them, or repair the damaged one"
+            f"{failure}. Iterations that check out: {valid or 'none'}; set checkpoint.fallback: true to resume from the "
+            "newest of them, or repair the damaged one"
         )
     if not valid:
-        raise CheckpointError(f"{failure}; and no older iteration under {root} verifies, so there is nothing safe to resume")
+        raise CheckpointError(f"{failure}; and no older iteration under {root} checks out, so there is nothing safe to resume")
     chosen = valid[0]
-    logger.warning("CHECKPOINT FALLBACK: %s. Resuming from iteration %d instead, the newest that verifies.", failure, chosen)
-    if tracked is not None:
-        set_aside(storage, root, tracked)
+    logger.warning("CHECKPOINT FALLBACK: %s. Resuming from iteration %d instead, the newest older one that checks out.", failure, chosen)
+    if damaged is not None:
+        set_aside(storage, root, damaged)
     return chosen
 
 

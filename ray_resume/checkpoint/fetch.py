@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from . import layout
 from .reader import Iteration, ShardReader, check_no_extra_shards, open_iteration, plan_reads, shard_files
-from .schema import DTYPES, CheckpointError, file_blocks, tensor_specs
+from .schema import DTYPES, CheckpointError, DamagedShards, file_blocks, tensor_specs
 
 
 def collective_device() -> torch.device:
@@ -49,29 +49,39 @@ def open_shared(storage, root: str, step: int, rank: int, world_size: int) -> It
     """The iteration's JSON files and shard listing, read and checked by rank 0 alone, then broadcast.
 
     Every rank needs metadata.json, but at 12,288 ranks on S3 each fetching
-    its 6.6 MB would be 81 GB of GETs (and 12,288 listings) per load. What
-    rank 0 finds wrong is raised on every rank, with rank 0's message.
+    its 6.6 MB would be 81 GB of GETs (and 12,288 listings) per load.
     """
-    if not (dist.is_initialized() and world_size > 1):
+    def read() -> dict:
         it = open_iteration(storage, root, step)
         check_no_extra_shards(storage, it)
-        return it
+        return {"common": it.common, "metadata": it.metadata}
+
+    got = decided_by_rank0(read, rank, world_size, f"read iteration {step} under {root}")
+    return Iteration(root, step, layout.iteration_dir(root, step), got["common"], got["metadata"])
+
+
+def decided_by_rank0(decide, rank: int, world_size: int, what: str):
+    """`decide()` (a JSON value) computed by rank 0 alone and broadcast to every rank.
+
+    What rank 0 raises is raised on every rank, with rank 0's message, so no
+    rank waits for a broadcast that never comes.
+    """
+    if not (dist.is_initialized() and world_size > 1):
+        return decide()
     message, failure = b"", None
     if rank == 0:
         try:
-            it = open_iteration(storage, root, step)
-            check_no_extra_shards(storage, it)
-            message = json.dumps({"common": it.common, "metadata": it.metadata}).encode()
+            message = json.dumps({"value": decide()}).encode()
         except Exception as exc:  # the other ranks wait for this broadcast: tell them, then raise here
             failure = exc
-            text = str(exc) if isinstance(exc, CheckpointError) else f"rank 0 could not read iteration {step} under {root}: {exc!r}"
+            text = str(exc) if isinstance(exc, CheckpointError) else f"rank 0 could not {what}: {exc!r}"
             message = json.dumps({"error": text}).encode()
     got = json.loads(_broadcast_bytes(message))
     if failure is not None:
         raise failure
     if "error" in got:
         raise CheckpointError(got["error"])
-    return it if rank == 0 else Iteration(root, step, layout.iteration_dir(root, step), got["common"], got["metadata"])
+    return got["value"]
 
 
 def _broadcast_bytes(data: bytes) -> bytes:
@@ -272,16 +282,17 @@ class StateLoader:
 
     def _agree(self, error: CheckpointError | None) -> None:
         """Every rank learns whether any rank found damage, so none waits for a peer that gave up."""
+        damaged = DamagedShards(str(error)) if error else None
         if not (dist.is_initialized() and self.world_size > 1):
-            if error:
-                raise error
+            if damaged:
+                raise damaged from error
             return
         failed = torch.tensor([1 if error else 0], device=self.device)
         dist.all_reduce(failed)
-        if error:
-            raise error
+        if damaged:
+            raise damaged from error
         if failed.item():
-            raise CheckpointError(f"{self.it.path}: another rank found a damaged shard while loading; see its error")
+            raise DamagedShards(f"{self.it.path}: another rank found a damaged shard while loading; see its error")
 
     def _broadcast(self, dest: torch.Tensor, owner: int) -> None:
         if not dest.numel():

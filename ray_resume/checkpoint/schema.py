@@ -47,6 +47,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used as it is; the message says where and why."""
 
 
+class DamagedShards(CheckpointError):
+    """The bytes of a shard disagree with metadata.json (size, checksum, header): the loading
+    ranks fall back to an older iteration, as the driver does for damaged metadata."""
+
+
 def dumps(obj: dict) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
 
