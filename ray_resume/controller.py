@@ -7,9 +7,14 @@ Ranks send their manifest after their shards are durable; when all
 `world_size` manifests of an iteration from the *current* attempt are in, it
 commits them (`checkpoint.commit.commit_iteration`) and then applies
 retention. Manifests from an older attempt are dropped: their rank may have
-been killed mid-way and a new attempt is rewriting the same files. Actor
-methods run one at a time, so a commit and a restarted group asking "what
-is committed?" never interleave.
+been killed mid-way and a new attempt is rewriting the same files.
+
+Training never waits on a commit or a deletion: the actor is threaded, so
+the per-step calls (`should_stop`, `last_committed`) are answered while a
+commit runs, and retention deletes old iterations on a thread of its own
+after the tracker has moved. What changes the job's state (an attempt
+starting, a manifest arriving, a commit) is serialized by one lock, so a
+commit and a restarted group asking "what is committed?" never interleave.
 
 The class is plain Python; ranks reach it through `call`, so the in-process
 test harness serves the very same class without Ray.
@@ -21,6 +26,8 @@ import errno
 import logging
 import os
 import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
@@ -61,6 +68,8 @@ class JobController:
         self.final_metrics: dict = {}
         self.stop_requested = False
         self.commit_error: str | None = None  # the first failed commit, for the driver's result
+        self.lock = threading.RLock()  # attempts, manifests and commits, one at a time (a commit claims its fault)
+        self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")  # in commit order
         self.lease = None
         if self.storage and config["checkpoint"]["enable_save"]:
             # The driver took the lease; this actor outlives worker restarts, so it renews it.
@@ -69,6 +78,10 @@ class JobController:
 
     def start_attempt(self) -> dict:
         """Called once per worker-group start by rank 0: a new attempt id, and what to resume."""
+        with self.lock:
+            return self._start_attempt()
+
+    def _start_attempt(self) -> dict:
         self.attempt += 1
         self.pending.clear()
         self.pending_common.clear()
@@ -77,10 +90,9 @@ class JobController:
 
     def claim_fault(self) -> bool:
         """True exactly once per job: the injected fault fires a single time."""
-        if self.fault_claimed:
-            return False
-        self.fault_claimed = True
-        return True
+        with self.lock:
+            claimed, self.fault_claimed = self.fault_claimed, True
+        return not claimed
 
     def request_stop(self) -> None:
         """Preemption: the ranks save at the next step boundary and end the run cleanly."""
@@ -91,7 +103,8 @@ class JobController:
         return self.stop_requested or self.commit_error is not None
 
     def release(self) -> None:
-        """The job is over: stop renewing and give the save_path back."""
+        """The job is over: finish retention's deletions, stop renewing and give the save_path back."""
+        self.deleter.shutdown(wait=True)
         if self.lease:
             self.lease.release()
 
@@ -117,6 +130,10 @@ class JobController:
         Only what the commit needs is held: each rank's manifest, and rank 0's
         `common` (the ranks' copies are the same).
         """
+        with self.lock:
+            return self._report(attempt, iteration, manifest, common)
+
+    def _report(self, attempt: int, iteration: int, manifest: dict, common: dict) -> bool:
         if attempt != self.attempt:
             logger.info("ignoring a manifest of iteration %d from attempt %d (now %d)", iteration, attempt, self.attempt)
             return False
@@ -151,17 +168,26 @@ class JobController:
         """Keep the newest `save_max` iterations this job committed; remove older ones of this job only.
 
         Runs after the tracker has moved (a failed deletion never costs the
-        newest commit). Iterations of earlier jobs under the same root, such
-        as the one this job resumed from, are never in `committed_by_job`.
+        newest commit), on the deletion thread: a slow `rmtree` holds up
+        neither the ranks nor the next commit. Iterations of earlier jobs
+        under the same root, such as the one this job resumed from, are
+        never in `committed_by_job`.
         """
         keep = self.config["checkpoint"]["save_max"]
         while len(self.committed_by_job) > keep:
             victim = self.committed_by_job.pop(0)
             if victim != tracked:
-                self._delete_iteration(victim)
+                self.deleter.submit(self._delete_iteration, victim)
 
     def _delete_iteration(self, step: int) -> None:
-        """Crash-safe: common.json goes first, so a half-deleted dir can never pass as complete."""
+        """Crash-safe: common.json goes first, so a half-deleted dir can never pass as complete.
+        A failed deletion costs disk, not the run: it is logged, and the iteration stays."""
+        try:
+            self._remove_iteration(step)
+        except Exception:
+            logger.exception("retention could not remove iteration %d; remove %s by hand", step, layout.iteration_dir(self.root, step))
+
+    def _remove_iteration(self, step: int) -> None:
         iter_dir = layout.iteration_dir(self.root, step)
         self.storage.remove(layout.join(iter_dir, layout.COMMON))
         f = self.fault
@@ -185,4 +211,5 @@ class JobController:
         os._exit(1)
 
 
-JobControllerActor = ray.remote(num_cpus=0, max_restarts=0)(JobController)
+# Threaded: the per-step calls of every rank are answered while a commit runs.
+JobControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16)(JobController)

@@ -79,11 +79,37 @@ class DriverSide(controller_module.JobController):
         super().__init__(save_path, job_id, config, driver_pid=os.getpid())
 
 
+class SlowRetention(DriverSide):
+    """Retention's deletion blocks until this job has committed one more iteration or is ending
+    (at most 60 s): a controller that made training wait on its deletions never gets that commit."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.deletions: list[dict] = []
+        self.ending = False
+
+    def release(self) -> None:
+        self.ending = True
+        super().release()
+
+    def _remove_iteration(self, step: int) -> None:
+        started_at = self.last_committed()
+        deadline = time.monotonic() + 60
+        while self.last_committed() == started_at and not self.ending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.deletions.append({"step": step, "blocked_at_commit": started_at, "released_at_commit": self.last_committed()})
+        super()._remove_iteration(step)
+
+    def deletions_done(self) -> list[dict]:
+        return self.deletions
+
+
 class Driver(BaseManager):
     pass
 
 
 Driver.register("JobController", DriverSide)
+Driver.register("SlowRetention", SlowRetention)
 
 
 @dataclass
@@ -132,10 +158,13 @@ def never() -> bool:
     return False
 
 
-def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preempted=never, timeout: float = 120) -> Outcome:
+def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preempted=never, timeout: float = 120,
+            controller: str = "JobController", inspect=None) -> Outcome:
     """Run a job to its end as `ray_resume.run.run` does, its ranks in a gloo group of this machine.
 
     `preempted()` stands in for Ray Train's preemption notice (`ray.train.get_preemption_info()`).
+    `controller` names the controller class served (`Driver.register`); `inspect(controller)`
+    is called once the job has ended, before the controller is released.
     """
     cfg = absolute_paths(Config.from_dict(cfg_dict))
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
@@ -145,7 +174,7 @@ def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preemp
     driver = Driver(ctx=CTX)
     driver.start()
     try:
-        controller = driver.JobController(cfg.checkpoint.save_path, job_id, cfg.to_dict())
+        controller = getattr(driver, controller)(cfg.checkpoint.save_path, job_id, cfg.to_dict())
         args = (cfg.to_dict(), controller, plugins, load, job_id, preempted)
         attempts, error = 0, None
         for attempts in range(1, cfg.failure.max_failures + 2):
@@ -156,6 +185,8 @@ def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preemp
             return Outcome(None, attempts, True, error)
         result = controller.result()
         controller.release()
+        if inspect:
+            inspect(controller)
         return Outcome(result["committed"], attempts, False, error or result["error"])
     finally:
         driver.shutdown()

@@ -113,6 +113,22 @@ def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path
     assert kept[-2:] == ["iteration_00000008", "iteration_00000012"]
 
 
+def test_training_goes_on_while_retention_deletes(tmp_path, local_reference):
+    """A deletion that blocks until the job commits again is released by that commit: the ranks
+    asked, trained, saved and committed while it was still running (an ordering, not a timing)."""
+    cfg = tiny_config(tmp_path, checkpoint={"save_max": 1})
+    cfg["data"]["path"] = local_reference["data"]
+    seen = []
+    outcome = harness.run_job(cfg, controller="SlowRetention", inspect=lambda c: seen.extend(c.deletions_done()))
+    assert outcome.error is None and outcome.committed == FINAL
+    # Committing 8 deletes 4, committing 12 deletes 8; each deletion was released by the next commit.
+    assert seen[0] == {"step": 4, "blocked_at_commit": 8, "released_at_commit": FINAL}
+    assert seen[1] == {"step": 8, "blocked_at_commit": FINAL, "released_at_commit": FINAL}  # by the job's end
+    kept = sorted(p.name for p in Path(cfg["checkpoint"]["save_path"]).iterdir() if p.name.startswith("iteration_"))
+    assert kept == [f"iteration_{FINAL:08d}"]  # the job's end waited for its deletions
+    assert shard_bytes(cfg["checkpoint"]["save_path"], FINAL) == shard_bytes(local_reference["root"], FINAL)
+
+
 def marked_slow_loss(marks: str, step_sleep: float, model, batch):
     """The built-in loss (the same numbers), slower, leaving a file named by the pid that trains."""
     (Path(marks) / str(os.getpid())).touch()
