@@ -271,7 +271,7 @@ class BenchWorker:
         return {"total": elapsed, "bytes_read": read}
 
     def cleanup(self, name: str, keep: int | None = None) -> None:
-        """Remove what a phase wrote (our iterations but `keep`); a checkpoint root itself stays (its coordinator keeps a lease file there)."""
+        """Remove what a phase wrote (our iterations but `keep`); a checkpoint root itself stays (its lease is there)."""
         self._barrier()
         if self.rank == 0:
             path = os.path.join(self.root, name)
@@ -334,12 +334,26 @@ def _fits(nbytes: float) -> bool:
     return nbytes <= 0.85 * avail
 
 
+def _controller(cfg, job_id: str):
+    """The job's controller for `cfg`'s save_path, with the writer lease its commits check (as `run` takes it)."""
+    from ray_resume.checkpoint.lease import Lease
+    from ray_resume.checkpoint.storage import storage_for
+    from ray_resume.controller import JobControllerActor
+
+    os.makedirs(cfg.checkpoint.save_path)
+    lease = Lease(storage_for(cfg.checkpoint.save_path), cfg.checkpoint.save_path, job_id, cfg.checkpoint.lease_ttl_s)
+    lease.acquire()
+    lease.keep_renewed()
+    controller = JobControllerActor.remote(cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid())
+    ray.get(controller.start_attempt.remote())  # attempt 0
+    return controller, lease
+
+
 def _release(coordinator) -> None:
-    try:
-        ray.get(coordinator.release.remote())  # its writer lease, where the coordinator keeps one
-    except AttributeError:
-        pass
-    ray.kill(coordinator)
+    controller, lease = coordinator
+    ray.get(controller.release.remote())
+    ray.kill(controller)
+    lease.release()
 
 
 def _median_of_max(runs: list[list[dict]], key: str) -> float:
@@ -356,15 +370,12 @@ def _rounds(repeats: int, phases: dict) -> None:
 
 
 def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: int = 1) -> dict:
-    from ray_resume.controller import JobControllerActor
     from ray_resume.config import Config
 
     root = tempfile.mkdtemp(prefix=f"ckpt-bench-{size}-", dir=base)
     cfg = Config.from_dict(_config(root, size))
-    os.makedirs(cfg.checkpoint.save_path)
-    coordinator = JobControllerActor.remote(cfg.checkpoint.save_path, f"bench-{size}", cfg.to_dict(), os.getpid())
-    ray.get(coordinator.start_attempt.remote())  # attempt 0
-    coordinators = [coordinator]
+    coordinators = [_controller(cfg, f"bench-{size}")]
+    coordinator = coordinators[0][0]
     port = _free_port()
     workers = [BenchWorker.remote() for _ in range(2)]
     try:
@@ -452,12 +463,9 @@ def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: 
                 for mode in ("never", "async", "sync"):
                     train_root = os.path.join(root, f"train-{mode}-{round_}")
                     train_cfg = Config.from_dict(_config(train_root, size))
-                    os.makedirs(train_cfg.checkpoint.save_path)
-                    coordinators.append(JobControllerActor.remote(train_cfg.checkpoint.save_path, f"bench-{size}-{mode}",
-                                                                     train_cfg.to_dict(), os.getpid()))
-                    ray.get(coordinators[-1].start_attempt.remote())
-                    res = _all(workers, "train", steps, every, mode, train_root, coordinators[-1])
-                    if mode != "never" and ray.get(coordinators[-1].last_committed.remote()) != steps // every * every:
+                    coordinators.append(_controller(train_cfg, f"bench-{size}-{mode}"))
+                    res = _all(workers, "train", steps, every, mode, train_root, coordinators[-1][0])
+                    if mode != "never" and ray.get(coordinators[-1][0].last_committed.remote()) != steps // every * every:
                         raise RuntimeError(f"training saves ({mode}) did not commit")
                     best[mode] = max(best.get(mode, 0.0), steps / max(x["total"] for x in res))
                     if mode != "never":

@@ -72,9 +72,8 @@ class JobController:
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")  # in commit order
         self.lease = None
         if self.storage and config["checkpoint"]["enable_save"]:
-            # The driver took the lease; this actor outlives worker restarts, so it renews it.
+            # The driver took the lease and renews it; every commit checks this job still holds it.
             self.lease = Lease(self.storage, save_path, job_id, config["checkpoint"]["lease_ttl_s"])
-            self.lease.keep_renewed()
 
     def start_attempt(self) -> dict:
         """Called once per worker-group start by rank 0: a new attempt id, and what to resume."""
@@ -103,10 +102,8 @@ class JobController:
         return self.stop_requested or self.commit_error is not None
 
     def release(self) -> None:
-        """The job is over: finish retention's deletions, stop renewing and give the save_path back."""
+        """The job is over: finish retention's deletions (the driver gives the lease back after this)."""
         self.deleter.shutdown(wait=True)
-        if self.lease:
-            self.lease.release()
 
     def finish(self, metrics: dict) -> None:
         """Rank 0's last step metrics, for the driver's result."""
@@ -158,7 +155,8 @@ class JobController:
     def _commit(self, iteration: int, manifests: list[dict], common: dict) -> None:
         metadata = commit_iteration(
             self.storage, self.root, iteration, manifests, common, prefix=self.config["checkpoint"]["prefix"],
-            config=redacted(self.config), job_id=self.job_id, before_tracker=lambda: self._before_tracker(iteration),
+            config=redacted(self.config), job_id=self.job_id, fence=self.lease.check if self.lease else lambda: None,
+            before_tracker=lambda: self._before_tracker(iteration),
         )
         self.committed_by_job.append(iteration)
         logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["files"]), layout.iteration_dir(self.root, iteration))

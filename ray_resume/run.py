@@ -99,13 +99,17 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
     if cfg.checkpoint.enable_save:  # before anything under save_path is read for writing or moved
         lease = Lease(storage_for(cfg.checkpoint.save_path, cfg.checkpoint.storage), cfg.checkpoint.save_path, job_id, cfg.checkpoint.lease_ttl_s)
         lease.acquire()
+        lease.keep_renewed()  # from this moment to the job's end
     try:
-        load = preflight(cfg)
-        init_ray(address, cfg)
-    except BaseException:
+        return _run_with_lease(cfg, address, plugins, job_id)
+    finally:
         if lease:
             lease.release()
-        raise
+
+
+def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str) -> RunResult:
+    load = preflight(cfg)
+    init_ray(address, cfg)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # On the driver's node: the commit must run where the driver does (it dies with it).
     controller = JobControllerActor.options(scheduling_strategy=here).remote(

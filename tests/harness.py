@@ -22,6 +22,7 @@ imported already.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import tempfile
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ray_resume import controller as controller_module
-from ray_resume.checkpoint.lease import Lease
+from ray_resume.checkpoint.lease import LEASE_DIR, Lease
 from ray_resume.checkpoint.storage import storage_for
 from ray_resume.config import Config
 from ray_resume.data import SAMPLE_ID, SampleStream, _read_unit_batch, plan_epoch_units
@@ -74,9 +75,17 @@ class DriverSide(controller_module.JobController):
 
     def __init__(self, save_path: str, job_id: str, config: dict):
         ckpt = config["checkpoint"]
+        self.driver_lease = None
         if ckpt["enable_save"]:
-            Lease(storage_for(save_path, ckpt["storage"]), save_path, job_id, ckpt["lease_ttl_s"]).acquire()
+            self.driver_lease = Lease(storage_for(save_path, ckpt["storage"]), save_path, job_id, ckpt["lease_ttl_s"])
+            self.driver_lease.acquire()
+            self.driver_lease.keep_renewed()
         super().__init__(save_path, job_id, config, driver_pid=os.getpid())
+
+    def release(self) -> None:
+        super().release()
+        if self.driver_lease:
+            self.driver_lease.release()
 
 
 class SlowRetention(DriverSide):
@@ -104,12 +113,25 @@ class SlowRetention(DriverSide):
         return self.deletions
 
 
+class StolenLease(DriverSide):
+    """Another job takes the writer lease over as this job starts committing iteration 8 (as after
+    this job stalled past its ttl): the commit must write nothing and the run must end with it."""
+
+    def _commit(self, iteration: int, manifests: list[dict], common: dict) -> None:
+        if iteration == 8:
+            thief = {"job_id": "thief", "host": "elsewhere", "pid": 1, "expires_at": time.time() + 3600}
+            path = Path(self.root) / LEASE_DIR / f"{self.driver_lease.generation + 1:08d}.json"
+            path.write_text(json.dumps(thief))
+        super()._commit(iteration, manifests, common)
+
+
 class Driver(BaseManager):
     pass
 
 
 Driver.register("JobController", DriverSide)
 Driver.register("SlowRetention", SlowRetention)
+Driver.register("StolenLease", StolenLease)
 
 
 @dataclass

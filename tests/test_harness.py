@@ -129,6 +129,20 @@ def test_training_goes_on_while_retention_deletes(tmp_path, local_reference):
     assert shard_bytes(cfg["checkpoint"]["save_path"], FINAL) == shard_bytes(local_reference["root"], FINAL)
 
 
+def test_a_job_that_lost_its_lease_commits_nothing_more(tmp_path, local_reference):
+    """Fencing: the lease taken over before iteration 8's commit; that commit writes no JSON and
+    no tracker, the ranks stop, and the run ends naming the job that holds the lease now."""
+    cfg = tiny_config(tmp_path)
+    cfg["data"]["path"] = local_reference["data"]
+    root = Path(cfg["checkpoint"]["save_path"])
+    outcome = harness.run_job(cfg, controller="StolenLease")
+    assert "the commit of iteration 8 failed: this job" in outcome.error
+    assert "no longer holds the writer lease" in outcome.error and "job thief took it over" in outcome.error
+    assert tracker(root) == "4" and outcome.committed == 4
+    assert not (root / "iteration_00000008" / layout.COMMON).exists()
+    assert not (root / f"iteration_{FINAL:08d}").exists()  # the ranks stopped
+
+
 def marked_slow_loss(marks: str, step_sleep: float, model, batch):
     """The built-in loss (the same numbers), slower, leaving a file named by the pid that trains."""
     (Path(marks) / str(os.getpid())).touch()

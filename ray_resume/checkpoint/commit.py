@@ -29,16 +29,18 @@ def commit_iteration(
     prefix: str,
     config: dict,
     job_id: str,
+    fence: Callable[[], None] = lambda: None,
     before_tracker: Callable[[], None] = lambda: None,
 ) -> dict:
     """Commit `iteration` from every rank's manifest (`manifests[r]` is rank r's); return its metadata.
 
     Checks that every reported file is on storage with its reported size and
-    that the metadata lists every rank's shard of every kind, removes every
-    other file of the directory (`remove_unlisted`), then writes
-    metadata.json, config.yaml and common.json (rank 0's `common` completed
-    here), calls `before_tracker` (fault injection), and moves the tracker
-    last. Raises on any mismatch, before the tracker moves.
+    that the metadata lists every rank's shard of every kind, calls `fence`
+    (raises if this job lost the writer lease), removes every other file of
+    the directory (`remove_unlisted`), then writes metadata.json, config.yaml
+    and common.json (rank 0's `common` completed here), calls `before_tracker`
+    (fault injection) and `fence` again, and moves the tracker last. Raises
+    on any mismatch, before the tracker moves.
     """
     world = len(manifests)
     for rank, manifest in enumerate(manifests):
@@ -57,11 +59,13 @@ def commit_iteration(
         format_version=layout.FORMAT_VERSION, ckpt_status=CKPT_STATUS_OK, world_size=world,
         job_id=job_id, saved_at=time.time(), has_optimizer=layout.OPTIM_KIND in metadata["tensors"],
     )
+    fence()
     remove_unlisted(storage, iter_dir, set(reported))
     storage.write_atomic(layout.join(iter_dir, layout.METADATA), dumps(metadata))
     storage.write_atomic(layout.join(iter_dir, layout.CONFIG), yaml.safe_dump(config, sort_keys=False).encode())
     storage.write_atomic(layout.join(iter_dir, layout.COMMON), dumps(common))
     before_tracker()
+    fence()
     storage.write_atomic(layout.tracker_path(root), f"{iteration}\n".encode())
     return metadata
 

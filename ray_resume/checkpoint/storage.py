@@ -75,6 +75,18 @@ class LocalStorage:
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """Write `data` so that a reader sees the old file or the new one, never half."""
+        self._publish(path, data, os.replace)
+
+    def create_new(self, path: str, data: bytes) -> bool:
+        """Create `path` holding `data` unless it exists (atomic: a hard link never replaces); False if it did."""
+        try:
+            self._publish(path, data, os.link)
+        except FileExistsError:
+            return False
+        return True
+
+    def _publish(self, path: str, data: bytes, move) -> None:
+        """`data` fsynced under a temp name, then `move`d (renamed or linked) to `path`, the directory fsynced."""
         local = _local(path)
         tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
         try:
@@ -82,7 +94,7 @@ class LocalStorage:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, local)
+            move(tmp, local)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
