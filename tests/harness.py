@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import storage_faults as storage_faults_module
 from ray_resume import controller as controller_module
 from ray_resume.checkpoint.lease import LEASE_DIR, Lease
 from ray_resume.checkpoint.storage import storage_for
@@ -73,7 +74,9 @@ class DriverSide(controller_module.JobController):
     kills this process, and with it the lease holder, as on a real cluster.
     """
 
-    def __init__(self, save_path: str, job_id: str, config: dict):
+    def __init__(self, save_path: str, job_id: str, config: dict, storage_faults=None):
+        if storage_faults:
+            storage_faults_module.install(*storage_faults)
         ckpt = config["checkpoint"]
         self.driver_lease = None
         if ckpt["enable_save"]:
@@ -142,7 +145,9 @@ class Outcome:
     error: str | None  # why the job failed, if it did
 
 
-def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, plugins, load, job_id: str, preempted) -> None:
+def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, plugins, load, job_id: str, preempted, storage_faults) -> None:
+    if storage_faults:
+        storage_faults_module.install(*storage_faults)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     train_worker(Config.from_dict(cfg_dict), controller, rank, world, torch.device("cpu"), plugins=plugins, load=load,
                  job_id=job_id, stream=LocalStream, preempted=preempted)
@@ -181,12 +186,14 @@ def never() -> bool:
 
 
 def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preempted=never, timeout: float = 120,
-            controller: str = "JobController", inspect=None) -> Outcome:
+            controller: str = "JobController", inspect=None, storage_faults: tuple[list[dict], str] | None = None) -> Outcome:
     """Run a job to its end as `ray_resume.run.run` does, its ranks in a gloo group of this machine.
 
     `preempted()` stands in for Ray Train's preemption notice (`ray.train.get_preemption_info()`).
     `controller` names the controller class served (`Driver.register`); `inspect(controller)`
-    is called once the job has ended, before the controller is released.
+    is called once the job has ended, before the controller is released. `storage_faults`,
+    (faults, record file), are injected into the ranks' and the controller's storage
+    (tests/storage_faults.py), not into the driver's checks before the job.
     """
     cfg = absolute_paths(Config.from_dict(cfg_dict))
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
@@ -196,8 +203,8 @@ def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preemp
     driver = Driver(ctx=CTX)
     driver.start()
     try:
-        controller = getattr(driver, controller)(cfg.checkpoint.save_path, job_id, cfg.to_dict())
-        args = (cfg.to_dict(), controller, plugins, load, job_id, preempted)
+        controller = getattr(driver, controller)(cfg.checkpoint.save_path, job_id, cfg.to_dict(), storage_faults)
+        args = (cfg.to_dict(), controller, plugins, load, job_id, preempted, storage_faults)
         attempts, error = 0, None
         for attempts in range(1, cfg.failure.max_failures + 2):
             error = _run_group(cfg.scaling.max_workers, tmp, args, driver, timeout)

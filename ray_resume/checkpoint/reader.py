@@ -21,7 +21,7 @@ from . import layout
 from .digest import BlockSha256
 from .plan import Piece, SavePlan, TensorSpec
 from .schema import DTYPES, CheckpointError, file_blocks, parse_json, tensor_specs, validate_common, validate_iteration, validate_metadata
-from .storage import READ_BLOCK, LocalStorage
+from .storage import READ_BLOCK, LocalStorage, retried
 from .writer import RANK_EXTRAS_KEY, Entry, shard_layout
 
 logger = logging.getLogger(__name__)
@@ -213,6 +213,14 @@ class ShardReader:
         that hashing one read overlaps the next; only bytes no request wants
         pass through scratch buffers.
         """
+        before = self.bytes_read
+        def read():  # a transient error mid-stream reads the file's blocks again, from its first
+            self.bytes_read = before
+            self._read_checked(file, requests, blocks)
+
+        retried(read, f"read of {self.path(file)}")
+
+    def _read_checked(self, file: str, requests: list[Request], blocks: list[int] | None) -> None:
         self.check_size(file)
         checksums = self.blocks(file)
         spans, scratch = self.spans(file, requests), _ScratchBlocks()
@@ -256,11 +264,17 @@ class ShardReader:
 
     def read_ranges(self, file: str, requests: list[Request]) -> None:
         """Fetch only the requested byte ranges, unchecked (see the class doc): no header, no size check."""
-        with self.storage.open_read(self.path(file)) as f:
-            for first, last, r in self.spans(file, requests):
-                f.seek(first)
-                _readinto_exactly(f, _writable_bytes(r.dest), self.path(file))
-                self.bytes_read += last - first
+        before = self.bytes_read
+
+        def read():
+            self.bytes_read = before
+            with self.storage.open_read(self.path(file)) as f:
+                for first, last, r in self.spans(file, requests):
+                    f.seek(first)
+                    _readinto_exactly(f, _writable_bytes(r.dest), self.path(file))
+                    self.bytes_read += last - first
+
+        retried(read, f"read of {self.path(file)}")
 
 
 def consecutive_runs(indices) -> list[list[int]]:

@@ -13,15 +13,53 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import os
 import shutil
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import pyarrow.fs as pafs
 
+logger = logging.getLogger(__name__)
+
 # Streamed reads (verification, whole-shard loads) hold one block at a time.
 READ_BLOCK = 8 << 20
+
+# Transient storage errors are retried: ATTEMPTS tries, waiting BACKOFF_S, 2x, 4x... between them (3 s in all).
+ATTEMPTS = 5
+BACKOFF_S = 0.2
+_TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.EAGAIN,
+                     errno.EINTR, errno.EPIPE, errno.ESTALE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN}
+# What pyarrow's S3 errors (OSError without an errno) say when a retry may help; its own
+# retry strategy has already retried the request itself.
+_TRANSIENT_S3 = ("NETWORK_CONNECTION", "SLOW_DOWN", "THROTTL", "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE",
+                 "REQUEST_TIMEOUT", "HTTP status 5", "curlCode")
+
+
+def transient(exc: BaseException) -> bool:
+    """A storage error that may pass if tried again (I/O error, timeout, reset, 5xx, throttling); never damage."""
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    if not isinstance(exc, OSError) or isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError)):
+        return False
+    if exc.errno is not None:
+        return exc.errno in _TRANSIENT_ERRNOS
+    return any(marker in str(exc) for marker in _TRANSIENT_S3)
+
+
+def retried(call: Callable, what: str):
+    """`call()`, tried again with bounded backoff while it fails transiently; the last error is raised."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return call()
+        except OSError as exc:
+            if attempt == ATTEMPTS or not transient(exc):
+                raise
+            wait = BACKOFF_S * 2 ** (attempt - 1)
+            logger.warning("storage: %s failed (%s); try %d of %d in %.1f s", what, exc, attempt + 1, ATTEMPTS, wait)
+            time.sleep(wait)
 
 
 def _local(path: str) -> str:
@@ -226,14 +264,45 @@ class ArrowStorage:
 Storage = LocalStorage | ArrowStorage
 
 
-def storage_for(uri: str, options=None) -> Storage:
-    """The backend that serves `uri`; `options` is a config.StorageConfig (or None: environment only)."""
+class Retrying:
+    """A backend whose idempotent calls are `retried`. Streams (`write_durable`, `open_read`) are
+    retried by their callers, whole file by whole file; `create_new` and `rename` are not
+    idempotent and are not retried."""
+
+    IDEMPOTENT = frozenset({"makedirs", "exists", "is_dir", "size", "sizes", "listdir", "read_bytes", "read_range",
+                            "write_atomic", "remove", "remove_tree"})
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.backend, name)
+        if name not in self.IDEMPOTENT:
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args, **kwargs):
+            return retried(lambda: attr(*args, **kwargs), f"{name} {args[0] if args else ''}")
+
+        return call
+
+
+# Wrappers applied to every backend below the retries (the tests' storage fault injector).
+wrappers: list[Callable] = []
+
+
+def storage_for(uri: str, options=None) -> Retrying:
+    """The backend that serves `uri`, with retries; `options` is a config.StorageConfig (or None: environment only)."""
     if "://" not in uri or uri.startswith("file://"):
-        return LocalStorage()
-    scheme = uri.split("://", 1)[0]
-    if scheme != "s3":
-        raise ValueError(f"storage scheme {scheme!r} in {uri!r} is not supported; use a local/NFS path, file:// or s3://")
-    return ArrowStorage(_s3(options), scheme)
+        backend = LocalStorage()
+    else:
+        scheme = uri.split("://", 1)[0]
+        if scheme != "s3":
+            raise ValueError(f"storage scheme {scheme!r} in {uri!r} is not supported; use a local/NFS path, file:// or s3://")
+        backend = ArrowStorage(_s3(options), scheme)
+    for wrap in wrappers:
+        backend = wrap(backend)
+    return Retrying(backend)
 
 
 @functools.lru_cache(maxsize=8)
@@ -241,7 +310,9 @@ def _s3_cached(endpoint: str, region: str, key: str, secret: str):
     # allow_delayed_open: a file smaller than one part (tracker, common.json,
     # metadata.json, config.yaml) goes up as one PUT, not as a 3-request multipart
     # upload; an error then shows at write or close, where every writer here expects one.
-    kwargs = {"region": region or None, "allow_delayed_open": True}
+    # pyarrow retries each request (5xx, throttling, resets) itself; `retried` covers what is left.
+    kwargs = {"region": region or None, "allow_delayed_open": True,
+              "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=ATTEMPTS)}
     if endpoint:
         kwargs["endpoint_override"] = endpoint
         if endpoint.startswith("http://"):

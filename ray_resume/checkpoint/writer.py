@@ -32,7 +32,7 @@ from .digest import BlockSha256, block_bounds
 from .plan import DIM0, SPLIT, Piece, SavePlan, TensorSpec
 from .schema import DTYPE_TAGS, DTYPES
 from .state import dim0_sharded, local_tensor
-from .storage import LocalStorage
+from .storage import LocalStorage, retried
 
 logger = logging.getLogger(__name__)
 
@@ -228,9 +228,13 @@ def write_shards(
         name = layout.shard_filename(prefix, shard.kind, rank, world_size)
         head = safetensors_header(shard, header)
         blocks = block_bounds(len(head) + shard.nbytes, len(head), block_size)
-        digest = BlockSha256(0, [end for _, end in blocks])
         chunks = [memoryview(head), *_pieces(data)]
-        size = storage.write_durable(layout.join(iter_dir, name), _halves(chunks, on_mid_write), digest)
+
+        def write(path=layout.join(iter_dir, name), chunks=chunks, ends=[end for _, end in blocks]):
+            digest = BlockSha256(0, ends)  # a retry rewrites the whole file, hashed afresh
+            return storage.write_durable(path, _halves(chunks, on_mid_write), digest), digest
+
+        size, digest = retried(write, f"write of {layout.join(iter_dir, name)}")
         manifest["files"][name] = {"size": size, "data_start": len(head), "sha256": digest.hexdigests(), "kind": shard.kind, "rank": rank}
         if rank == 0:
             manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape), s.layout] for s in shard.specs]
