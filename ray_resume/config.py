@@ -130,6 +130,7 @@ class DataConfig(_Section):
     synthetic: Optional[SyntheticDataConfig] = None  # if set, generate the dataset at `path` when missing
     columns: dict[str, str] = field(default_factory=dict)  # parquet column -> numpy dtype for the batch ({} = input_ids: int32)
     collate: str = ""  # "pkg.module:fn" turning a dict of numpy arrays into the batch your loss takes
+    allow_change: bool = False  # resume although data.seed/shuffle/columns or the dataset differ from the checkpoint's
 
     def _check(self) -> list[str]:
         p = [] if self.path else ["data.path must be a non-empty string"]

@@ -60,6 +60,8 @@ row ranges of its slices) is future work.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -388,6 +390,29 @@ def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shu
     return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
 
 
+def data_fingerprint(units: Sequence[ReadUnit], seed: int, shuffle: bool, columns: Dict[str, str]) -> Dict[str, Any]:
+    """What the sample order and the batches depend on, for common.json: a resume that differs
+    in any of it would continue with another order (see `fingerprint_changes`).
+
+    The dataset is named by its row groups (file names, not paths, and row
+    counts): a copy of it moved elsewhere is the same dataset.
+    """
+    groups = [[Path(u.file).name, u.row_group, u.num_rows] for u in units]
+    return {"seed": int(seed), "shuffle": bool(shuffle), "columns": dict(sorted(columns.items())),
+            "samples": dataset_size(units), "row_groups": len(units),
+            "row_groups_sha256": hashlib.sha256(json.dumps(groups).encode()).hexdigest()}
+
+
+def fingerprint_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
+    """What differs between two `data_fingerprint`s, in config terms (e.g. "data.seed 7 -> 8")."""
+    changes = [f"data.{key} {json.dumps(saved.get(key))} -> {json.dumps(now[key])}"
+               for key in ("seed", "shuffle", "columns") if saved.get(key) != now[key]]
+    if any(saved.get(key) != now[key] for key in ("samples", "row_groups", "row_groups_sha256")):
+        changes.append(f"the dataset at data.path: {saved.get('samples')} samples in {saved.get('row_groups')} row groups -> "
+                       f"{now['samples']} in {now['row_groups']}" + (" (other files or row groups)" if saved.get("samples") == now["samples"] else ""))
+    return changes
+
+
 class SampleStream:
     """Infinite stream of this rank's slice of each global batch.
 
@@ -427,6 +452,7 @@ class SampleStream:
         self.start_sample = int(start_sample)
         self.position = self.start_sample
         self.num_samples = dataset_size(self.units)
+        self.fingerprint = data_fingerprint(self.units, self.seed, self.shuffle, self.columns)
         self.prefetch_batches = int(prefetch_batches)
         self.read_num_cpus = float(read_num_cpus)
 

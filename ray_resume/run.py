@@ -33,7 +33,7 @@ from .checkpoint.schema import CheckpointError
 from .checkpoint.storage import storage_for
 from .config import Config, ConfigError, load_config
 from .controller import CommitError, JobControllerActor
-from .data import DataError, ensure_dataset, scan_units
+from .data import DEFAULT_COLUMNS, DataError, data_fingerprint, ensure_dataset, fingerprint_changes, scan_units
 from . import parallel
 from .plugins import make_model, resolve
 from .train_loop import train_func
@@ -176,7 +176,7 @@ def absolute_paths(cfg: Config) -> Config:
 def preflight(cfg: Config) -> tuple[str, int | None] | None:
     """Check data and checkpoints on the driver; return what to load: (root, step), (export_dir, None) or None."""
     ensure_dataset(cfg.data.path, cfg.data.synthetic, cfg.model.seq_len, cfg.model.vocab_size)
-    scan_units(cfg.data.path, cfg.data.columns or None)
+    units = scan_units(cfg.data.path, cfg.data.columns or None)
     ckpt = cfg.checkpoint
     if not ckpt.enable_save:
         logger.warning("[%s] checkpoints are off (checkpoint.enable_save: false): nothing will be saved", cfg.name)
@@ -197,7 +197,32 @@ def preflight(cfg: Config) -> tuple[str, int | None] | None:
                 "directory (checkpoint.load_path stays where it is)"
             )
         refuse_step_rewind(cfg, *load)
+    if load and load[1] is not None and not ckpt.no_load_optim:
+        refuse_data_change(cfg, *load, units)
     return load
+
+
+def refuse_data_change(cfg: Config, root: str, step: int, units) -> None:
+    """A full resume continues the saved data cursor; with another seed, shuffle, columns or dataset
+    it would continue another order, silently. Refused unless `data.allow_change` says it is meant."""
+    it = open_iteration(storage_for(root, cfg.checkpoint.storage), root, step)
+    saved = it.common.get("data")
+    if saved is None:  # written before the fingerprint was kept
+        return
+    columns = cfg.data.columns or DEFAULT_COLUMNS
+    changes = fingerprint_changes(saved, data_fingerprint(units, cfg.data.seed, cfg.data.shuffle, columns))
+    if not changes:
+        return
+    what = "; ".join(changes)
+    if cfg.data.allow_change:
+        logger.warning("[%s] data changed since iteration %d (%s); data.allow_change: true, so training continues "
+                       "at sample %d of the new order", cfg.name, step, what, it.common["consumed_samples"])
+        return
+    raise CheckpointError(
+        f"{layout.join(it.path, layout.COMMON)}: iteration {step} was trained on other data than this config reads "
+        f"({what}), so resuming would continue another sample order; set data.allow_change: true if the change is "
+        "meant (its data cursor carries over), or restore the data settings"
+    )
 
 
 def refuse_step_rewind(cfg: Config, root: str, step: int) -> None:

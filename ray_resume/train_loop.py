@@ -95,6 +95,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
             "consumed_samples": consumed,
             "epoch_num": consumed // samples.num_samples,
             "step_num": (consumed % samples.num_samples) // train.global_batch_size,
+            "data": samples.fingerprint,
             **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
         })
         progress.step(step, loss, batch["sample_id"], saved, checkpointer.last_stall_s if saved else None)

@@ -29,3 +29,10 @@ def loss_one_arg(batch):
 
 def build_not_a_module(model_section):
     return "a string"
+
+
+def build_batchnorm(model_section):
+    """An MLP with BatchNorm: running statistics that differ between ranks after every step."""
+    args = model_section["args"]
+    return nn.Sequential(nn.Linear(args["features"], args["hidden"]), nn.BatchNorm1d(args["hidden"]), nn.ReLU(),
+                         nn.Linear(args["hidden"], 1))

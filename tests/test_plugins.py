@@ -124,3 +124,21 @@ def test_example_via_python_api_and_its_killed_twin_end_byte_identical(tmp_path,
         assert shard_bytes(tmp_path / "killed" / "ckpt", step) == shard_bytes(tmp_path / "clean" / "ckpt", step)
     names = set(load_state(LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / "clean" / "ckpt"), 12), "model"))
     assert names == {"0.weight", "0.bias", "3.weight", "3.bias"}  # parameter names from the user's module
+
+
+def test_batchnorm_statistics_resume_as_the_uninterrupted_run_continues(tmp_path, tabular):
+    """Under DDP every rank's running stats differ after a step; the next forward broadcasts rank
+    0's. Saved are rank 0's, so a job killed at step 6 ends with the very bytes of its clean twin."""
+    def config(where):
+        cfg = example_config(where, tabular)
+        cfg["model"] = {"builder": "plugin_models:build_batchnorm", "args": {"features": 8, "hidden": 16}}
+        return cfg
+
+    run_on_harness(config(tmp_path / "clean"))
+    killed = config(tmp_path / "killed")
+    killed["fault"] = {"phase": "after_optimizer_step", "step": 6, "rank": 1}
+    assert run_on_harness(killed).attempts == 2
+    saved = load_state(LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / "clean" / "ckpt"), 4), "model")
+    assert "1.running_mean" in saved and saved["1.running_mean"].abs().sum() > 0
+    for step in (8, 12):
+        assert shard_bytes(tmp_path / "killed" / "ckpt", step) == shard_bytes(tmp_path / "clean" / "ckpt", step), step

@@ -16,7 +16,7 @@ import torch
 from ..controller import call
 from . import layout, state
 from .fallback import fall_back
-from .fetch import StateLoader, decided_by_rank0, open_shared
+from .fetch import StateLoader, collective_device, decided_by_rank0, open_shared
 from .plan import TensorSpec, needed_range
 from .reader import load_rank_extras, read_export
 from .schema import DTYPE_TAGS, DTYPES, CheckpointError, DamagedShards, tensor_specs
@@ -155,7 +155,7 @@ class Checkpointer:
             return False
         start = time.perf_counter()
         waited = self.background.wait()  # a new save waits for the previous one (its buffers are reused)
-        states = {layout.MODEL_KIND: state.model_tensors(model),
+        states = {layout.MODEL_KIND: state.with_rank0_buffers(model, state.model_tensors(model), collective_device()),
                   layout.OPTIM_KIND: None if self.ckpt.no_save_optim else optimizer.state_tensors()}
         shards = shard_layouts(states, self.rank, self.world_size)
         rng = state.capture_rng()  # on the training thread: the state at this step

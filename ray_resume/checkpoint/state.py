@@ -46,6 +46,27 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in unwrap(model).state_dict().items() if name not in aliases}
 
 
+def with_rank0_buffers(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """`tensors` with every buffer (BatchNorm running stats...) replaced by a copy of rank 0's.
+
+    Ranks update their buffers from their own data, so their values differ
+    after a step; under DDP the next forward broadcasts rank 0's, which is
+    what the uninterrupted run continues with. Saved from each rank's share
+    as they stand, they would be stitched together from different ranks.
+    The live buffers are left as they are (FSDP2 never broadcasts them:
+    there, after a resume, every rank continues with rank 0's).
+    """
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return tensors
+    names = sorted(n for n, _ in unwrap(model).named_buffers() if n in tensors and not isinstance(tensors[n], DTensor))
+    copies = {}
+    for name in names:  # the same order on every rank
+        copy = tensors[name].detach().to(device, copy=True)
+        torch.distributed.broadcast(copy, src=0)
+        copies[name] = copy.to(tensors[name].device)
+    return {**tensors, **copies}
+
+
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """{alias: first name} for state_dict entries that are the same tensor as an earlier one."""
     first: dict[tuple, str] = {}
