@@ -111,7 +111,8 @@ class MainParamsOptimizer:
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        load_optim_tensors(self.named_main(), self.optimizer, tensors)
+        main_suffix = f".{MAIN_PARAM}"
+        load_optim_tensors(self.named_main(), self.optimizer, {k: v for k, v in tensors.items() if not k.endswith(main_suffix)})
         if self.mixed:
             with torch.no_grad():
                 for name, main in self.named_main():

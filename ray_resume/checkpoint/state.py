@@ -14,8 +14,6 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-OPTIM_SLOTS = ("exp_avg", "exp_avg_sq", "step")
-
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside a DDP wrapper (FSDP2 shards the module in place: nothing to unwrap)."""
@@ -82,24 +80,28 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 
 
 def optim_tensors(named_params, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """`{param_name}.{slot}` for every optimizer slot of every (name, param)."""
+    """`{param_name}.{slot}` for every slot the optimizer keeps for every (name, param): any
+    torch.optim optimizer (AdamW's `max_exp_avg_sq` with amsgrad, SGD's `momentum_buffer`...).
+    A number becomes a 0-d tensor; any other value is refused by name."""
     out: dict[str, torch.Tensor] = {}
     for name, param in named_params:
-        state = optimizer.state.get(param, {})
-        for slot in OPTIM_SLOTS:
-            if slot in state:
-                value = state[slot]
-                out[f"{name}.{slot}"] = value if torch.is_tensor(value) else torch.tensor(float(value))
+        for slot, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, bool) or not isinstance(value, (torch.Tensor, int, float)):
+                raise TypeError(f"optimizer state {name}.{slot} is a {type(value).__name__}; only tensors and numbers are checkpointed")
+            out[f"{name}.{slot}"] = value if torch.is_tensor(value) else torch.tensor(value)
     return out
 
 
 def load_optim_tensors(named_params, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
     """Rebuild torch's positional optimizer state from name-keyed tensors."""
+    slots_of: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        name, slot = key.rsplit(".", 1)
+        slots_of.setdefault(name, {})[slot] = value
     state = {}
     for index, (name, param) in enumerate(named_params):
-        slots = {slot: _like(param, tensors[f"{name}.{slot}"]) for slot in OPTIM_SLOTS if f"{name}.{slot}" in tensors}
-        if slots:
-            state[index] = slots
+        if name in slots_of:
+            state[index] = {slot: _like(param, value) for slot, value in slots_of[name].items()}
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
