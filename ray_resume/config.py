@@ -224,15 +224,18 @@ class FailureConfig(_Section):
 
 @dataclass(kw_only=True)
 class StorageConfig(_Section):
-    """Object-storage connection; empty values fall back to the usual AWS_* environment variables."""
+    """Object-storage connection. Without keys here the standard AWS credential chain applies:
+    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE and ~/.aws,
+    web identity (EKS service accounts), the instance's role."""
 
     endpoint_url: str = ""  # S3-compatible endpoint, e.g. http://127.0.0.1:9000 (env AWS_ENDPOINT_URL)
     region: str = ""  # bucket region (env AWS_REGION / AWS_DEFAULT_REGION)
-    access_key_id: str = ""  # prefer the env var AWS_ACCESS_KEY_ID over plain text here
-    secret_access_key: str = ""  # prefer the env var AWS_SECRET_ACCESS_KEY over plain text here
+    access_key_id: str = ""  # prefer the credential chain (env, profile, role) over plain text here
+    secret_access_key: str = ""  # with access_key_id
+    session_token: str = ""  # with temporary keys (env AWS_SESSION_TOKEN when the keys come from the env)
 
 
-SECRET_STORAGE_KEYS = ("access_key_id", "secret_access_key")
+SECRET_STORAGE_KEYS = ("access_key_id", "secret_access_key", "session_token")
 REDACTED = "<redacted>"
 
 
@@ -363,7 +366,10 @@ def _describe(tp: Any) -> str:
     return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
 
 
-def _got(value: Any) -> str:
+def _got(value: Any, key: str = "") -> str:
+    """What a wrong value was, for an error message; a credential's value is never shown."""
+    if key.rsplit(".", 1)[-1] in SECRET_STORAGE_KEYS:
+        return f"got {type(value).__name__} {REDACTED}"
     return f"got {type(value).__name__} {value!r}"
 
 
@@ -382,7 +388,7 @@ def _convert(tp: Any, value: Any, key: str, problems: list[str], bad: list[str])
             ok, out = _convert(a, value, key, trial, bad)
             if ok:
                 return True, out
-        problems.append(f"{key} must be {' or '.join(_describe(a) for a in options)}, {_got(value)}")
+        problems.append(f"{key} must be {' or '.join(_describe(a) for a in options)}, {_got(value, key)}")
         return False, None
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -412,7 +418,7 @@ def _convert(tp: Any, value: Any, key: str, problems: list[str], bad: list[str])
             return True, value
     elif isinstance(value, tp):
         return True, value
-    problems.append(f"{key} must be {_describe(tp)}, {_got(value)}")
+    problems.append(f"{key} must be {_describe(tp)}, {_got(value, key)}")
     return False, None
 
 

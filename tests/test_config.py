@@ -111,6 +111,12 @@ def test_wrong_type_names_full_key():
 
 
 
+def test_a_wrong_credential_is_named_but_never_shown():
+    assert problems(cfg(checkpoint={"save_path": "/x", "storage": {"secret_access_key": 1234567, "session_token": ["tok-123"]}})) == [
+        "x.yaml: checkpoint.storage.secret_access_key must be a string, got int <redacted>",
+        "x.yaml: checkpoint.storage.session_token must be a string, got list <redacted>"]
+
+
 def test_worker_resources_and_resize_interval_are_checked():
     c = Config.from_dict(cfg(scaling={"num_workers": [1, 2], "resources_per_worker": {"CPU": 2, "train_slot": 1},
                                       "elastic_resize_interval_s": 5}))

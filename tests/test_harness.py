@@ -210,7 +210,8 @@ def test_a_preemption_notice_saves_at_once_and_training_goes_on(tmp_path, local_
 def test_no_storage_secret_lands_in_a_checkpoint_or_beside_it(tmp_path, local_reference):
     """Credentials given in checkpoint.storage are redacted in every iteration's config.yaml (and so in
     exports of it); no file the job writes holds them."""
-    secrets = {"access_key_id": "AKIATESTKEYID0000001", "secret_access_key": "s3cr3t/Value+0000000000000000000000000"}
+    secrets = {"access_key_id": "AKIATESTKEYID0000001", "secret_access_key": "s3cr3t/Value+0000000000000000000000000",
+               "session_token": "FwoGZXIvYXdzEXAMPLEsessionTOKEN0000000000"}
     cfg = tiny_config(tmp_path, checkpoint={"storage": secrets})
     cfg["data"]["path"] = local_reference["data"]
     run_on_harness(cfg)
@@ -220,7 +221,7 @@ def test_no_storage_secret_lands_in_a_checkpoint_or_beside_it(tmp_path, local_re
         data = path.read_bytes()
         assert not any(value.encode() in data for value in secrets.values()), path
     saved = yaml.safe_load((Path(layout.iteration_dir(cfg["checkpoint"]["save_path"], FINAL)) / layout.CONFIG).read_text())
-    assert saved["checkpoint"]["storage"]["secret_access_key"] == "<redacted>"
+    assert {saved["checkpoint"]["storage"][k] for k in secrets} == {"<redacted>"}
 
 
 def test_a_resave_on_fewer_ranks_leaves_no_file_of_the_larger_world(tmp_path, local_reference):

@@ -39,6 +39,29 @@ def test_object_storage_basics(s3):
     assert storage.listdir("s3://ckpts/basics") == []
 
 
+def _credentials(storage) -> dict:
+    """The credentials the S3 client was built with (pyarrow reports them when pickled)."""
+    options = storage.backend.fs.__reduce__()[1][0]
+    return {k: options[k] for k in ("access_key", "secret_key", "session_token")}
+
+
+def test_temporary_credentials_from_the_environment_or_the_config(s3, monkeypatch):
+    """No keys in the config: the AWS credential chain, AWS_SESSION_TOKEN included (it was dropped,
+    and temporary credentials failed). Keys in the config: their session_token goes with them."""
+    endpoint = {"endpoint_url": s3["endpoint_url"], "region": s3["region"]}
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "env-token")
+    from_env = storage_for("s3://ckpts/creds", endpoint)
+    assert _credentials(from_env) == {"access_key": None, "secret_key": None, "session_token": None}  # the chain's to find
+    from_env.write_atomic("s3://ckpts/creds/env.json", b"{}")  # the chain found them: moto accepts the request
+    assert from_env.read_bytes("s3://ckpts/creds/env.json") == b"{}"
+    explicit = storage_for("s3://ckpts/creds", {**s3, "session_token": "cfg-token"})
+    assert _credentials(explicit) == {"access_key": "testing", "secret_key": "testing", "session_token": "cfg-token"}
+    explicit.write_atomic("s3://ckpts/creds/cfg.json", b"{}")
+    assert explicit.size("s3://ckpts/creds/cfg.json") == 2
+
+
 def test_a_commit_on_object_storage_leaves_only_the_files_it_lists(s3):
     """The same cleanup as on disk (tests/test_harness.py runs it in a whole job): files of an
     earlier, larger attempt and its unfinished common.json are deleted, the listed shards kept."""

@@ -306,7 +306,7 @@ def storage_for(uri: str, options=None) -> Retrying:
 
 
 @functools.lru_cache(maxsize=8)
-def _s3_cached(endpoint: str, region: str, key: str, secret: str):
+def _s3_cached(endpoint: str, region: str, key: str, secret: str, token: str):
     # allow_delayed_open: a file smaller than one part (tracker, common.json,
     # metadata.json, config.yaml) goes up as one PUT, not as a 3-request multipart
     # upload; an error then shows at write or close, where every writer here expects one.
@@ -318,12 +318,14 @@ def _s3_cached(endpoint: str, region: str, key: str, secret: str):
         if endpoint.startswith("http://"):
             kwargs["scheme"] = "http"
     if key and secret:
-        kwargs.update(access_key=key, secret_key=secret)
+        kwargs.update(access_key=key, secret_key=secret, session_token=token or None)
+    # Otherwise the AWS SDK's default chain: the AWS_* keys and AWS_SESSION_TOKEN, AWS_PROFILE
+    # and ~/.aws, web identity (AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN), the instance role.
     return pafs.S3FileSystem(**{k: v for k, v in kwargs.items() if v is not None})
 
 
 def _s3(options):
-    """Explicit settings win; otherwise the AWS_* variables every S3 tool reads."""
+    """Explicit settings win; otherwise the AWS_* variables and credential chain every S3 tool reads."""
     env = os.environ.get
     def get(name: str) -> str:
         if isinstance(options, dict):
@@ -333,6 +335,5 @@ def _s3(options):
     return _s3_cached(
         get("endpoint_url") or env("AWS_ENDPOINT_URL", ""),
         get("region") or env("AWS_REGION", "") or env("AWS_DEFAULT_REGION", ""),
-        get("access_key_id") or env("AWS_ACCESS_KEY_ID", ""),
-        get("secret_access_key") or env("AWS_SECRET_ACCESS_KEY", ""),
+        get("access_key_id"), get("secret_access_key"), get("session_token"),
     )
