@@ -75,6 +75,10 @@ class JobController:
             # The driver took the lease and renews it; every commit checks this job still holds it.
             self.lease = Lease(self.storage, save_path, job_id, config["checkpoint"]["lease_ttl_s"])
 
+    def job_config(self) -> dict:
+        """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
+        return self.config
+
     def start_attempt(self) -> dict:
         """Called once per worker-group start by rank 0: a new attempt id, and what to resume."""
         with self.lock:

@@ -31,7 +31,7 @@ from .checkpoint.lease import Lease
 from .checkpoint.reader import find_committed, is_export, open_iteration
 from .checkpoint.schema import CheckpointError
 from .checkpoint.storage import storage_for
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, load_config, redacted
 from .controller import CommitError, JobControllerActor
 from .data import DEFAULT_COLUMNS, DataError, data_fingerprint, ensure_dataset, fingerprint_changes, scan_units
 from . import parallel
@@ -117,7 +117,10 @@ def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str) -> R
     )
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"config": cfg.to_dict(), "controller": controller, "load": load, "job_id": job_id, "plugins": plugins},
+        # Ray Train keeps train_loop_config in its run state (the dashboard shows it): credentials
+        # stay out of it, and the ranks take the whole config from the controller.
+        train_loop_config={"config": redacted(cfg.to_dict()), "controller": controller, "load": load, "job_id": job_id,
+                           "plugins": plugins},
         scaling_config=scaling_config(cfg.scaling),
         run_config=ray.train.RunConfig(
             name=f"{cfg.name}-{job_id}",

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 def train_func(args: dict) -> None:
     """Ray Train's entry point on every rank: Ray's context, device and data reader around `train_worker`."""
-    cfg = Config.from_dict(args["config"])
+    cfg = Config.from_dict(call(args["controller"], "job_config"))  # args["config"] is redacted
     ctx = ray.train.get_context()
     train_worker(
         cfg, args["controller"], ctx.get_world_rank(), ctx.get_world_size(),

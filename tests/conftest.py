@@ -18,6 +18,8 @@ from ray_resume.metrics import read_metrics  # noqa: F401  (re-exported for the 
 
 REPO = Path(__file__).resolve().parent.parent
 FINAL = 12  # train_steps of tiny_config
+STORAGE_SECRETS = {"access_key_id": "AKIATESTKEYID0000001", "secret_access_key": "s3cr3t/Value+0000000000000000000000000",
+                   "session_token": "FwoGZXIvYXdzEXAMPLEsessionTOKEN0000000000"}
 
 # Ray Train's controller polls its workers every 2 s by default: each job would wait up to that
 # long to learn that a rank finished or died. Set before any Ray starts, so the session's Ray

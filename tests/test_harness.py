@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 import harness
-from conftest import FINAL, assert_same_as_reference, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import FINAL, STORAGE_SECRETS, assert_same_as_reference, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import layout
 from ray_resume.checkpoint.reader import check_no_extra_shards, open_iteration
 from ray_resume.checkpoint.schema import CheckpointError
@@ -210,8 +210,7 @@ def test_a_preemption_notice_saves_at_once_and_training_goes_on(tmp_path, local_
 def test_no_storage_secret_lands_in_a_checkpoint_or_beside_it(tmp_path, local_reference):
     """Credentials given in checkpoint.storage are redacted in every iteration's config.yaml (and so in
     exports of it); no file the job writes holds them."""
-    secrets = {"access_key_id": "AKIATESTKEYID0000001", "secret_access_key": "s3cr3t/Value+0000000000000000000000000",
-               "session_token": "FwoGZXIvYXdzEXAMPLEsessionTOKEN0000000000"}
+    secrets = STORAGE_SECRETS
     cfg = tiny_config(tmp_path, checkpoint={"storage": secrets})
     cfg["data"]["path"] = local_reference["data"]
     run_on_harness(cfg)
