@@ -156,12 +156,12 @@ class BenchWorker:
         return {"stall": stall, "total": total, "bytes": sum(info["size"] for _, info in self._my_files(ck.ckpt.save_path, step))}
 
     def _my_files(self, root: str, step: int) -> list[tuple[str, dict]]:
-        from ray_resume.checkpoint import layout
+        from ray_resume.checkpoint import paths
 
-        d = layout.iteration_dir(root, step)
+        d = paths.iteration_dir(root, step)
         out = []
         for n in sorted(os.listdir(d)):
-            parsed = layout.parse_shard_filename(n)
+            parsed = paths.parse_shard_filename(n)
             if parsed and parsed["rank"] == self.rank:
                 out.append((os.path.join(d, n), {"size": os.path.getsize(os.path.join(d, n))}))
         return out

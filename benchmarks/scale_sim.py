@@ -17,7 +17,7 @@ For each saving world size W it
   header) and every rank's, computed one after the other (FSDP: up to
   `--all-ranks-upto` ranks);
 - synthesises every rank's manifest as `writer.write_shards` reports it
-  (names from `layout.shard_filename`, sizes = the share's data bytes plus
+  (names from `paths.shard_filename`, sizes = the share's data bytes plus
   the safetensors header, a fake sha256 per 4 MiB checksum block), creates
   the shard files as sparse files of those sizes in a local temp dir, and
   runs the driver's real commit (`commit.commit_iteration`: a stat per
@@ -82,10 +82,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ray_resume.checkpoint import layout
+from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.commit import commit_iteration
 from ray_resume.checkpoint.digest import block_bounds
-from ray_resume.checkpoint.fetch import balanced_owners, divide_blocks
+from ray_resume.checkpoint.loader import balanced_owners, divide_blocks
 from ray_resume.checkpoint.reader import consecutive_runs
 from ray_resume.checkpoint.plan import DIM0, SPLIT, SavePlan, TensorSpec, dim0_chunk, needed_range, split_replicated, split_specs
 from ray_resume.checkpoint.schema import dumps, file_blocks, parse_json, tensor_specs, validate_metadata
@@ -94,7 +94,7 @@ from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import CHECKSUM_BLOCK
 
 PREFIX = "ckpt"
-KINDS = (layout.MODEL_KIND, layout.OPTIM_KIND)
+KINDS = (paths.MODEL_KIND, paths.OPTIM_KIND)
 ITERATION = 1000
 
 
@@ -141,7 +141,7 @@ def state_specs(model: Decoder, fsdp: bool) -> dict[str, list[TensorSpec]]:
         opt += [TensorSpec(f"{name}.exp_avg", "F32", shape, 4, how), TensorSpec(f"{name}.exp_avg_sq", "F32", shape, 4, how),
                 TensorSpec(f"{name}.step", "F32", (), 4, SPLIT)]
     opt += [TensorSpec(f"{name}.main_param", "F32", shape, 4, how) for name, shape in params]
-    return {layout.MODEL_KIND: [TensorSpec(n, "BF16", s, 2, how) for n, s in params], layout.OPTIM_KIND: opt}
+    return {paths.MODEL_KIND: [TensorSpec(n, "BF16", s, 2, how) for n, s in params], paths.OPTIM_KIND: opt}
 
 
 # --------------------------------------------------------------------------- save side
@@ -156,7 +156,7 @@ RANK_EXTRAS = len(json.dumps({"__metadata__": {"rank_extras": json.dumps(capture
 
 def header_bytes(entry_bytes, kind: str):
     """8-byte length + the JSON header padded to 8, from the sum of entry estimates (int or numpy array)."""
-    body = 2 + entry_bytes + (RANK_EXTRAS if kind == layout.OPTIM_KIND else 0)
+    body = 2 + entry_bytes + (RANK_EXTRAS if kind == paths.OPTIM_KIND else 0)
     return 8 + (body + 7) // 8 * 8
 
 
@@ -192,7 +192,7 @@ def rank_save_plan(specs: dict[str, list[TensorSpec]], world: int, rank: int, pl
         order = sorted(share, key=lambda p: (-_DTYPE_ORDER[by_name[p.name].dtype], p.name.encode()))
         data = sum(p.numel * by_name[p.name].itemsize for p in order)
         hdr = header_bytes(sum(entry_bytes(p.name) for p in order), kind)
-        out.append(RankShard(layout.shard_filename(PREFIX, kind, rank, world), kind, order, data, hdr))
+        out.append(RankShard(paths.shard_filename(PREFIX, kind, rank, world), kind, order, data, hdr))
     return out
 
 
@@ -252,7 +252,7 @@ def manifests_for(specs: dict[str, list[TensorSpec]], world: int, sizes, block_s
     for rank in range(world):
         files = {}
         for kind in KINDS:
-            name = layout.shard_filename(PREFIX, kind, rank, world)
+            name = paths.shard_filename(PREFIX, kind, rank, world)
             size, start = int(sizes[kind]["size"][rank]), int(sizes[kind]["header"][rank])
             digests = [hashlib.sha256(f"{name}/{i}".encode()).hexdigest() for i in range(len(block_bounds(size, start, block_size)))]
             files[name] = {"size": size, "data_start": start, "sha256": digests, "kind": kind, "rank": rank}
@@ -376,7 +376,7 @@ def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bo
         specs = tensor_specs(meta, kind)
         saved = SavePlan(specs, world)
         replicated, pooled = load_roles(specs, new_world, fsdp=fsdp)
-        names = [layout.shard_filename(prefix, kind, r, world) for r in range(world)]
+        names = [paths.shard_filename(prefix, kind, r, world) for r in range(world)]
         verified = set()
         if balanced and replicated:  # one deal over both kinds' checksum blocks; each read by its owner, then broadcast
             owners = owners or lb_owners(meta, new_world)
@@ -550,7 +550,7 @@ def check_load_plan(meta: dict, plan: LoadPlan, new_world: int, *, fsdp: bool, b
     into the all-reduce comes from a file it verifies.
     """
     world = meta["world_size"]
-    kinds = {layout.shard_filename(meta["prefix"], k, r, world): (k, r) for k in meta["tensors"] for r in range(world)}
+    kinds = {paths.shard_filename(meta["prefix"], k, r, world): (k, r) for k in meta["tensors"] for r in range(world)}
     shares = {kind: SavePlan(tensor_specs(meta, kind), world) for kind in meta["tensors"]}
 
     def assert_held(file: str, name: str, lo: int, hi: int) -> None:
@@ -641,17 +641,17 @@ def check_small(tmp: str) -> dict:
             assert sum(int(sizes[k]["data"].sum()) for k in KINDS) == sum(s.nbytes for k in KINDS for s in specs[k])
             manifests = manifests_for(specs, world, sizes, SMALL_BLOCK)
             root = os.path.join(tmp, f"{'fsdp' if fsdp else 'ddp'}-{world}-{new_world}")
-            make_sparse_files(layout.iteration_dir(root, ITERATION), manifests)
+            make_sparse_files(paths.iteration_dir(root, ITERATION), manifests)
             storage = CountingStorage(LocalStorage())
             commit_iteration(storage, root, ITERATION, manifests, common_json(world), prefix=PREFIX, config=SIM_CONFIG, job_id="sim")
             assert storage.calls["size"] == 2 * world and storage.calls["write_atomic"] == 4
-            path = layout.join(layout.iteration_dir(root, ITERATION), layout.METADATA)
+            path = paths.join(paths.iteration_dir(root, ITERATION), paths.METADATA)
             meta = parse_json(LocalStorage().read_bytes(path), path)
             validate_metadata(meta, path)
             for kind in KINDS:
                 assert sorted(tensor_specs(meta, kind), key=str) == sorted(specs[kind], key=str), "metadata.json does not round-trip the tensor specs"
             assert {n: f["size"] for n, f in meta["files"].items()} == {n: f["size"] for m in manifests for n, f in m["files"].items()}
-            assert LocalStorage().read_bytes(layout.tracker_path(root)) == f"{ITERATION}\n".encode()
+            assert LocalStorage().read_bytes(paths.tracker_path(root)) == f"{ITERATION}\n".encode()
             checked["commits"] += 1
             for balanced in (False, True):
                 totals = read_totals(specs, world, new_world, sizes, fsdp=fsdp, balanced=balanced, block_size=SMALL_BLOCK, block_cells=world * 5)
@@ -668,7 +668,7 @@ def check_small(tmp: str) -> dict:
                 packed = check_pooled(meta, plans, new_world, fsdp=fsdp)
                 assert (packed > 0) == (fsdp and new_world > 1), f"all-reduce of {packed} bytes ({world}->{new_world}, fsdp={fsdp})"
                 if packed:
-                    steps = [s for s in specs[layout.OPTIM_KIND] if s.name.endswith(".step")]
+                    steps = [s for s in specs[paths.OPTIM_KIND] if s.name.endswith(".step")]
                     assert sorted(plans[0].allreduced) == sorted(s.name for s in steps) and packed == 8 * len(steps)
                     checked["all-reduces"] += 1
             shutil.rmtree(root)
@@ -677,14 +677,14 @@ def check_small(tmp: str) -> dict:
     sizes = shard_sizes(specs, 4)
     manifests = manifests_for(specs, 4, sizes)
     root = os.path.join(tmp, "short")
-    make_sparse_files(layout.iteration_dir(root, ITERATION), manifests)
-    os.truncate(os.path.join(layout.iteration_dir(root, ITERATION), layout.shard_filename(PREFIX, "opt", 2, 4)), 10)
+    make_sparse_files(paths.iteration_dir(root, ITERATION), manifests)
+    os.truncate(os.path.join(paths.iteration_dir(root, ITERATION), paths.shard_filename(PREFIX, "opt", 2, 4)), 10)
     try:
         commit_iteration(LocalStorage(), root, ITERATION, manifests, common_json(4), prefix=PREFIX, config=SIM_CONFIG, job_id="sim")
         raise AssertionError("a commit with a truncated shard went through")
     except RuntimeError as exc:
         assert "ckpt-opt-0000002-0000004.safetensors" in str(exc), exc
-    assert not os.path.exists(layout.tracker_path(root)) and not os.path.exists(layout.join(layout.iteration_dir(root, ITERATION), layout.METADATA))
+    assert not os.path.exists(paths.tracker_path(root)) and not os.path.exists(paths.join(paths.iteration_dir(root, ITERATION), paths.METADATA))
     return {"checked": dict(checked), "cases": cases, "seconds": round(time.perf_counter() - started, 2)}
 
 
@@ -790,14 +790,14 @@ def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, all_ranks: b
             for shard in rank_save_plan(specs, world, rank, plans):
                 assert shard.data == sizes[shard.kind]["data"][rank] and shard.header == sizes[shard.kind]["header"][rank]
         r["vectorised_writes_checked_ranks"] = min(world, sample_ranks) + len(probe)
-    written = sizes[layout.MODEL_KIND]["size"] + sizes[layout.OPTIM_KIND]["size"]
+    written = sizes[paths.MODEL_KIND]["size"] + sizes[paths.OPTIM_KIND]["size"]
     r["checkpoint_bytes"] = int(written.sum())
     r["write_balance"] = balance(written)
     r["write_max_rank_bytes"] = int(written.max())
     r["write_mean_rank_bytes"] = float(written.mean())
     r["ranks_writing_no_data"] = int(((sizes["model"]["data"] + sizes["opt"]["data"]) == 0).sum())
-    stream = split_replicated(split_specs(specs[layout.OPTIM_KIND]), world)
-    r["split_stream_opt"] = {"bytes": sum(s.nbytes for s in split_specs(specs[layout.OPTIM_KIND])),
+    stream = split_replicated(split_specs(specs[paths.OPTIM_KIND]), world)
+    r["split_stream_opt"] = {"bytes": sum(s.nbytes for s in split_specs(specs[paths.OPTIM_KIND])),
                              "files_holding_it": sum(1 for share in stream if share)}
     if fsdp:
         r["hsdp_write_balance"] = {str(g): hsdp_write_balance(specs, world, g) for g in (64, 1024) if world % g == 0 and g < world}
@@ -814,14 +814,14 @@ def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, all_ranks: b
 
     # The commit, on a real local directory of sparse shard files.
     root = os.path.join(tmp, f"{tag}-{world}")
-    iter_dir = layout.iteration_dir(root, ITERATION)
+    iter_dir = paths.iteration_dir(root, ITERATION)
     _, r["make_sparse_files_s"] = timed(make_sparse_files, iter_dir, manifests)
     storage = CountingStorage(LocalStorage())
     meta, r["commit_s"], r["commit_s_runs"] = best(commit_iteration, storage, root, ITERATION, manifests, common_json(world),
                                                    prefix=PREFIX, config=SIM_CONFIG, job_id="sim")
     r["commit_storage_calls"] = {k: v // REPEATS for k, v in storage.calls.items()}
     r["s3_requests_per_save"] = s3_requests_per_save(sizes, world)
-    path = layout.join(iter_dir, layout.METADATA)
+    path = paths.join(iter_dir, paths.METADATA)
     blob, r["metadata_serialize_s"], _ = best(dumps, meta)  # schema.dumps, as the commit writes it
     _, r["metadata_serialize_compact_s"], _ = best(lambda m: json.dumps(m, sort_keys=True, separators=(",", ":")).encode(), meta)
     _, r["metadata_write_atomic_s"], _ = best(LocalStorage().write_atomic, path + ".sim", blob)

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from .checkpoint import layout
+from .checkpoint import paths
 from .checkpoint.commit import commit_iteration
 from .checkpoint.lease import Lease
 from .checkpoint.storage import storage_for
@@ -163,7 +163,7 @@ class JobController:
             before_tracker=lambda: self._before_tracker(iteration),
         )
         self.committed_by_job.append(iteration)
-        logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["files"]), layout.iteration_dir(self.root, iteration))
+        logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["files"]), paths.iteration_dir(self.root, iteration))
         self._apply_retention(iteration)
 
     def _apply_retention(self, tracked: int) -> None:
@@ -187,11 +187,11 @@ class JobController:
         try:
             self._remove_iteration(step)
         except Exception:
-            logger.exception("retention could not remove iteration %d; remove %s by hand", step, layout.iteration_dir(self.root, step))
+            logger.exception("retention could not remove iteration %d; remove %s by hand", step, paths.iteration_dir(self.root, step))
 
     def _remove_iteration(self, step: int) -> None:
-        iter_dir = layout.iteration_dir(self.root, step)
-        self.storage.remove(layout.join(iter_dir, layout.COMMON))
+        iter_dir = paths.iteration_dir(self.root, step)
+        self.storage.remove(paths.join(iter_dir, paths.COMMON))
         f = self.fault
         if f and f["phase"] == "retention_delete" and f["step"] == step and self.claim_fault():
             self._kill_driver(f"while deleting iteration {step}")

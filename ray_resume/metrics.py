@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from .checkpoint import layout
+from .checkpoint import paths
 from .checkpoint.storage import storage_for
 
 
@@ -35,7 +35,7 @@ class MetricsWriter:
             return
         name = f"{int(self.pending[0]['time'] * 1000):013d}-rank{self.tag['rank']:05d}-{self.tag['job']}-{self.tag['attempt']}.jsonl"
         data = "".join(json.dumps(r) + "\n" for r in self.pending).encode()
-        self.storage.write_atomic(layout.join(self.dir, name), data)
+        self.storage.write_atomic(paths.join(self.dir, name), data)
         self.pending = []
 
 
@@ -46,5 +46,5 @@ def read_metrics(save_path: str, storage_options=None) -> list[dict]:
     records = []
     for name in storage.listdir(directory):
         if name.endswith(".jsonl"):
-            records += [json.loads(line) for line in storage.read_bytes(layout.join(directory, name)).splitlines() if line.strip()]
+            records += [json.loads(line) for line in storage.read_bytes(paths.join(directory, name)).splitlines() if line.strip()]
     return records

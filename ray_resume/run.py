@@ -25,7 +25,7 @@ import torch
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .checkpoint import layout
+from .checkpoint import paths
 from .checkpoint.fallback import select_iteration
 from .checkpoint.lease import Lease
 from .checkpoint.reader import find_committed, is_export, open_iteration
@@ -138,7 +138,7 @@ def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str) -> R
     if error is None and outcome["error"]:
         error = CommitError(outcome["error"])
     committed = outcome["committed"]
-    path = layout.iteration_dir(cfg.checkpoint.save_path, committed) if committed is not None else None
+    path = paths.iteration_dir(cfg.checkpoint.save_path, committed) if committed is not None else None
     if error is None and outcome["metrics"].get("stopped"):
         logger.warning("[%s] stopped at step %s on request: committed iteration %s; run again with "
                        "checkpoint.load_path=%s to continue", cfg.name, outcome["metrics"]["step"], committed, cfg.checkpoint.save_path)
@@ -222,7 +222,7 @@ def refuse_data_change(cfg: Config, root: str, step: int, units) -> None:
                        "at sample %d of the new order", cfg.name, step, what, it.common["consumed_samples"])
         return
     raise CheckpointError(
-        f"{layout.join(it.path, layout.COMMON)}: iteration {step} was trained on other data than this config reads "
+        f"{paths.join(it.path, paths.COMMON)}: iteration {step} was trained on other data than this config reads "
         f"({what}), so resuming would continue another sample order; set data.allow_change: true if the change is "
         "meant (its data cursor carries over), or restore the data settings"
     )
@@ -268,7 +268,7 @@ def find_load_source(ckpt) -> tuple[str, int | None] | None:
             logger.info("nothing to resume in %s yet: starting from step 0", ckpt.load_path)
             return None
         raise CheckpointError(
-            f"checkpoint.load_path {ckpt.load_path!r} holds neither {layout.TRACKER} nor model.safetensors; "
+            f"checkpoint.load_path {ckpt.load_path!r} holds neither {paths.TRACKER} nor model.safetensors; "
             "point it at a checkpoint root written by ray_resume or at a safetensors export"
         )
     it = open_iteration(storage, ckpt.load_path, step)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import parallel
 from .checkpoint.checkpointer import Checkpointer
-from .checkpoint.fetch import collective_device
+from .checkpoint.loader import collective_device
 from .checkpoint.state import seed_everything
 from .config import Config
 from .controller import call

@@ -11,7 +11,7 @@ import pyarrow.fs as pafs
 import pytest
 import ray
 
-from ray_resume.checkpoint import layout
+from ray_resume.checkpoint import paths
 from ray_resume.config import Config
 from ray_resume.run import init_local_ray, run
 from ray_resume.metrics import read_metrics  # noqa: F401  (re-exported for the tests)
@@ -92,8 +92,8 @@ def tiny_config(tmp: Path, name: str = "tiny", **sections) -> dict:
 
 def shard_bytes(root: str | Path, step: int) -> dict[str, bytes]:
     """Every model/opt shard file of one iteration, by name."""
-    directory = Path(layout.iteration_dir(str(root), step))
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if layout.parse_shard_filename(p.name)}
+    directory = Path(paths.iteration_dir(str(root), step))
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if paths.parse_shard_filename(p.name)}
 
 
 def per_step(records: list[dict]) -> dict[int, list[dict]]:
@@ -157,7 +157,7 @@ def assert_same_as_reference(root, reference) -> list[dict]:
     for step in (4, 8, FINAL):
         assert shard_bytes(root, step) == shard_bytes(reference["root"], step), f"iteration {step} differs"
     assert len(shard_bytes(root, FINAL)) == 4  # model + opt for each of 2 ranks
-    common = json.loads((Path(layout.iteration_dir(str(root), FINAL)) / "common.json").read_text())
+    common = json.loads((Path(paths.iteration_dir(str(root), FINAL)) / "common.json").read_text())
     assert common["global_step"] == FINAL and common["consumed_samples"] == FINAL * 16
     records = read_metrics(root)
     restarts = [r for r in records if r.get("event") == "start" and r["rank"] == 0]

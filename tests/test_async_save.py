@@ -18,10 +18,10 @@ import torch
 
 from conftest import shard_bytes, tiny_config
 from ray_resume.checkpoint import checkpointer as checkpointer_module
-from ray_resume.checkpoint import layout, state
+from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.async_save import AsyncSaveError
 from ray_resume.checkpoint.checkpointer import Checkpointer
-from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import ShardReader, load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import build_metadata, dumps
 from ray_resume.checkpoint.storage import LocalStorage
@@ -92,10 +92,10 @@ def test_async_and_sync_saves_write_identical_files(tmp_path, dtype):
         assert coordinators["sync", rank].threads == {threading.current_thread().name}
     # And what was written loads back to the very state.
     manifests = [coordinators["async", r].reports[0][2] for r in range(2)]
-    iter_dir = Path(layout.iteration_dir(str(roots["async"]), 3))
-    (iter_dir / layout.METADATA).write_bytes(dumps(build_metadata(3, "ckpt", manifests)))
-    (iter_dir / layout.COMMON).write_bytes(dumps({
-        "format_version": layout.FORMAT_VERSION, "global_step": 3, "global_batch_size": 16, "step_num": 3, "epoch_num": 0, "loss_scale": 1.0,
+    iter_dir = Path(paths.iteration_dir(str(roots["async"]), 3))
+    (iter_dir / paths.METADATA).write_bytes(dumps(build_metadata(3, "ckpt", manifests)))
+    (iter_dir / paths.COMMON).write_bytes(dumps({
+        "format_version": paths.FORMAT_VERSION, "global_step": 3, "global_batch_size": 16, "step_num": 3, "epoch_num": 0, "loss_scale": 1.0,
         "ckpt_status": "ok", "consumed_samples": 48, "world_size": 2, "has_optimizer": True, "job_id": "t"}))
     it = open_iteration(LocalStorage(), str(roots["async"]), 3)
     for name, tensor in load_state(LocalStorage(), it, "model").items():

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from ray_resume.checkpoint import layout, reader, state
+from ray_resume.checkpoint import paths, reader, state
 from ray_resume.checkpoint.digest import BlockSha256, block_bounds
-from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.plan import TensorSpec, split_replicated
 from ray_resume.checkpoint.reader import ShardReader, check_no_extra_shards, find_committed, load_rank_extras, open_iteration, plan_reads, read_verified
 from ray_resume.checkpoint.schema import CheckpointError, build_metadata, dumps
@@ -28,14 +28,14 @@ from ray_resume.optim import MainParamsOptimizer
 
 
 def test_names_are_the_specs():
-    assert layout.iteration_dirname(200) == "iteration_00000200"
-    assert layout.shard_filename("ckpt", "model", 1, 8) == "ckpt-model-0000001-0000008.safetensors"
-    assert layout.shard_filename("ckpt", "opt", 7, 8) == "ckpt-opt-0000007-0000008.safetensors"
-    assert layout.parse_shard_filename("ckpt-opt-0000007-0000008.safetensors") == {"prefix": "ckpt", "kind": "opt", "rank": 7, "world": 8}
-    assert layout.parse_iteration_dirname("iteration_00000200") == 200
-    assert layout.parse_iteration_dirname("iteration_200") is None
-    assert layout.join("s3://bucket/run", "iteration_00000001", "common.json") == "s3://bucket/run/iteration_00000001/common.json"
-    assert layout.tracker_path("/x/ckpt/") == "/x/ckpt/latest_checkpointed_iteration.txt"
+    assert paths.iteration_dirname(200) == "iteration_00000200"
+    assert paths.shard_filename("ckpt", "model", 1, 8) == "ckpt-model-0000001-0000008.safetensors"
+    assert paths.shard_filename("ckpt", "opt", 7, 8) == "ckpt-opt-0000007-0000008.safetensors"
+    assert paths.parse_shard_filename("ckpt-opt-0000007-0000008.safetensors") == {"prefix": "ckpt", "kind": "opt", "rank": 7, "world": 8}
+    assert paths.parse_iteration_dirname("iteration_00000200") == 200
+    assert paths.parse_iteration_dirname("iteration_200") is None
+    assert paths.join("s3://bucket/run", "iteration_00000001", "common.json") == "s3://bucket/run/iteration_00000001/common.json"
+    assert paths.tracker_path("/x/ckpt/") == "/x/ckpt/latest_checkpointed_iteration.txt"
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -78,13 +78,13 @@ def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None,
                     rank_extras={"rank": str(r)}, block_size=block_size)
         for r in range(world)
     ]
-    directory = Path(layout.iteration_dir(str(root), step))
-    (directory / layout.METADATA).write_bytes(dumps(build_metadata(step, "ckpt", manifests)))
-    common = {"format_version": layout.FORMAT_VERSION, "global_step": step, "global_batch_size": 8, "step_num": step, "epoch_num": 0,
+    directory = Path(paths.iteration_dir(str(root), step))
+    (directory / paths.METADATA).write_bytes(dumps(build_metadata(step, "ckpt", manifests)))
+    common = {"format_version": paths.FORMAT_VERSION, "global_step": step, "global_batch_size": 8, "step_num": step, "epoch_num": 0,
               "loss_scale": 1.0, "ckpt_status": "ok", "consumed_samples": 8 * step, "world_size": world,
               "has_optimizer": True, "job_id": "test"}
-    (directory / layout.COMMON).write_bytes(dumps(common))
-    storage.write_atomic(layout.tracker_path(str(root)), f"{step}\n".encode())
+    (directory / paths.COMMON).write_bytes(dumps(common))
+    storage.write_atomic(paths.tracker_path(str(root)), f"{step}\n".encode())
     return directory
 
 
@@ -322,10 +322,10 @@ def _status(d: Path):
         (_common(has_optimizer=False), "common.json: has_optimizer is false, but metadata.json lists optimizer state"),
         (_meta(lambda m, f: m.update(iteration=4)), "metadata.json: iteration 4 is not this directory's iteration 5"),
         (_listed_as_another_world, "metadata.json: files['ckpt-model-0000002-0000003.safetensors'] is not a shard of this 2-rank iteration"),
-        (lambda d: (d.parent / layout.TRACKER).write_text(""), "tracker is empty"),
-        (lambda d: (d.parent / layout.TRACKER).write_text("abc"), "tracker must hold a non-negative iteration number, got 'abc'"),
-        (lambda d: (d.parent / layout.TRACKER).write_text("-3"), "tracker must hold a non-negative iteration number, got '-3'"),
-        (lambda d: (d.parent / layout.TRACKER).write_text("9"), "names iteration 9, but iteration_00000009/ does not exist"),
+        (lambda d: (d.parent / paths.TRACKER).write_text(""), "tracker is empty"),
+        (lambda d: (d.parent / paths.TRACKER).write_text("abc"), "tracker must hold a non-negative iteration number, got 'abc'"),
+        (lambda d: (d.parent / paths.TRACKER).write_text("-3"), "tracker must hold a non-negative iteration number, got '-3'"),
+        (lambda d: (d.parent / paths.TRACKER).write_text("9"), "names iteration 9, but iteration_00000009/ does not exist"),
     ],
 )
 def test_damaged_checkpoint_is_refused_by_name_and_left_untouched(tmp_path, damage, message):

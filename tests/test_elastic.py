@@ -12,15 +12,15 @@ import pytest
 
 import harness
 from conftest import per_step, read_metrics, run_on_harness, tiny_config
-from ray_resume.checkpoint import layout
+from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.schema import CheckpointError
 
 
 def resume_root(src_root: str, step: int, dest: Path) -> str:
     """A checkpoint root holding only iteration `step` of `src_root`, its tracker naming it."""
     dest.mkdir(parents=True)
-    shutil.copytree(layout.iteration_dir(src_root, step), dest / layout.iteration_dirname(step))
-    (dest / layout.TRACKER).write_text(f"{step}\n")
+    shutil.copytree(paths.iteration_dir(src_root, step), dest / paths.iteration_dirname(step))
+    (dest / paths.TRACKER).write_text(f"{step}\n")
     return str(dest)
 
 
@@ -49,7 +49,7 @@ def test_resume_on_another_world_size(tmp_path, reference24, workers, balanced):
     begun = starts(root)
     assert {(r["step"], r["world_size"], r["consumed_samples"]) for r in begun} == {(4, workers, 96)}
     # The whole saved state is read: once in total with load_balanced, once per rank without.
-    stored = sum(p.stat().st_size for p in Path(layout.iteration_dir(root, 4)).glob("*.safetensors"))
+    stored = sum(p.stat().st_size for p in Path(paths.iteration_dir(root, 4)).glob("*.safetensors"))
     assert sum(r["bytes_read"] for r in begun) == (stored if balanced else stored * workers)
     steps = per_step(read_metrics(root))
     assert sorted(steps) == list(range(5, 13))
@@ -85,5 +85,5 @@ def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, local_refere
     # epoch boundary at 160, as they do in the reference run): none repeated, none skipped.
     assert len(new_ids) == consumed_after - 128
     assert sorted(new_ids) == sorted(old_ids)
-    common = (Path(layout.iteration_dir(root, final)) / "common.json").read_text()
+    common = (Path(paths.iteration_dir(root, final)) / "common.json").read_text()
     assert f'"consumed_samples": {consumed_after}' in common and f'"global_batch_size": {new_gbs}' in common

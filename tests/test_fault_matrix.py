@@ -27,7 +27,7 @@ import ray
 import ray._private.state
 
 from conftest import FINAL, assert_same_as_reference, env_for_subprocess, tiny_config
-from ray_resume.checkpoint import layout
+from ray_resume.checkpoint import paths
 from ray_resume.config import Config
 from ray_resume.plugins import next_token_loss
 from ray_resume.run import run
@@ -67,7 +67,7 @@ def alive_train_worker_pids() -> set[int]:
 
 def tracker_value(root) -> int | None:
     try:
-        return int(Path(layout.tracker_path(str(root))).read_text().strip())
+        return int(Path(paths.tracker_path(str(root))).read_text().strip())
     except FileNotFoundError:
         return None
 
@@ -152,7 +152,7 @@ import ray
 import ray._private.state
 from ray.cluster_utils import Cluster
 
-from ray_resume.checkpoint import layout
+from ray_resume.checkpoint import paths
 from ray_resume.config import Config
 from ray_resume.plugins import next_token_loss
 from ray_resume.run import run
@@ -173,7 +173,7 @@ def main():
     t0 = time.time()
     cfg = json.loads(Path(sys.argv[1]).read_text())
     step_sleep = float(sys.argv[2])
-    tracker = Path(layout.tracker_path(cfg["checkpoint"]["save_path"]))
+    tracker = Path(paths.tracker_path(cfg["checkpoint"]["save_path"]))
     node = {"object_store_memory": 100 * 1024**2}
     # The head has no CPU: the driver, the checkpoint coordinator and Ray Train's controller
     # (num_cpus=0 each) live there, and everything that needs a CPU -- both training workers

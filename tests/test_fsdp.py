@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 import harness
 from conftest import tiny_config
 from ray_resume import parallel
-from ray_resume.checkpoint import layout, state
+from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
-from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.schema import build_metadata, dumps
 from ray_resume.checkpoint.storage import LocalStorage
@@ -84,13 +84,13 @@ def _save(rank: int, world: int, init: str, out: str, strategy: str, dtype: str)
     dist.all_gather_object(manifests, manifest)
     held = _consolidated(model, optimizer)
     if rank == 0:  # the driver's part of a commit
-        directory = Path(layout.iteration_dir(root, STEP))
-        (directory / layout.METADATA).write_bytes(dumps(build_metadata(STEP, "ckpt", manifests)))
-        common = {"format_version": layout.FORMAT_VERSION, "global_step": STEP, "global_batch_size": 16, "step_num": STEP,
+        directory = Path(paths.iteration_dir(root, STEP))
+        (directory / paths.METADATA).write_bytes(dumps(build_metadata(STEP, "ckpt", manifests)))
+        common = {"format_version": paths.FORMAT_VERSION, "global_step": STEP, "global_batch_size": 16, "step_num": STEP,
                   "epoch_num": 0, "loss_scale": 1.0, "ckpt_status": "ok", "consumed_samples": 16 * STEP,
                   "world_size": world, "has_optimizer": True, "job_id": "test"}
-        (directory / layout.COMMON).write_bytes(dumps(common))
-        LocalStorage().write_atomic(layout.tracker_path(root), f"{STEP}\n".encode())
+        (directory / paths.COMMON).write_bytes(dumps(common))
+        LocalStorage().write_atomic(paths.tracker_path(root), f"{STEP}\n".encode())
         save_file(held, str(Path(out, "held.safetensors")))
     _exit()
 
@@ -163,6 +163,6 @@ def test_save_under_one_strategy_load_under_the_other_on_any_world_size(tmp_path
 def assert_reads_own_share(tmp: Path, reads: list[int]) -> None:
     """FSDP on the saving world size: each rank reads exactly its own files, whole (sha256-checked).
     The 0-d Adam steps split over both files reach the other rank through one all-reduce."""
-    files = sorted(Path(layout.iteration_dir(str(tmp / "ckpt"), STEP)).glob("*.safetensors"))
-    own = [sum(p.stat().st_size for p in files if layout.parse_shard_filename(p.name)["rank"] == rank) for rank in range(2)]
+    files = sorted(Path(paths.iteration_dir(str(tmp / "ckpt"), STEP)).glob("*.safetensors"))
+    own = [sum(p.stat().st_size for p in files if paths.parse_shard_filename(p.name)["rank"] == rank) for rank in range(2)]
     assert reads == own

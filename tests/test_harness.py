@@ -17,7 +17,7 @@ import yaml
 
 import harness
 from conftest import FINAL, STORAGE_SECRETS, assert_same_as_reference, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
-from ray_resume.checkpoint import layout
+from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.reader import check_no_extra_shards, open_iteration
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
@@ -75,7 +75,7 @@ def test_fsdp_rank_killed_resumes_exactly(tmp_path, local_reference):
 
 
 def tracker(root) -> str:
-    return Path(layout.tracker_path(str(root))).read_text().strip()
+    return Path(paths.tracker_path(str(root))).read_text().strip()
 
 
 def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp_path, local_reference):
@@ -139,7 +139,7 @@ def test_a_job_that_lost_its_lease_commits_nothing_more(tmp_path, local_referenc
     assert "the commit of iteration 8 failed: this job" in outcome.error
     assert "no longer holds the writer lease" in outcome.error and "job thief took it over" in outcome.error
     assert tracker(root) == "4" and outcome.committed == 4
-    assert not (root / "iteration_00000008" / layout.COMMON).exists()
+    assert not (root / "iteration_00000008" / paths.COMMON).exists()
     assert not (root / f"iteration_{FINAL:08d}").exists()  # the ranks stopped
 
 
@@ -219,7 +219,7 @@ def test_no_storage_secret_lands_in_a_checkpoint_or_beside_it(tmp_path, local_re
     for path in written:
         data = path.read_bytes()
         assert not any(value.encode() in data for value in secrets.values()), path
-    saved = yaml.safe_load((Path(layout.iteration_dir(cfg["checkpoint"]["save_path"], FINAL)) / layout.CONFIG).read_text())
+    saved = yaml.safe_load((Path(paths.iteration_dir(cfg["checkpoint"]["save_path"], FINAL)) / paths.CONFIG).read_text())
     assert {saved["checkpoint"]["storage"][k] for k in secrets} == {"<redacted>"}
 
 
@@ -233,7 +233,7 @@ def test_a_resave_on_fewer_ranks_leaves_no_file_of_the_larger_world(tmp_path, lo
                         checkpoint={"async_save": False}, fault={"phase": "before_report", "step": 8, "rank": 2}, **sections)
     first["data"]["path"] = local_reference["data"]
     assert harness.run_job(first).error is not None  # no restart allowed: the job fails
-    iteration_8 = Path(layout.iteration_dir(root, 8))
+    iteration_8 = Path(paths.iteration_dir(root, 8))
     assert {p.name for p in iteration_8.iterdir()} >= {"ckpt-model-0000002-0000003.safetensors", "ckpt-opt-0000002-0000003.safetensors"}
     again = tiny_config(tmp_path, scaling={"num_workers": 2}, checkpoint={"load_path": root}, **sections)
     again["data"]["path"] = local_reference["data"]

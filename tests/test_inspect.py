@@ -1,4 +1,4 @@
-"""`python -m ray_resume.inspect`: list / verify / show / export on real roots, and plot of a resumed run."""
+"""`python -m ray_resume.cli`: list / verify / show / export on real roots, and plot of a resumed run."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from ray_resume.checkpoint import layout
-from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.inspect import main
+from ray_resume.cli import main
 from ray_resume.metrics import read_metrics
 from test_checkpoint_format import make_state, write_iteration
 
@@ -25,7 +25,7 @@ def root(tmp_path):
     model, opt = make_state()
     write_iteration(tmp_path / "ckpt", 2, step=4, model=model, opt=opt)
     write_iteration(tmp_path / "ckpt", 2, step=8, model=model, opt=opt)
-    (tmp_path / "ckpt" / layout.iteration_dirname(12)).mkdir()
+    (tmp_path / "ckpt" / paths.iteration_dirname(12)).mkdir()
     return {"root": tmp_path / "ckpt", "model": model, "opt": opt}
 
 
@@ -53,7 +53,7 @@ def test_list_shows_every_iteration_with_the_tracker(root, capsys):
     assert [r["step"] for r in data["iterations"]] == [4, 8, 12]
     assert by_step[8]["tracker"] and by_step[8]["committed"] and not by_step[4]["tracker"]
     assert by_step[4]["consumed_samples"] == 32 and by_step[4]["world_size"] == 2 and by_step[4]["global_batch_size"] == 8
-    size = sum(p.stat().st_size for p in (root["root"] / layout.iteration_dirname(8)).iterdir())
+    size = sum(p.stat().st_size for p in (root["root"] / paths.iteration_dirname(8)).iterdir())
     assert by_step[8]["size_bytes"] == size
     assert by_step[12]["status"] == "incomplete" and "common.json" in by_step[12]["error"]
 
@@ -63,7 +63,7 @@ def test_list_verify_marks_a_damaged_iteration(root, capsys):
     assert code == 0
     assert {r["step"]: r["verified"] for r in json.loads(out)["iterations"]} == {4: True, 8: True, 12: None}
 
-    flip_byte(root["root"] / layout.iteration_dirname(4) / "ckpt-opt-0000000-0000002.safetensors")
+    flip_byte(root["root"] / paths.iteration_dirname(4) / "ckpt-opt-0000000-0000002.safetensors")
     code, out, _ = cli(capsys, "list", root["root"], "--verify")
     rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0].isdigit()}
     assert rows["4"].rstrip().endswith("NO") and rows["8"].rstrip().endswith("yes")
@@ -81,7 +81,7 @@ def test_verify_passes_then_names_the_corrupt_shard(root, capsys):
     assert code == 0, err
     assert "OK: iteration 8 (tracker)" in out
 
-    shard = root["root"] / layout.iteration_dirname(8) / "ckpt-model-0000001-0000002.safetensors"
+    shard = root["root"] / paths.iteration_dirname(8) / "ckpt-model-0000001-0000002.safetensors"
     flip_byte(shard)
     code, out, err = cli(capsys, "verify", root["root"])
     assert code == 1
@@ -98,7 +98,7 @@ def test_verify_passes_then_names_the_corrupt_shard(root, capsys):
 
 
 def test_verify_names_extra_and_missing_shards(root, capsys):
-    directory = root["root"] / layout.iteration_dirname(8)
+    directory = root["root"] / paths.iteration_dirname(8)
     (directory / "ckpt-model-0000002-0000003.safetensors").write_bytes(b"stale")
     (directory / "ckpt-opt-0000001-0000002.safetensors").unlink()
     code, out, _ = cli(capsys, "verify", root["root"])
@@ -132,7 +132,7 @@ def test_show_json_lists_every_tensor_with_its_pieces(root, capsys):
 
 def test_export_writes_plain_safetensors_equal_to_the_model(root, capsys, tmp_path):
     out_dir = tmp_path / "export"
-    (root["root"] / layout.iteration_dirname(8) / layout.CONFIG).write_text("name: from-the-job\n")
+    (root["root"] / paths.iteration_dirname(8) / paths.CONFIG).write_text("name: from-the-job\n")
     code, out, err = cli(capsys, "export", root["root"], out_dir, "--with-optimizer")
     assert code == 0, err
     loaded = safetensors.torch.load_file(str(out_dir / "model.safetensors"))  # no ray_resume code involved
@@ -165,7 +165,7 @@ def test_export_writes_plain_safetensors_equal_to_the_model(root, capsys, tmp_pa
 
 
 def test_export_refuses_a_corrupt_iteration(root, capsys, tmp_path):
-    flip_byte(root["root"] / layout.iteration_dirname(8) / "ckpt-opt-0000001-0000002.safetensors")
+    flip_byte(root["root"] / paths.iteration_dirname(8) / "ckpt-opt-0000001-0000002.safetensors")
     code, _, err = cli(capsys, "export", root["root"], tmp_path / "export")
     assert code == 1 and "ckpt-opt-0000001-0000002.safetensors: sha256 does not match" in err
     assert not (tmp_path / "export").exists()
@@ -185,7 +185,7 @@ def test_usage_errors_exit_2_with_one_line(root, capsys, tmp_path):
 
 
 def test_a_broken_tracker_is_reported(root, capsys):
-    (root["root"] / layout.TRACKER).write_text("abc")
+    (root["root"] / paths.TRACKER).write_text("abc")
     code, _, err = cli(capsys, "verify", root["root"])
     assert code == 1 and "tracker must hold a non-negative iteration number" in err
     code, _, err = cli(capsys, "list", root["root"])

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import harness
 from benchmarks import scale_sim
-from ray_resume.checkpoint.fetch import StateLoader, balanced_owners, deal_by_size, divide_blocks, even_runs, open_shared, owned_parts
+from ray_resume.checkpoint.loader import StateLoader, balanced_owners, deal_by_size, divide_blocks, even_runs, open_shared, owned_parts
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import CheckpointError, tensor_specs
 from ray_resume.checkpoint.storage import LocalStorage

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import FINAL, run_on_harness, shard_bytes, tiny_config
-from ray_resume.checkpoint import layout
+from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.digest import block_bounds
 from ray_resume.checkpoint.fallback import select_iteration
@@ -96,7 +96,7 @@ def test_a_storage_error_is_not_damage(root, monkeypatch):
     real = LocalStorage.read_bytes
 
     def read_bytes(self, path):
-        if path.endswith(f"iteration_00000010/{layout.METADATA}"):
+        if path.endswith(f"iteration_00000010/{paths.METADATA}"):
             raise OSError(errno.EIO, "injected EIO", path)
         return real(self, path)
 
@@ -128,9 +128,9 @@ def test_no_fallback_lists_the_valid_iterations_and_changes_nothing(root):
 @pytest.mark.parametrize("tracker", ["", "abc", "-1", "99", None])
 def test_missing_or_garbled_tracker_with_valid_iterations(root, tracker):
     if tracker is None:
-        (root / layout.TRACKER).unlink()
+        (root / paths.TRACKER).unlink()
     else:
-        (root / layout.TRACKER).write_text(tracker)
+        (root / paths.TRACKER).write_text(tracker)
     assert select_iteration(LocalStorage(), str(root), fallback=True) == 10
     with pytest.raises(CheckpointError, match=r"Iterations that check out: \[10, 5\]"):
         select_iteration(LocalStorage(), str(root), fallback=False)
@@ -192,7 +192,7 @@ def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_refer
     root = tmp_path / "ckpt"
     shutil.copytree(local_reference["root"], root)
     flip_byte(root / "iteration_00000012" / "ckpt-model-0000001-0000002.safetensors")
-    (root / layout.TRACKER).write_text("12\n")
+    (root / paths.TRACKER).write_text("12\n")
     cfg = tiny_config(tmp_path, training={"train_steps": FINAL}, checkpoint={"load_path": str(root)})
     cfg["data"]["path"] = local_reference["data"]
     run_on_harness(cfg)

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from conftest import FINAL, assert_same_as_reference, read_metrics, run_job, tiny_config
-from ray_resume.checkpoint import layout
-from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration, read_verified, saved_pieces
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.run import main
@@ -38,7 +38,7 @@ def starts(records):
 def test_uninterrupted_run_commits_every_interval(reference):
     storage = LocalStorage()
     root = reference["root"]
-    assert (storage.read_bytes(layout.tracker_path(root))).decode().strip() == str(FINAL)
+    assert (storage.read_bytes(paths.tracker_path(root))).decode().strip() == str(FINAL)
     it = open_iteration(storage, root, FINAL)
     assert it.common["global_step"] == FINAL and it.common["consumed_samples"] == FINAL * 16
     assert it.common["epoch_num"] == 1 and it.common["step_num"] == 2  # 160 samples = 10 steps per epoch

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from benchmarks import scale_sim
-from ray_resume.checkpoint import layout
+from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.commit import commit_iteration
 from ray_resume.checkpoint.plan import DIM0, SPLIT, SavePlan, TensorSpec, split_replicated, split_specs
 from ray_resume.checkpoint.schema import build_metadata, parse_json, validate_metadata
@@ -35,14 +35,14 @@ def _fsdp_meta(world: int) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("world", [2, 5, 16])
 def test_fsdp_load_on_the_saving_world_size_reads_only_own_files(world):
-    """As fetch.StateLoader since the steps are pooled (tests/test_fsdp.py checks the real loader):
+    """As loader.StateLoader since the steps are pooled (tests/test_fsdp.py checks the real loader):
     on the saving world size each FSDP rank reads its own two files whole and touches no other file,
     and the 0-d steps come from one all-reduce of 8 bytes per step."""
     meta, specs = _fsdp_meta(world)
-    steps = sorted(s.name for s in specs[layout.OPTIM_KIND] if s.name.endswith(".step"))
+    steps = sorted(s.name for s in specs[paths.OPTIM_KIND] if s.name.endswith(".step"))
     plans = [scale_sim.load_plan(meta, world, r, fsdp=True, balanced=False) for r in range(world)]
     for rank, plan in enumerate(plans):
-        own = sorted(layout.shard_filename(scale_sim.PREFIX, k, rank, world) for k in scale_sim.KINDS)
+        own = sorted(paths.shard_filename(scale_sim.PREFIX, k, rank, world) for k in scale_sim.KINDS)
         assert plan.checked == own and not plan.ranged and plan.files_touched == 2
         assert plan.bytes_read == sum(meta["files"][f]["size"] for f in own)
         assert plan.requests == 2 * (scale_sim.CHECKED_FILE_REQUESTS + 1)
@@ -112,23 +112,23 @@ def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
     world = 3
     sizes = scale_sim.shard_sizes(specs, world)
     manifests = scale_sim.manifests_for(specs, world, sizes)
-    iter_dir = layout.iteration_dir(root, scale_sim.ITERATION)
+    iter_dir = paths.iteration_dir(root, scale_sim.ITERATION)
     for manifest in manifests:
         for name, info in manifest["files"].items():
-            storage.write_atomic(layout.join(iter_dir, name), b"\0" * info["size"])
+            storage.write_atomic(paths.join(iter_dir, name), b"\0" * info["size"])
     names = [n for m in manifests for n in m["files"]]
     assert storage.sizes(iter_dir, names + ["absent"]) == {**{n: sizes[n.split("-")[1]]["size"][int(n.split("-")[2])] for n in names}, "absent": None}
 
-    short = layout.shard_filename("ckpt", "opt", 1, world)
-    storage.write_atomic(layout.join(iter_dir, short), b"x")
+    short = paths.shard_filename("ckpt", "opt", 1, world)
+    storage.write_atomic(paths.join(iter_dir, short), b"x")
     with pytest.raises(RuntimeError, match=short):
         commit_iteration(storage, root, scale_sim.ITERATION, manifests, scale_sim.common_json(world), prefix="ckpt",
                          config=scale_sim.SIM_CONFIG, job_id="t")
-    assert storage.size(layout.tracker_path(root)) is None
+    assert storage.size(paths.tracker_path(root)) is None
 
-    storage.write_atomic(layout.join(iter_dir, short), b"\0" * manifests[1]["files"][short]["size"])
+    storage.write_atomic(paths.join(iter_dir, short), b"\0" * manifests[1]["files"][short]["size"])
     meta = commit_iteration(storage, root, scale_sim.ITERATION, manifests, scale_sim.common_json(world), prefix="ckpt",
                             config=scale_sim.SIM_CONFIG, job_id="t")
-    on_disk = parse_json(storage.read_bytes(layout.join(iter_dir, layout.METADATA)), "metadata.json")
+    on_disk = parse_json(storage.read_bytes(paths.join(iter_dir, paths.METADATA)), "metadata.json")
     validate_metadata(on_disk, "metadata.json")
-    assert on_disk == meta and storage.read_bytes(layout.tracker_path(root)) == f"{scale_sim.ITERATION}\n".encode()
+    assert on_disk == meta and storage.read_bytes(paths.tracker_path(root)) == f"{scale_sim.ITERATION}\n".encode()

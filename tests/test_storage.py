@@ -14,8 +14,8 @@ import time
 import pytest
 
 from conftest import FINAL, per_step, read_metrics, run_job, run_on_harness, shard_bytes, tiny_config
-from ray_resume.checkpoint import layout
-from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import find_committed, open_iteration, read_verified
 from ray_resume.checkpoint.commit import remove_unlisted
 from ray_resume.checkpoint.digest import BlockSha256
@@ -109,11 +109,11 @@ class TornReadWatcher:
 
     def _run(self):
         while not self.stop.is_set():
-            self._check(layout.tracker_path(self.root), lambda d: int(d.decode()))
+            self._check(paths.tracker_path(self.root), lambda d: int(d.decode()))
             for name in self.storage.listdir(self.root):
-                if layout.parse_iteration_dirname(name) is not None:
-                    for doc in (layout.COMMON, layout.METADATA):
-                        self._check(layout.join(self.root, name, doc), json.loads)
+                if paths.parse_iteration_dirname(name) is not None:
+                    for doc in (paths.COMMON, paths.METADATA):
+                        self._check(paths.join(self.root, name, doc), json.loads)
             time.sleep(0.01)
 
     def __enter__(self):
@@ -149,7 +149,7 @@ def test_exact_resume_on_object_storage(tmp_path, reference, s3):
 
 
 def iterations(root) -> list[int]:
-    return sorted(s for s in (layout.parse_iteration_dirname(p.name) for p in root.iterdir()) if s is not None)
+    return sorted(s for s in (paths.parse_iteration_dirname(p.name) for p in root.iterdir()) if s is not None)
 
 
 def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, local_reference):
@@ -168,8 +168,8 @@ def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, lo
     run_on_harness(second)
     # The first job's iterations stay; of its own (16, 18, 20) the second keeps 1.
     assert iterations(root) == [12, 14, 20]
-    assert (root / layout.TRACKER).read_text().strip() == "20"
+    assert (root / paths.TRACKER).read_text().strip() == "20"
     for step in (12, 14):
-        assert json.loads((root / layout.iteration_dirname(step) / "common.json").read_text())["job_id"] != \
-            json.loads((root / layout.iteration_dirname(20) / "common.json").read_text())["job_id"]
+        assert json.loads((root / paths.iteration_dirname(step) / "common.json").read_text())["job_id"] != \
+            json.loads((root / paths.iteration_dirname(20) / "common.json").read_text())["job_id"]
 

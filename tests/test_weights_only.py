@@ -15,9 +15,9 @@ import torch
 import harness
 
 from conftest import FINAL, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
-from ray_resume.checkpoint import layout, state
+from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
-from ray_resume.checkpoint.fetch import load_state
+from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
@@ -76,11 +76,11 @@ def test_loss_scaler_backs_off_skips_and_grows():
 
 
 def test_export_with_a_mismatched_tensor_is_refused_by_name(tmp_path):
-    from ray_resume import inspect
+    from ray_resume import cli
 
     model, opt = make_state()  # vocab 32
     write_iteration(tmp_path / "root", world=2, model=model, opt=opt)
-    assert inspect.main(["export", str(tmp_path / "root"), str(tmp_path / "export")]) == 0
+    assert cli.main(["export", str(tmp_path / "root"), str(tmp_path / "export")]) == 0
     torch.manual_seed(0)
     other = GPT(vocab_size=40, seq_len=8, d_model=16, n_layers=1, n_heads=2)  # another vocabulary
     other_opt = MainParamsOptimizer(other, lr=1e-2, weight_decay=0.0)
@@ -109,13 +109,13 @@ def test_weights_only_onto_its_own_committed_root_is_refused_naming_save_path(tm
 
 
 def test_export_then_load_as_weights_round_trips_bitwise(tmp_path):
-    from ray_resume import inspect
+    from ray_resume import cli
     from ray_resume.run import find_load_source
 
     saved, saved_opt = make_state(seed=1)
     write_iteration(tmp_path / "root", world=3, model=saved, opt=saved_opt)
     out = tmp_path / "export"
-    assert inspect.main(["export", str(tmp_path / "root"), str(out)]) == 0
+    assert cli.main(["export", str(tmp_path / "root"), str(out)]) == 0
     cfg = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(out), "no_load_optim": True}))
     assert find_load_source(cfg.checkpoint) == (str(out), None)
     model, optimizer = make_state(seed=2)
@@ -158,7 +158,7 @@ def test_scenario_b_starts_at_step_0_from_the_loaded_weights(tmp_path, local_ref
     storage = LocalStorage()
     weights = load_state(storage, open_iteration(storage, local_reference["root"], FINAL), "model")
     assert steps[1][0]["loss"] == pytest.approx(first_batch_loss(local_reference, weights), rel=1e-5)
-    assert json.loads(Path(layout.iteration_dir(runs[0], 4), "common.json").read_text())["consumed_samples"] == 64
+    assert json.loads(Path(paths.iteration_dir(runs[0], 4), "common.json").read_text())["consumed_samples"] == 64
     for step in (4, FINAL):  # deterministic from there
         assert shard_bytes(runs[0], step) == shard_bytes(runs[1], step)
 
@@ -173,7 +173,7 @@ def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, local
         roots[name] = cfg["checkpoint"]["save_path"]
     for step in (4, 8, FINAL):
         assert shard_bytes(roots["killed"], step) == shard_bytes(roots["clean"], step)
-        common = [json.loads(Path(layout.iteration_dir(r, step), "common.json").read_text()) for r in roots.values()]
+        common = [json.loads(Path(paths.iteration_dir(r, step), "common.json").read_text()) for r in roots.values()]
         assert common[0]["loss_scale"] == common[1]["loss_scale"]
         assert common[0]["loss_scale"] == 1.0 if dtype == "bfloat16" else common[0]["loss_scale"] > 1.0
     killed = per_step(read_metrics(roots["killed"]))

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from conftest import FINAL, REPO, env_for_subprocess, shard_bytes, tiny_config
-from ray_resume.checkpoint import layout
+from ray_resume.checkpoint import paths
 
 
 
@@ -62,7 +62,7 @@ def end_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 
 def tracker(root: str) -> str:
-    return Path(layout.tracker_path(root)).read_text().strip()
+    return Path(paths.tracker_path(root)).read_text().strip()
 
 
 def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tmp_path, reference):
@@ -152,7 +152,7 @@ def test_sigterm_to_the_driver_saves_commits_and_exits_143(tmp_path, reference):
     assert match and match.group(1) == match.group(2), out[-3000:]
     stopped = int(match.group(1))
     assert 0 < stopped < 200 and tracker(root) == str(stopped)
-    common = json.loads((Path(layout.iteration_dir(root, stopped)) / "common.json").read_text())
+    common = json.loads((Path(paths.iteration_dir(root, stopped)) / "common.json").read_text())
     assert common["global_step"] == stopped and common["consumed_samples"] == 16 * stopped
 
     code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--set", f"training.train_steps={stopped + 2}",

@@ -1,1 +1,1 @@
-"""Checkpoint format: layout (names), storage (I/O), schema (JSON), plan, writer, reader, commit."""
+"""Checkpoint format: paths (names), storage (I/O), schema (JSON), plan, writer, reader, loader, commit, lease."""

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from ..controller import call
-from . import layout, state
+from . import paths, state
 from .fallback import fall_back
-from .fetch import StateLoader, collective_device, decided_by_rank0, open_shared
+from .loader import StateLoader, collective_device, decided_by_rank0, open_shared
 from .plan import TensorSpec, needed_range
 from .reader import load_rank_extras, read_export
 from .schema import DTYPE_TAGS, DTYPES, CheckpointError, DamagedShards, tensor_specs
@@ -78,13 +78,13 @@ class Checkpointer:
             optimizer.reload_main_params_from_model()
             return ResumePoint(source=root)
         it = open_shared(storage, root, step, self.rank, self.world_size)
-        kinds = (layout.MODEL_KIND, layout.OPTIM_KIND) if full and it.common["has_optimizer"] else (layout.MODEL_KIND,)
+        kinds = (paths.MODEL_KIND, paths.OPTIM_KIND) if full and it.common["has_optimizer"] else (paths.MODEL_KIND,)
         loader = StateLoader(storage, it, self.rank, self.world_size, self.ckpt.load_balanced, kinds)
-        where = layout.join(it.path, layout.METADATA)
+        where = paths.join(it.path, paths.METADATA)
         live = state.model_tensors(model)
-        specs = {s.name: s for s in tensor_specs(it.metadata, layout.MODEL_KIND)}
+        specs = {s.name: s for s in tensor_specs(it.metadata, paths.MODEL_KIND)}
         check_weights(live, specs, state.tied_aliases(model), where)
-        assign(live, self._load(loader, layout.MODEL_KIND, specs, live))
+        assign(live, self._load(loader, paths.MODEL_KIND, specs, live))
         if not full:
             optimizer.reload_main_params_from_model()
             return ResumePoint(source=it.path, bytes_read=loader.bytes_read)
@@ -92,9 +92,9 @@ class Checkpointer:
             raise CheckpointError(f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only")
         point = self._progress(it)
         if it.common["has_optimizer"]:
-            specs = {s.name: s for s in tensor_specs(it.metadata, layout.OPTIM_KIND)}
+            specs = {s.name: s for s in tensor_specs(it.metadata, paths.OPTIM_KIND)}
             params = dict(optimizer.named_main())  # a slot is sharded like its parameter
-            flat = self._load(loader, layout.OPTIM_KIND, specs, {n: params.get(n.rsplit(".", 1)[0]) for n in specs})
+            flat = self._load(loader, paths.OPTIM_KIND, specs, {n: params.get(n.rsplit(".", 1)[0]) for n in specs})
             optimizer.load_state_tensors({n: _shaped(flat[n], specs[n]) for n in specs})
             if optimizer.scaler:
                 optimizer.scaler.load(it.common)
@@ -155,8 +155,8 @@ class Checkpointer:
             return False
         start = time.perf_counter()
         waited = self.background.wait()  # a new save waits for the previous one (its buffers are reused)
-        states = {layout.MODEL_KIND: state.with_rank0_buffers(model, state.model_tensors(model), collective_device()),
-                  layout.OPTIM_KIND: None if self.ckpt.no_save_optim else optimizer.state_tensors()}
+        states = {paths.MODEL_KIND: state.with_rank0_buffers(model, state.model_tensors(model), collective_device()),
+                  paths.OPTIM_KIND: None if self.ckpt.no_save_optim else optimizer.state_tensors()}
         shards = shard_layouts(states, self.rank, self.world_size)
         rng = state.capture_rng()  # on the training thread: the state at this step
         common = dict(common)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import yaml
 
-from . import layout
+from . import paths
 from .schema import CKPT_STATUS_OK, build_metadata, dumps, validate_metadata
 
 
@@ -46,27 +46,27 @@ def commit_iteration(
     for rank, manifest in enumerate(manifests):
         if manifest["rank"] != rank or manifest["world_size"] != world:
             raise RuntimeError(f"manifest {rank} is from rank {manifest['rank']} of {manifest['world_size']}, expected rank {rank} of {world}")
-    iter_dir = layout.iteration_dir(root, iteration)
+    iter_dir = paths.iteration_dir(root, iteration)
     reported = {name: (manifest["rank"], info["size"]) for manifest in manifests for name, info in manifest["files"].items()}
     on_storage = storage.sizes(iter_dir, list(reported))
     for name, (rank, size) in reported.items():
         if on_storage[name] != size:
             raise RuntimeError(f"rank {rank} reported {name} with {size} bytes, storage has {on_storage[name]}")
     metadata = build_metadata(iteration, prefix, manifests)
-    validate_metadata(metadata, layout.join(iter_dir, layout.METADATA))  # refuse to commit what a reader would refuse
+    validate_metadata(metadata, paths.join(iter_dir, paths.METADATA))  # refuse to commit what a reader would refuse
     common = dict(common)
     common.update(
-        format_version=layout.FORMAT_VERSION, ckpt_status=CKPT_STATUS_OK, world_size=world,
-        job_id=job_id, saved_at=time.time(), has_optimizer=layout.OPTIM_KIND in metadata["tensors"],
+        format_version=paths.FORMAT_VERSION, ckpt_status=CKPT_STATUS_OK, world_size=world,
+        job_id=job_id, saved_at=time.time(), has_optimizer=paths.OPTIM_KIND in metadata["tensors"],
     )
     fence()
     remove_unlisted(storage, iter_dir, set(reported))
-    storage.write_atomic(layout.join(iter_dir, layout.METADATA), dumps(metadata))
-    storage.write_atomic(layout.join(iter_dir, layout.CONFIG), yaml.safe_dump(config, sort_keys=False).encode())
-    storage.write_atomic(layout.join(iter_dir, layout.COMMON), dumps(common))
+    storage.write_atomic(paths.join(iter_dir, paths.METADATA), dumps(metadata))
+    storage.write_atomic(paths.join(iter_dir, paths.CONFIG), yaml.safe_dump(config, sort_keys=False).encode())
+    storage.write_atomic(paths.join(iter_dir, paths.COMMON), dumps(common))
     before_tracker()
     fence()
-    storage.write_atomic(layout.tracker_path(root), f"{iteration}\n".encode())
+    storage.write_atomic(paths.tracker_path(root), f"{iteration}\n".encode())
     return metadata
 
 
@@ -81,5 +81,5 @@ def remove_unlisted(storage, iter_dir: str, listed: set[str]) -> None:
     committed, wherever a crash cuts this short.
     """
     stale = [name for name in storage.listdir(iter_dir) if name not in listed]
-    for name in sorted(stale, key=lambda name: name != layout.COMMON):
-        storage.remove(layout.join(iter_dir, name))
+    for name in sorted(stale, key=lambda name: name != paths.COMMON):
+        storage.remove(paths.join(iter_dir, name))

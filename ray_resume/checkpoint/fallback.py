@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import layout
+from . import paths
 from .reader import check_no_extra_shards, find_committed, iteration_steps, open_iteration
 from .schema import CheckpointError
 
@@ -35,7 +35,7 @@ def check_metadata(storage, root: str, step: int) -> str | None:
         for name, actual in sizes.items():
             listed = it.metadata["files"][name]["size"]
             if actual != listed:
-                path = layout.join(it.path, name)
+                path = paths.join(it.path, name)
                 return (f"{path}: shard listed in metadata.json is missing" if actual is None
                         else f"{path}: size is {actual} bytes, metadata.json says {listed}; the shard is truncated or replaced")
     except CheckpointError as exc:
@@ -58,7 +58,7 @@ def select_iteration(storage, root: str, *, fallback: bool) -> int | None:
             present = newest_first(storage, root)
             if not present:
                 return None
-            failure = f"{layout.tracker_path(root)}: missing, but iterations {sorted(present)} are present"
+            failure = f"{paths.tracker_path(root)}: missing, but iterations {sorted(present)} are present"
     except CheckpointError as exc:  # a garbled tracker, or one naming a missing iteration
         tracked, failure = None, str(exc)
     return fall_back(storage, root, tracked, failure, fallback=fallback)
@@ -84,7 +84,7 @@ def fall_back(storage, root: str, damaged: int | None, failure: str, *, fallback
 
 
 def set_aside(storage, root: str, step: int) -> None:
-    src = layout.iteration_dir(root, step)
+    src = paths.iteration_dir(root, step)
     dst = f"{src}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
     try:
         storage.rename(src, dst)

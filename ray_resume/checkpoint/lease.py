@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 
-from . import layout
+from . import paths
 from .schema import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -63,14 +63,14 @@ def _dead_here(held: dict) -> bool:
 
 class Lease:
     def __init__(self, storage, root: str, job_id: str, ttl_s: float):
-        self.storage, self.root, self.dir = storage, root, layout.join(root, LEASE_DIR)
+        self.storage, self.root, self.dir = storage, root, paths.join(root, LEASE_DIR)
         self.job_id, self.ttl_s = job_id, ttl_s
         self.record = {"job_id": job_id, "host": socket.gethostname(), "pid": os.getpid()}
         self.generation: int | None = None
         self._stop = threading.Event()
 
     def _path(self, generation: int) -> str:
-        return layout.join(self.dir, f"{generation:08d}.json")
+        return paths.join(self.dir, f"{generation:08d}.json")
 
     def _generations(self) -> list[int]:
         return sorted(int(n[:-5]) for n in self.storage.listdir(self.dir) if n.endswith(".json") and n[:-5].isdigit())

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import safetensors.torch
 import torch
 
-from . import layout
+from . import paths
 from .digest import BlockSha256
 from .plan import Piece, SavePlan, TensorSpec
 from .schema import DTYPES, CheckpointError, file_blocks, parse_json, tensor_specs, validate_common, validate_iteration, validate_metadata
@@ -40,7 +40,7 @@ class Iteration:
 
 def read_tracker(storage: LocalStorage, root: str) -> int | None:
     """The step the tracker names, None when there is no tracker; errors name the file."""
-    path = layout.tracker_path(root)
+    path = paths.tracker_path(root)
     if not storage.exists(path):
         return None
     text = storage.read_bytes(path).decode(errors="replace").strip()
@@ -56,25 +56,25 @@ def find_committed(storage: LocalStorage, root: str) -> int | None:
     if not storage.is_dir(root):
         raise CheckpointError(f"checkpoint.load_path {root!r} does not exist or is not a directory")
     step = read_tracker(storage, root)
-    if step is not None and not storage.is_dir(layout.iteration_dir(root, step)):
+    if step is not None and not storage.is_dir(paths.iteration_dir(root, step)):
         raise CheckpointError(
-            f"{layout.tracker_path(root)}: names iteration {step}, but {layout.iteration_dirname(step)}/ does not exist"
+            f"{paths.tracker_path(root)}: names iteration {step}, but {paths.iteration_dirname(step)}/ does not exist"
         )
     return step
 
 
 def open_iteration(storage: LocalStorage, root: str, step: int) -> Iteration:
-    path = layout.iteration_dir(root, step)
+    path = paths.iteration_dir(root, step)
     docs = {}
-    for name in (layout.COMMON, layout.METADATA):
-        file = layout.join(path, name)
+    for name in (paths.COMMON, paths.METADATA):
+        file = paths.join(path, name)
         if not storage.exists(file):
             raise CheckpointError(f"{file}: missing; iteration {step} was never committed or was damaged")
         docs[name] = parse_json(storage.read_bytes(file), file)
-    validate_common(docs[layout.COMMON], layout.join(path, layout.COMMON))
-    validate_metadata(docs[layout.METADATA], layout.join(path, layout.METADATA))
-    validate_iteration(docs[layout.COMMON], docs[layout.METADATA], step, path)
-    return Iteration(root, step, path, docs[layout.COMMON], docs[layout.METADATA])
+    validate_common(docs[paths.COMMON], paths.join(path, paths.COMMON))
+    validate_metadata(docs[paths.METADATA], paths.join(path, paths.METADATA))
+    validate_iteration(docs[paths.COMMON], docs[paths.METADATA], step, path)
+    return Iteration(root, step, path, docs[paths.COMMON], docs[paths.METADATA])
 
 
 def read_verified(storage: LocalStorage, it: Iteration, names: list[str]) -> dict[str, bytes]:
@@ -93,8 +93,8 @@ def read_verified(storage: LocalStorage, it: Iteration, names: list[str]) -> dic
 def check_no_extra_shards(storage: LocalStorage, it: Iteration) -> None:
     listed = set(it.metadata["files"])
     for name in storage.listdir(it.path):
-        if layout.parse_shard_filename(name) and name not in listed:
-            raise CheckpointError(f"{layout.join(it.path, name)}: shard file not listed in metadata.json; remove it or restore the matching metadata.json")
+        if paths.parse_shard_filename(name) and name not in listed:
+            raise CheckpointError(f"{paths.join(it.path, name)}: shard file not listed in metadata.json; remove it or restore the matching metadata.json")
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class ShardReader:
       inside land straight in their tensors (no copy of the file is held).
     - `read_ranges` fetches only the requested byte ranges, unchecked: the
       rank that reads those blocks checks them, and all ranks agree that
-      every check passed before any tensor is used (`fetch.StateLoader`).
+      every check passed before any tensor is used (`loader.StateLoader`).
     """
 
     def __init__(self, storage: LocalStorage, it: Iteration):
@@ -134,7 +134,7 @@ class ShardReader:
         self._blocks: dict[str, list[tuple[int, int, str]]] = {}
 
     def path(self, file: str) -> str:
-        return layout.join(self.it.path, file)
+        return paths.join(self.it.path, file)
 
     def check_size(self, file: str) -> int:
         """The listed size, after checking it against storage (once per file)."""
@@ -152,7 +152,7 @@ class ShardReader:
     def layout(self, file: str) -> dict[str, Entry]:
         """Piece name -> where the piece sits in the data section of shard `file` (from metadata.json alone)."""
         if file not in self._layouts:
-            shard = layout.parse_shard_filename(file)
+            shard = paths.parse_shard_filename(file)
             if shard["kind"] not in self._plans:
                 self._plans[shard["kind"]] = SavePlan(tensor_specs(self.it.metadata, shard["kind"]), self.it.metadata["world_size"])
             placed = shard_layout(shard["kind"], self._plans[shard["kind"]], shard["rank"])
@@ -335,7 +335,7 @@ def plan_reads(it: Iteration, kind: str, ranges: dict[str, tuple[int, int]],
     in `dests`), and the reads (by file) that fill them."""
     meta = it.metadata
     if kind not in meta["tensors"]:
-        raise CheckpointError(f"{layout.join(it.path, layout.METADATA)}: holds no {kind!r} tensors")
+        raise CheckpointError(f"{paths.join(it.path, paths.METADATA)}: holds no {kind!r} tensors")
     specs = {s.name: s for s in tensor_specs(meta, kind)}
     plan = SavePlan(list(specs.values()), meta["world_size"])
     files = shard_files(meta, kind)
@@ -351,7 +351,7 @@ def plan_reads(it: Iteration, kind: str, ranges: dict[str, tuple[int, int]],
 
 def shard_files(metadata: dict, kind: str) -> list[str]:
     """The kind's shard files in saving-rank order."""
-    return [layout.shard_filename(metadata.get("prefix", "ckpt"), kind, r, metadata["world_size"])
+    return [paths.shard_filename(metadata.get("prefix", "ckpt"), kind, r, metadata["world_size"])
             for r in range(metadata["world_size"])]
 
 
@@ -374,7 +374,7 @@ def _parse_shard(data: bytes, where: str) -> dict[str, torch.Tensor]:
 def load_rank_extras(reader: ShardReader, rank: int) -> dict[str, str]:
     """This rank's RNG strings from its opt shard's header (same world size only)."""
     meta = reader.it.metadata
-    name = layout.shard_filename(meta.get("prefix", "ckpt"), layout.OPTIM_KIND, rank, meta["world_size"])
+    name = paths.shard_filename(meta.get("prefix", "ckpt"), paths.OPTIM_KIND, rank, meta["world_size"])
     header = reader.header(name)
     extras = (header.get("__metadata__") or {}).get(RANK_EXTRAS_KEY)
     if not isinstance(extras, str):
@@ -386,8 +386,8 @@ def iteration_steps(storage: LocalStorage, root: str) -> list[int]:
     """Steps of every `iteration_XXXXXXXX` directory under `root`, ascending."""
     steps = []
     for name in storage.listdir(root):
-        step = layout.parse_iteration_dirname(name)
-        if step is not None and storage.is_dir(layout.join(root, name)):
+        step = paths.parse_iteration_dirname(name)
+        if step is not None and storage.is_dir(paths.join(root, name)):
             steps.append(step)
     return sorted(steps)
 
@@ -398,12 +398,12 @@ EXPORT_INDEX = "model.safetensors.index.json"
 
 def is_export(storage: LocalStorage, path: str) -> bool:
     """A consolidated safetensors export (the layout the safetensors ecosystem uses)."""
-    return any(storage.size(layout.join(path, name)) is not None for name in (EXPORT_FILE, EXPORT_INDEX))
+    return any(storage.size(paths.join(path, name)) is not None for name in (EXPORT_FILE, EXPORT_INDEX))
 
 
 def read_export(storage: LocalStorage, path: str) -> dict[str, torch.Tensor]:
     """Weights from `model.safetensors`, or from the shards a `model.safetensors.index.json` maps."""
-    index_path = layout.join(path, EXPORT_INDEX)
+    index_path = paths.join(path, EXPORT_INDEX)
     if storage.size(index_path) is not None:
         weight_map = parse_json(storage.read_bytes(index_path), index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
@@ -413,9 +413,9 @@ def read_export(storage: LocalStorage, path: str) -> dict[str, torch.Tensor]:
         weight_map, files = None, [EXPORT_FILE]
     out: dict[str, torch.Tensor] = {}
     for name in files:
-        if not isinstance(name, str) or not layout.is_plain_filename(name):
+        if not isinstance(name, str) or not paths.is_plain_filename(name):
             raise CheckpointError(f"{index_path}: file name {name!r} points outside {path}; refusing to read it")
-        file = layout.join(path, name)
+        file = paths.join(path, name)
         if storage.size(file) is None:
             raise CheckpointError(f"{file}: missing")
         out.update(_parse_shard(storage.read_bytes(file), file))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import layout
+from . import paths
 from .digest import block_bounds
 from .plan import DIM0, LAYOUTS, TensorSpec
 
@@ -76,10 +76,10 @@ def check_fields(obj: dict, fields: dict[str, Any], where: str) -> None:
         if not isinstance(value, kind):
             raise CheckpointError(f"{where}: field {key!r} must be {_kind_name(kind)}, got {value!r}")
     version = obj["format_version"]
-    if version != layout.FORMAT_VERSION:
+    if version != paths.FORMAT_VERSION:
         raise CheckpointError(
             f"{where}: format_version {version} is not supported by this ray_resume "
-            f"(it reads version {layout.FORMAT_VERSION}); use the ray_resume release that wrote it"
+            f"(it reads version {paths.FORMAT_VERSION}); use the ray_resume release that wrote it"
         )
 
 
@@ -105,11 +105,11 @@ def validate_metadata(meta: dict, where: str) -> None:
         if meta[key] < 1:
             raise CheckpointError(f"{where}: field {key!r} has the impossible value {meta[key]}")
     for name, info in meta["files"].items():
-        if not layout.is_plain_filename(name):
+        if not paths.is_plain_filename(name):
             raise CheckpointError(f"{where}: file name {name!r} points outside the iteration directory; refusing to read it")
         _check_file_entry(info, meta["block_size"], f"{where}: files[{name!r}]")
     for kind, tensors in meta["tensors"].items():
-        if kind not in (layout.MODEL_KIND, layout.OPTIM_KIND) or not isinstance(tensors, dict):
+        if kind not in (paths.MODEL_KIND, paths.OPTIM_KIND) or not isinstance(tensors, dict):
             raise CheckpointError(f"{where}: tensors[{kind!r}] is not a known kind (model, opt)")
         for name, t in tensors.items():
             label = f"{where}: tensors.{kind}[{name!r}]"
@@ -120,7 +120,7 @@ def validate_metadata(meta: dict, where: str) -> None:
             if t.get("layout") not in LAYOUTS or (t["layout"] == DIM0 and not t["shape"]):
                 raise CheckpointError(f"{label}: 'layout' must be one of {list(LAYOUTS)} (dim0 needs a shape), got {t.get('layout')!r}")
         for rank in range(world):
-            name = layout.shard_filename(prefix, kind, rank, world)
+            name = paths.shard_filename(prefix, kind, rank, world)
             if name not in meta["files"]:
                 raise CheckpointError(f"{where}: shard {name!r} of rank {rank} is not listed in 'files'; the iteration is incomplete")
 
@@ -132,7 +132,7 @@ def validate_iteration(common: dict, meta: dict, step: int, directory: str) -> N
     hand-edited common.json): a resume from it would redo or skip steps and
     then save over committed iterations, so any mismatch is damage.
     """
-    common_file, meta_file = layout.join(directory, layout.COMMON), layout.join(directory, layout.METADATA)
+    common_file, meta_file = paths.join(directory, paths.COMMON), paths.join(directory, paths.METADATA)
     if common["global_step"] != step:
         raise CheckpointError(f"{common_file}: global_step {common['global_step']} is not this directory's iteration {step}")
     if meta["iteration"] != step:
@@ -141,11 +141,11 @@ def validate_iteration(common: dict, meta: dict, step: int, directory: str) -> N
     if common["world_size"] != world:
         raise CheckpointError(f"{common_file}: world_size {common['world_size']}, but metadata.json lists the shards of {world} ranks")
     for name in meta["files"]:
-        shard = layout.parse_shard_filename(name)
+        shard = paths.parse_shard_filename(name)
         if shard is None or shard["world"] != world or shard["rank"] >= world or shard["kind"] not in meta["tensors"]:
             raise CheckpointError(f"{meta_file}: files[{name!r}] is not a shard of this {world}-rank iteration")
-    if common["has_optimizer"] != (layout.OPTIM_KIND in meta["tensors"]):
-        lists = "lists" if layout.OPTIM_KIND in meta["tensors"] else "lists no"
+    if common["has_optimizer"] != (paths.OPTIM_KIND in meta["tensors"]):
+        lists = "lists" if paths.OPTIM_KIND in meta["tensors"] else "lists no"
         raise CheckpointError(f"{common_file}: has_optimizer is {str(common['has_optimizer']).lower()}, but metadata.json {lists} optimizer state")
 
 
@@ -184,7 +184,7 @@ def build_metadata(iteration: int, prefix: str, manifests: list[dict]) -> dict:
     tensors = {kind: {name: {"dtype": dtype, "shape": shape, "layout": how} for name, dtype, shape, how in specs}
                for kind, specs in manifests[0]["specs"].items()}
     return {
-        "format_version": layout.FORMAT_VERSION,
+        "format_version": paths.FORMAT_VERSION,
         "iteration": iteration,
         "world_size": len(manifests),
         "block_size": manifests[0]["block_size"],

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import layout
+from . import paths
 from .digest import BlockSha256, block_bounds
 from .plan import DIM0, SPLIT, Piece, SavePlan, TensorSpec
 from .schema import DTYPE_TAGS, DTYPES
@@ -212,29 +212,29 @@ def write_shards(
     header: they belong to this rank and to the optimizer-resume path only.
     Runs on the training thread (sync save) or the writer thread (async).
     """
-    iter_dir = layout.iteration_dir(root, step)
+    iter_dir = paths.iteration_dir(root, step)
     storage.makedirs(iter_dir)
     if rank == 0:
         # A crash may have left this (uncommitted) iteration half written by an
         # earlier attempt. Its JSON must not describe the shards we write now.
-        for name in (layout.METADATA, layout.COMMON):
-            storage.remove(layout.join(iter_dir, name))
+        for name in (paths.METADATA, paths.COMMON):
+            storage.remove(paths.join(iter_dir, name))
     manifest: dict = {"rank": rank, "world_size": world_size, "block_size": block_size, "files": {}, "specs": {}}
     for shard, data in shards:
         # One header key: safetensors writes header maps in hash order, and a
         # single entry keeps the file bytes reproducible (exact-resume tests
         # compare bytes).
-        header = {RANK_EXTRAS_KEY: json.dumps(rank_extras, sort_keys=True)} if shard.kind == layout.OPTIM_KIND else None
-        name = layout.shard_filename(prefix, shard.kind, rank, world_size)
+        header = {RANK_EXTRAS_KEY: json.dumps(rank_extras, sort_keys=True)} if shard.kind == paths.OPTIM_KIND else None
+        name = paths.shard_filename(prefix, shard.kind, rank, world_size)
         head = safetensors_header(shard, header)
         blocks = block_bounds(len(head) + shard.nbytes, len(head), block_size)
         chunks = [memoryview(head), *_pieces(data)]
 
-        def write(path=layout.join(iter_dir, name), chunks=chunks, ends=[end for _, end in blocks]):
+        def write(path=paths.join(iter_dir, name), chunks=chunks, ends=[end for _, end in blocks]):
             digest = BlockSha256(0, ends)  # a retry rewrites the whole file, hashed afresh
             return storage.write_durable(path, _halves(chunks, on_mid_write), digest), digest
 
-        size, digest = retried(write, f"write of {layout.join(iter_dir, name)}")
+        size, digest = retried(write, f"write of {paths.join(iter_dir, name)}")
         manifest["files"][name] = {"size": size, "data_start": len(head), "sha256": digest.hexdigests(), "kind": shard.kind, "rank": rank}
         if rank == 0:
             manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape), s.layout] for s in shard.specs]
@@ -257,7 +257,7 @@ def save_shards(
     block_size: int = CHECKSUM_BLOCK,
 ) -> dict:
     """Synchronous save: write this rank's shards straight from the live tensors; return its manifest."""
-    states = {layout.MODEL_KIND: model_state, layout.OPTIM_KIND: optim_state}
+    states = {paths.MODEL_KIND: model_state, paths.OPTIM_KIND: optim_state}
     shards = [(s, live_data(s, states[s.kind])) for s in shard_layouts(states, rank, world_size)]
     return write_shards(storage, root, step, prefix=prefix, rank=rank, world_size=world_size,
                         shards=shards, rank_extras=rank_extras, on_mid_write=on_mid_write, block_size=block_size)

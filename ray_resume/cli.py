@@ -1,4 +1,4 @@
-"""Operator CLI for a checkpoint root: `python -m ray_resume.inspect` (or `ray-resume`).
+"""Operator CLI for a checkpoint root: `python -m ray_resume.cli` (or `ray-resume`).
 
     list    ROOT [--verify] [--json]                  every iteration_* dir, one row each
     verify  ROOT [--iteration N] [--json]             sizes, sha256, extra shards (exit 1 if bad)
@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any
 
-from .checkpoint import layout
+from .checkpoint import paths
 from .checkpoint.reader import Iteration, ShardReader, check_no_extra_shards, iteration_steps, open_iteration, read_tracker, saved_pieces
 from .checkpoint.schema import CKPT_STATUS_OK, CheckpointError, parse_json
 from .checkpoint.storage import LocalStorage, storage_for
@@ -87,7 +87,7 @@ def open_root(root: str) -> LocalStorage:
 def dir_size(storage: LocalStorage, path: str) -> int:
     total = 0
     for name in storage.listdir(path):
-        child = layout.join(path, name)
+        child = paths.join(path, name)
         if storage.is_dir(child):
             total += dir_size(storage, child)
         else:
@@ -99,18 +99,18 @@ def resolve_iteration(storage: LocalStorage, root: str, requested: int | None) -
     """(step to inspect, tracker step). Default: the tracker's iteration."""
     tracker = read_tracker(storage, root)  # CheckpointError: garbled tracker -> exit 1
     if requested is not None:
-        if requested < 0 or not storage.is_dir(layout.iteration_dir(root, requested)):
+        if requested < 0 or not storage.is_dir(paths.iteration_dir(root, requested)):
             present = ", ".join(map(str, iteration_steps(storage, root))) or "none"
-            raise CliError(f"{layout.iteration_dir(root, max(requested, 0))}: no such iteration (iterations here: {present})", 2)
+            raise CliError(f"{paths.iteration_dir(root, max(requested, 0))}: no such iteration (iterations here: {present})", 2)
         return requested, tracker
     if tracker is None:
         present = ", ".join(map(str, iteration_steps(storage, root))) or "none"
         raise CliError(
-            f"{layout.tracker_path(root)}: missing, so no iteration is committed here "
+            f"{paths.tracker_path(root)}: missing, so no iteration is committed here "
             f"(iterations present: {present}); pass --iteration N to inspect one anyway"
         )
-    if not storage.is_dir(layout.iteration_dir(root, tracker)):
-        raise CliError(f"{layout.tracker_path(root)}: names iteration {tracker}, but {layout.iteration_dirname(tracker)}/ does not exist")
+    if not storage.is_dir(paths.iteration_dir(root, tracker)):
+        raise CliError(f"{paths.tracker_path(root)}: names iteration {tracker}, but {paths.iteration_dirname(tracker)}/ does not exist")
     return tracker, tracker
 
 
@@ -146,14 +146,14 @@ def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
 
 
 def describe_iteration(storage: LocalStorage, root: str, step: int, tracker: int | None, verify: bool) -> dict:
-    path = layout.iteration_dir(root, step)
+    path = paths.iteration_dir(root, step)
     row: dict[str, Any] = {
         "step": step, "path": path, "status": None, "error": None, "tracker": step == tracker,
         "committed": False, "epoch_num": None, "step_num": None, "consumed_samples": None,
         "world_size": None, "global_batch_size": None, "has_optimizer": None, "job_id": None,
         "size_bytes": dir_size(storage, path),
     }
-    common_file = layout.join(path, layout.COMMON)
+    common_file = paths.join(path, paths.COMMON)
     raw: dict = {}
     if storage.exists(common_file):
         try:
@@ -162,11 +162,11 @@ def describe_iteration(storage: LocalStorage, root: str, step: int, tracker: int
             raw = {}
     for key in ("epoch_num", "step_num", "consumed_samples", "world_size", "global_batch_size", "has_optimizer", "job_id"):
         row[key] = raw.get(key)
-    missing = [n for n in (layout.METADATA, layout.COMMON) if not storage.exists(layout.join(path, n))]
+    missing = [n for n in (paths.METADATA, paths.COMMON) if not storage.exists(paths.join(path, n))]
     it = None
     if missing:
         row["status"] = "incomplete"
-        row["error"] = f"{layout.join(path, missing[-1])}: missing; this iteration was never committed (or is being rewritten)"
+        row["error"] = f"{paths.join(path, missing[-1])}: missing; this iteration was never committed (or is being rewritten)"
     else:
         try:
             it = open_iteration(storage, root, step)
@@ -197,7 +197,7 @@ def cmd_list(args) -> int:
         tracker_error = str(exc)
     rows = [describe_iteration(storage, args.root, s, tracker, args.verify) for s in iteration_steps(storage, args.root)]
     if tracker is not None and not any(r["tracker"] for r in rows):
-        tracker_error = f"{layout.tracker_path(args.root)}: names iteration {tracker}, but {layout.iteration_dirname(tracker)}/ does not exist"
+        tracker_error = f"{paths.tracker_path(args.root)}: names iteration {tracker}, but {paths.iteration_dirname(tracker)}/ does not exist"
     bad = tracker_error is not None or any(r["tracker"] and r["status"] != CKPT_STATUS_OK for r in rows)
     if args.verify:
         bad = bad or any(r["verified"] is False for r in rows)
@@ -223,7 +223,7 @@ def cmd_list(args) -> int:
             if r["error"]:
                 print(f"  iteration {r['step']}: {r['error']}")
     if tracker is None and tracker_error is None:
-        print(f"no tracker ({layout.TRACKER}): nothing under {args.root} is committed")
+        print(f"no tracker ({paths.TRACKER}): nothing under {args.root} is committed")
     if tracker_error:
         print(f"error: {tracker_error}", file=sys.stderr)
     return 1 if bad else 0
@@ -235,7 +235,7 @@ def cmd_list(args) -> int:
 def cmd_verify(args) -> int:
     storage = open_root(args.root)
     step, tracker = resolve_iteration(storage, args.root, args.iteration)
-    path = layout.iteration_dir(args.root, step)
+    path = paths.iteration_dir(args.root, step)
     try:
         it = open_iteration(storage, args.root, step)
         result = verify_iteration(storage, it)
@@ -315,13 +315,13 @@ def _pieces_by_tensor(it: Iteration, kind: str) -> dict[str, list[dict]]:
 
 # ----------------------------------------------------------------------------- export
 
-EXPORT_FILES = ("model.safetensors", "optimizer.safetensors", layout.CONFIG)
+EXPORT_FILES = ("model.safetensors", "optimizer.safetensors", paths.CONFIG)
 
 
 def cmd_export(args) -> int:
     import safetensors.torch  # heavy: only this command needs it
 
-    from .checkpoint.fetch import load_state
+    from .checkpoint.loader import load_state
 
     storage = open_root(args.root)
     out = args.out_dir
@@ -331,9 +331,9 @@ def cmd_export(args) -> int:
         raise CliError(f"output directory {out!r} is not empty; choose an empty one or pass --force to overwrite", 2)
     step, _ = resolve_iteration(storage, args.root, args.iteration)
     it = open_iteration(storage, args.root, step)
-    kinds = [layout.MODEL_KIND] + ([layout.OPTIM_KIND] if args.with_optimizer else [])
-    if args.with_optimizer and layout.OPTIM_KIND not in it.metadata["tensors"]:
-        raise CliError(f"{layout.join(it.path, layout.METADATA)}: iteration {step} has no optimizer state (saved with no_save_optim); drop --with-optimizer")
+    kinds = [paths.MODEL_KIND] + ([paths.OPTIM_KIND] if args.with_optimizer else [])
+    if args.with_optimizer and paths.OPTIM_KIND not in it.metadata["tensors"]:
+        raise CliError(f"{paths.join(it.path, paths.METADATA)}: iteration {step} has no optimizer state (saved with no_save_optim); drop --with-optimizer")
     result = verify_iteration(storage, it)
     if not result["ok"]:
         raise CliError(f"iteration {step} failed verification, nothing exported: " + "; ".join(result["problems"]))
@@ -348,11 +348,11 @@ def cmd_export(args) -> int:
         safetensors.torch.save_file(tensors, os.path.join(out, filename), metadata=meta)
         os.chmod(os.path.join(out, filename), 0o666 & ~_umask())  # safetensors creates 0600 files
         written.append(f"{filename} ({len(tensors)} tensors, {human_size(os.path.getsize(os.path.join(out, filename)))})")
-    config = layout.join(it.path, layout.CONFIG)
+    config = paths.join(it.path, paths.CONFIG)
     if storage.exists(config):
-        with open(os.path.join(out, layout.CONFIG), "wb") as f:
+        with open(os.path.join(out, paths.CONFIG), "wb") as f:
             f.write(storage.read_bytes(config))
-        written.append(layout.CONFIG)
+        written.append(paths.CONFIG)
     print(f"exported iteration {step} from {it.path} to {out}: " + ", ".join(written))
     return 0
 

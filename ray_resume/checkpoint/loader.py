@@ -33,7 +33,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from . import layout
+from . import paths
 from .reader import Iteration, ShardReader, check_no_extra_shards, open_iteration, plan_reads, shard_files
 from .schema import DTYPES, CheckpointError, DamagedShards, file_blocks, tensor_specs
 
@@ -57,7 +57,7 @@ def open_shared(storage, root: str, step: int, rank: int, world_size: int) -> It
         return {"common": it.common, "metadata": it.metadata}
 
     got = decided_by_rank0(read, rank, world_size, f"read iteration {step} under {root}")
-    return Iteration(root, step, layout.iteration_dir(root, step), got["common"], got["metadata"])
+    return Iteration(root, step, paths.iteration_dir(root, step), got["common"], got["metadata"])
 
 
 def decided_by_rank0(decide, rank: int, world_size: int, what: str):
