@@ -97,17 +97,11 @@ def _fail_after_first(chunks, error: OSError):
     raise error
 
 
-class _FailingRead:
-    """A file whose first read fails."""
+class FileProxy:
+    """A file object passed through, for wrappers that change one of its methods."""
 
-    def __init__(self, f, error: OSError):
-        self.f, self.error = f, error
-
-    def readinto(self, buf):
-        self.f.close()
-        raise self.error
-
-    read = readinto
+    def __init__(self, f):
+        self.f = f
 
     def __getattr__(self, name):
         return getattr(self.f, name)
@@ -117,6 +111,20 @@ class _FailingRead:
 
     def __exit__(self, *exc):
         self.f.close()
+
+
+class _FailingRead(FileProxy):
+    """A file whose first read fails."""
+
+    def __init__(self, f, error: OSError):
+        super().__init__(f)
+        self.error = error
+
+    def readinto(self, buf):
+        self.f.close()
+        raise self.error
+
+    read = readinto
 
 
 def install(faults: list[dict], record: str) -> None:

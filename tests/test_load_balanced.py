@@ -20,6 +20,7 @@ from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import CheckpointError, tensor_specs
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import CHECKSUM_BLOCK
+from storage_faults import FileProxy
 from test_checkpoint_format import make_state, write_iteration
 
 WORLD = 2
@@ -137,24 +138,16 @@ def test_each_broadcast_is_a_longest_part_one_rank_read():
         [("a", 0, 0, 8, 0), ("b", 12, 12, 20, 0), ("b", 12, 20, 40, 1)]
 
 
-class _SeekCounting:
+class _SeekCounting(FileProxy):
     """A file whose seeks are counted: each starts a new streamed read (a ranged GET on S3)."""
 
     def __init__(self, f, calls: list):
-        self.f, self.calls = f, calls
+        super().__init__(f)
+        self.calls = calls
 
     def seek(self, pos):
         self.calls.append("read")
         return self.f.seek(pos)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
 
 
 class RequestCountingStorage(LocalStorage):
