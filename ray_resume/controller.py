@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -51,6 +52,14 @@ def call(controller, method: str, *args):
     return getattr(controller, method)(*args)
 
 
+def tell(controller, method: str, *args) -> None:
+    """`call` without waiting for the answer on the Ray actor (per-step news costs training nothing)."""
+    if isinstance(controller, ray.actor.ActorHandle):
+        getattr(controller, method).remote(*args)
+    else:
+        getattr(controller, method)(*args)
+
+
 class JobController:
     def __init__(self, save_path: str, job_id: str, config: dict, driver_pid: int):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -61,6 +70,8 @@ class JobController:
         self.fault = config.get("fault")
         self.storage = storage_for(save_path, config["checkpoint"]["storage"]) if save_path else None
         self.attempt = -1
+        self.last_step: int | None = None  # the newest step rank 0 finished in the current attempt
+        self.reached: list[dict] = []  # per attempt: its last finished step and when (for the summary)
         self.pending: dict[int, dict[int, dict]] = {}  # iteration -> rank -> manifest
         self.pending_common: dict[int, dict] = {}  # iteration -> rank 0's common
         self.committed_by_job: list[int] = []
@@ -85,11 +96,19 @@ class JobController:
             return self._start_attempt()
 
     def _start_attempt(self) -> dict:
+        """`failed_after`: the last step the previous attempt finished (None on the first)."""
         self.attempt += 1
         self.pending.clear()
         self.pending_common.clear()
-        last = self.committed_by_job[-1] if self.committed_by_job else None
-        return {"attempt": self.attempt, "resume_step": last}
+        failed_after, self.last_step = self.last_step, None
+        self.reached.append({"attempt": self.attempt, "step": None, "time": None})
+        return {"attempt": self.attempt, "resume_step": self.last_committed(), "failed_after": failed_after}
+
+    def stepped(self, attempt: int, step: int) -> None:
+        """Rank 0 finished `step` of `attempt`: what a restart says the lost attempt had reached."""
+        if attempt == self.attempt:
+            self.last_step = step
+            self.reached[-1].update(step=step, time=time.time())
 
     def claim_fault(self) -> bool:
         """True exactly once per job: the injected fault fires a single time."""
@@ -120,7 +139,7 @@ class JobController:
             last = self.last_committed()
             where = f"iteration {last}, the last good commit" if last is not None else "what it named before"
             error = f"{self.commit_error}; the tracker of {self.root} stays on {where}; run again with checkpoint.load_path={self.root} to resume from it"
-        return {"committed": self.last_committed(), "metrics": self.final_metrics, "error": error}
+        return {"committed": self.last_committed(), "metrics": self.final_metrics, "error": error, "attempts": self.reached}
 
     def last_committed(self) -> int | None:
         return self.committed_by_job[-1] if self.committed_by_job else None

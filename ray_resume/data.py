@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -388,6 +389,19 @@ def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shu
         out[_UNIT_COL] = np.full(len(idx), ui, dtype=np.int64)
         outs.append(out)
     return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
+
+
+def quiet_ray_data() -> None:
+    """No Ray Data banners, plans or progress bars on this process's console (they stay in Ray
+    Data's log files): each epoch's stream on each rank printed a dozen lines, most of them blank
+    progress-bar refreshes. `python -m ray_resume.run --verbose` keeps them."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "Progress bars disabled", once per process
 
 
 def data_fingerprint(units: Sequence[ReadUnit], seed: int, shuffle: bool, columns: Dict[str, str]) -> Dict[str, Any]:

@@ -27,5 +27,5 @@ class FaultInjector:
         if f is None or f.phase != phase or f.step != step or f.rank != self._rank:
             return
         if self._claim():
-            print(f"[fault] killing rank {self._rank} at step {step} in phase {phase}", flush=True)
+            logger.warning("[fault] killing rank %d at step %d in phase %s", self._rank, step, phase)
             os.kill(os.getpid(), signal.SIGKILL)

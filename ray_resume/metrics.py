@@ -1,18 +1,34 @@
 """Per-step metrics beside the checkpoint root: `{save_path}-metrics/`.
 
 Object stores cannot append, so each rank buffers its records and writes
-them as a new small chunk file (one atomic PUT / rename) every few steps and
-after every save. Chunk names start with a millisecond timestamp, so sorted
-names are chronological across jobs, attempts and ranks.
+them as a new small chunk file (one atomic PUT / rename). Rank 0 writes the
+curve: every step's record, a chunk every `log_every` steps and after every
+save. The other ranks write only what differs between ranks (their starts
+with the bytes they read, their save stalls, their last wait) and roll a
+chunk over every ROLL_S seconds, so a job makes O(ranks x hours) objects,
+not O(ranks x steps): 10,000 ranks for an hour write 60,000, not millions.
+With `training.log_sample_ids` (audits, tests) every rank records every step
+and flushes like rank 0. Chunk names start with a millisecond timestamp, so
+sorted names are chronological across jobs, attempts and ranks.
+
+Rank 0's curves also go to TensorBoard event files under
+`{save_path}-metrics/tensorboard/{job}/` (`tensorboard --logdir` on it).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
+
+from tensorboardX import SummaryWriter
 
 from .checkpoint import paths
 from .checkpoint.storage import storage_for
+
+
+ROLL_S = 600.0  # the other ranks' chunk interval
 
 
 def metrics_dir(save_path: str) -> str:
@@ -26,6 +42,11 @@ class MetricsWriter:
         self.storage.makedirs(self.dir)
         self.tag = {"job": job, "attempt": attempt, "rank": rank}
         self.pending: list[dict] = []
+        self.flushed_at = time.monotonic()
+
+    def due(self) -> bool:
+        """A chunk has been open for ROLL_S seconds."""
+        return bool(self.pending) and time.monotonic() - self.flushed_at >= ROLL_S
 
     def add(self, record: dict) -> None:
         self.pending.append({**self.tag, "time": time.time(), **record})
@@ -37,6 +58,7 @@ class MetricsWriter:
         data = "".join(json.dumps(r) + "\n" for r in self.pending).encode()
         self.storage.write_atomic(paths.join(self.dir, name), data)
         self.pending = []
+        self.flushed_at = time.monotonic()
 
 
 def read_metrics(save_path: str, storage_options=None) -> list[dict]:
@@ -48,3 +70,32 @@ def read_metrics(save_path: str, storage_options=None) -> list[dict]:
         if name.endswith(".jsonl"):
             records += [json.loads(line) for line in storage.read_bytes(paths.join(directory, name)).splitlines() if line.strip()]
     return records
+
+
+class Curves:
+    """Rank 0's curves as TensorBoard event files, one file per attempt of a job.
+
+    A restarted attempt starts at `purge_step`: TensorBoard drops what earlier
+    files hold from that step on, so the redone steps are drawn once. On object
+    storage the events are written to a local file that is uploaded whole at
+    each flush (an object cannot be appended to).
+    """
+
+    def __init__(self, save_path: str, storage_options, *, job: str, attempt: int, purge_step: int):
+        self.dir = paths.join(metrics_dir(save_path), "tensorboard", job)
+        self.storage = storage_for(self.dir, storage_options)
+        self.remote = "://" in self.dir and not self.dir.startswith("file://")
+        self.local = tempfile.mkdtemp(prefix="ray_resume-tb-") if self.remote else self.dir.removeprefix("file://")
+        self.writer = SummaryWriter(logdir=self.local, purge_step=purge_step or None, filename_suffix=f".attempt{attempt}",
+                                    flush_secs=3600, max_queue=1 << 20)
+
+    def add(self, step: int, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+        if self.remote:
+            for name in os.listdir(self.local):
+                with open(os.path.join(self.local, name), "rb") as f:
+                    self.storage.write_atomic(paths.join(self.dir, name), f.read())

@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 
@@ -33,6 +34,8 @@ from .checkpoint.schema import CheckpointError
 from .checkpoint.storage import storage_for
 from .config import Config, ConfigError, load_config, redacted
 from .controller import CommitError, JobControllerActor
+from .metrics import read_metrics
+from .summary import summarize
 from .data import DEFAULT_COLUMNS, DataError, data_fingerprint, ensure_dataset, fingerprint_changes, scan_units
 from . import parallel
 from .plugins import make_model, resolve
@@ -60,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, value parsed as YAML (repeatable)")
     parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else start a local Ray)")
+    parser.add_argument("--verbose", action="store_true", help="also show Ray Train's and Ray Data's own console lines")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        result = run(load_config(args.config, args.set), address=args.address)
+        result = run(load_config(args.config, args.set), address=args.address, verbose=args.verbose)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -83,11 +87,15 @@ def scaling_config(scaling) -> ray.train.ScalingConfig:
     )
 
 
-def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None, collate=None) -> RunResult:
+def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None, collate=None,
+        verbose: bool = False) -> RunResult:
     """Run the job to the end (with Ray Train's restarts) and report what was committed.
 
     `build_model`, `loss` and `collate` override the config's import paths
     (see ray_resume.plugins); all are checked here, before Ray starts.
+    `verbose` keeps Ray Train's and Ray Data's own console lines (recovered
+    failures' tracebacks, banners, progress bars); otherwise they go to
+    Ray's log files only and the console shows ours.
     """
     cfg = absolute_paths(cfg)
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
@@ -101,13 +109,13 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
         lease.acquire()
         lease.keep_renewed()  # from this moment to the job's end
     try:
-        return _run_with_lease(cfg, address, plugins, job_id)
+        return _run_with_lease(cfg, address, plugins, job_id, verbose)
     finally:
         if lease:
             lease.release()
 
 
-def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str) -> RunResult:
+def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str, verbose: bool) -> RunResult:
     load = preflight(cfg)
     init_ray(address, cfg)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -120,21 +128,28 @@ def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str) -> R
         # Ray Train keeps train_loop_config in its run state (the dashboard shows it): credentials
         # stay out of it, and the ranks take the whole config from the controller.
         train_loop_config={"config": redacted(cfg.to_dict()), "controller": controller, "load": load, "job_id": job_id,
-                           "plugins": plugins},
+                           "plugins": plugins, "verbose": verbose},
         scaling_config=scaling_config(cfg.scaling),
         run_config=ray.train.RunConfig(
             name=f"{cfg.name}-{job_id}",
             failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
+            # Ray Train's own lines (worker-group starts, a recovered failure's 60-line
+            # tracebacks, a surviving rank's "Error in training function") to its log files
+            # only: a failure that ends the run raises from fit(), and main() prints its cause.
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "CRITICAL"),
         ),
     )
     error = None
+    started = time.monotonic()
     try:
         with stop_on_sigterm(controller, cfg.name):
             trainer.fit()
     except Exception as exc:  # Ray wraps worker errors; report them, keep what was committed
         error = exc
+    wall_s = time.monotonic() - started
     outcome = ray.get(controller.result.remote())
     ray.get(controller.release.remote())
+    say_summary(cfg, job_id, outcome["attempts"], wall_s)
     if error is None and outcome["error"]:
         error = CommitError(outcome["error"])
     committed = outcome["committed"]
@@ -144,7 +159,24 @@ def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str) -> R
                        "checkpoint.load_path=%s to continue", cfg.name, outcome["metrics"]["step"], committed, cfg.checkpoint.save_path)
     elif error is None:
         logger.info("[%s] finished: last committed iteration %s%s", cfg.name, committed, f" at {path}" if path else "")
+    if path:
+        root = cfg.checkpoint.save_path
+        logger.info("[%s] to continue it: --set checkpoint.load_path=%s; to export its weights: ray-resume export %s OUT_DIR",
+                    cfg.name, root, root)
     return RunResult(committed, path, outcome["metrics"], error)
+
+
+def say_summary(cfg: Config, job_id: str, attempts: list[dict], wall_s: float) -> None:
+    """The run's summary lines, from its metrics beside the checkpoint root (none without saves)."""
+    if not cfg.checkpoint.enable_save:
+        return
+    try:
+        records = read_metrics(cfg.checkpoint.save_path, cfg.checkpoint.storage)
+    except OSError as exc:
+        logger.warning("[%s] no summary: the metrics could not be read (%s)", cfg.name, exc)
+        return
+    for line in summarize(records, attempts, job_id=job_id, global_batch_size=cfg.training.global_batch_size, wall_s=wall_s):
+        logger.info("[%s] %s", cfg.name, line)
 
 
 @contextlib.contextmanager

@@ -23,10 +23,10 @@ from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.loader import collective_device
 from .checkpoint.state import seed_everything
 from .config import Config
-from .controller import call
-from .data import SampleStream
+from .controller import call, tell
+from .data import SampleStream, quiet_ray_data
 from .faults import FaultInjector
-from .metrics import MetricsWriter
+from .metrics import Curves, MetricsWriter
 from .optim import MainParamsOptimizer
 from .plugins import make_model
 
@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 def train_func(args: dict) -> None:
     """Ray Train's entry point on every rank: Ray's context, device and data reader around `train_worker`."""
     cfg = Config.from_dict(call(args["controller"], "job_config"))  # args["config"] is redacted
+    if not args.get("verbose"):
+        quiet_ray_data()
     ctx = ray.train.get_context()
     train_worker(
         cfg, args["controller"], ctx.get_world_rank(), ctx.get_world_size(),
@@ -53,10 +55,12 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     `stream` makes the data stream (SampleStream's signature), `preempted()`
     says whether the platform announced a preemption.
     """
+    if not logging.getLogger().handlers:  # outside Ray Train (which configures the root logger)
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)  # deterministic and fair on small CPU hosts
     train = cfg.training
 
-    attempt, resume_step = _agree_on_attempt(controller, rank, collective_device())
+    attempt, resume_step, failed_after = _agree_on_attempt(controller, rank, collective_device())
     faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
     checkpointer = Checkpointer(cfg, controller, rank, world, attempt, faults)
 
@@ -73,7 +77,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     samples = stream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
                      resume.consumed_samples, columns=cfg.data.columns or None)
     progress = Progress(cfg, rank, attempt, job_id, controller)
-    progress.resumed(resume, world, attempt)
+    progress.resumed(resume, world, attempt, failed_after)
 
     batches = iter(samples)
     accumulation = train.accumulation_steps(world)
@@ -98,7 +102,9 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
             "data": samples.fingerprint,
             **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
         })
-        progress.step(step, loss, batch["sample_id"], saved, checkpointer.last_stall_s if saved else None)
+        progress.step(step, loss, optimizer.param_groups[0]["lr"], batch["sample_id"], saved, checkpointer.last_stall_s if saved else None)
+        if rank == 0:
+            tell(controller, "stepped", attempt, step)
         if stop:
             progress.stopped(step)
             break
@@ -151,15 +157,18 @@ def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[bool, bo
     return bool(flags[0].item()), bool(flags[1].item())
 
 
-def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None]:
-    """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None)."""
+def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, int | None]:
+    """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None).
+    Rank 0 also learns the last step the previous attempt finished (None elsewhere)."""
     facts = torch.tensor([-1, -1], device=device)
+    failed_after = None
     if rank == 0:
         reply = call(controller, "start_attempt")
+        failed_after = reply["failed_after"]
         facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"]], device=device)
     dist.broadcast(facts, src=0)
     attempt, step = facts.tolist()
-    return attempt, None if step < 0 else step
+    return attempt, None if step < 0 else step, failed_after
 
 
 class Progress:
@@ -173,6 +182,9 @@ class Progress:
         self.window_start = time.monotonic()
         self.window_steps = 0
         self.metrics = None
+        self.curves = None  # rank 0's TensorBoard events
+        self.attempt, self.job_id = attempt, job_id
+        self.curve = rank == 0 or cfg.training.log_sample_ids  # records every step (see ray_resume.metrics)
         self.last: dict = {}
         if cfg.checkpoint.enable_save:
             self.metrics = MetricsWriter(cfg.checkpoint.save_path, cfg.checkpoint.storage, job=job_id, attempt=attempt, rank=rank)
@@ -182,14 +194,27 @@ class Progress:
             self.metrics.add(record)
             if flush:
                 self.metrics.flush()
+                if self.curves:
+                    self.curves.flush()
 
     def _say(self, text: str) -> None:
+        # Logged, not printed: on a Ray Train worker print() goes to the root logger and, when
+        # stdout is wrapped, to stdout as well, and every line reached the console twice.
         if self.rank == 0:
-            print(f"[{self.cfg.name}] {text}", flush=True)
+            logger.info("[%s] %s", self.cfg.name, text)
 
-    def resumed(self, resume, world: int, attempt: int) -> None:
+    def resumed(self, resume, world: int, attempt: int, failed_after: int | None = None) -> None:
+        if self.metrics and self.rank == 0:
+            self.curves = Curves(self.cfg.checkpoint.save_path, self.cfg.checkpoint.storage, job=self.job_id,
+                                 attempt=attempt, purge_step=resume.global_step + 1)
+            self.curves.add(resume.global_step, {"attempt": attempt})  # a restart is a step in this curve
         self._record({"event": "start", "step": resume.global_step, "source": resume.source, "world_size": world,
                       "consumed_samples": resume.consumed_samples, "bytes_read": resume.bytes_read}, flush=True)
+        if attempt > 0:  # a restart: the previous group was lost (Ray Train's account is in its log files)
+            reached = f"after step {failed_after}" if failed_after is not None else "before its first step"
+            redo = f": {failed_after - resume.global_step} steps to redo" if failed_after is not None else ""
+            self._say(f"worker group lost {reached} (attempt {attempt - 1}); resuming from "
+                      f"{'iteration ' + str(resume.global_step) if resume.source else 'step 0'}{redo}")
         if resume.source is None:
             if not self.cfg.checkpoint.enable_save:
                 self._say("checkpoints are off (checkpoint.enable_save: false): nothing will be saved")
@@ -208,22 +233,34 @@ class Progress:
         self._record({"event": "stop", "step": step}, flush=True)
         self._say(f"stop requested: saved step {step} and stopping")
 
-    def step(self, step: int, loss: float, sample_ids, saved: bool, stall: float | None = None) -> None:
-        record = {"step": step, "loss": loss, "saved": saved}
+    def step(self, step: int, loss: float, lr: float, sample_ids, saved: bool, stall: float | None = None) -> None:
+        record = {"step": step, "loss": loss, "lr": lr, "saved": saved}
         if stall is not None:
             record["save_stall_s"] = round(stall, 6)  # how long this save blocked training
         self.last = dict(record)
+        if self.curves:
+            self.curves.add(step, {k: v for k, v in record.items() if k in ("loss", "lr", "save_stall_s")})
         if self.cfg.training.log_sample_ids:
             record["sample_ids"] = sample_ids.tolist()
         log_now = step % self.cfg.training.log_every == 0 or step == self.total
-        self._record(record, flush=saved or log_now)
         self.window_steps += 1
-        if self.rank != 0 or not log_now:
-            return
+        if self.rank == 0 and log_now:
+            self._progress_line(step, loss)
+        if self.curve:
+            self._record(record, flush=saved or log_now)
+        elif self.metrics:  # another rank: only its save stalls, in a chunk rolled over by time
+            if stall is not None:
+                self._record({"step": step, "saved": True, "save_stall_s": record["save_stall_s"]})
+            if self.metrics.due():
+                self.metrics.flush()
+
+    def _progress_line(self, step: int, loss: float) -> None:
         elapsed = max(time.monotonic() - self.window_start, 1e-9)
         rate = self.window_steps / elapsed
         committed = call(self.controller, "last_committed")
         eta = (self.total - step) / rate if rate else 0.0
+        if self.curves:
+            self.curves.add(step, {"samples_per_s": rate * self.gbs})
         self._say(
             f"step {step}/{self.total} | loss {loss:.4f} | {rate * self.gbs:.0f} samples/s | "
             f"last committed iteration {committed if committed is not None else '-'} | ETA {_clock(eta)}"

@@ -143,6 +143,7 @@ class Outcome:
     attempts: int  # worker groups started
     driver_killed: bool  # the job's driver (the controller's process) died
     error: str | None  # why the job failed, if it did
+    reached: list = ()  # the controller's account of each attempt: the last step rank 0 finished, and when
 
 
 def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, plugins, load, job_id: str, preempted, storage_faults) -> None:
@@ -216,6 +217,6 @@ def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preemp
         controller.release()
         if inspect:
             inspect(controller)
-        return Outcome(result["committed"], attempts, False, error or result["error"])
+        return Outcome(result["committed"], attempts, False, error or result["error"], result["attempts"])
     finally:
         driver.shutdown()

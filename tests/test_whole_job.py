@@ -160,3 +160,32 @@ def test_sigterm_to_the_driver_saves_commits_and_exits_143(tmp_path, reference):
     assert code == 0, out[-3000:]
     assert f"resumed from {root}/iteration_{stopped:08d}" in out
     assert tracker(root) == str(stopped + 2)
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def test_the_console_of_a_run_that_loses_a_worker(tmp_path, reference):
+    """`python -m ray_resume.run` with rank 1 killed at step 6, a progress line every step: each line
+    once, no blank worker lines, no Ray tracebacks for the recovered failure, the recovery in one
+    line of ours, a summary, and the whole console within 3x the progress lines + 40."""
+    config = write_config(tmp_path, reference, training={"log_every": 1},
+                          fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config)]), timeout=300)
+    assert code == 0, out[-3000:]
+    lines = [ANSI.sub("", line) for line in out.splitlines()]
+    progress = [line for line in lines if re.search(r"\[tiny\] step \d+/12 \|", line)]
+    [lost] = [line for line in lines if "worker group lost after step" in line]
+    reached = int(re.search(r"after step (\d+)", lost).group(1))
+    assert f"(attempt 0); resuming from iteration 4: {reached - 4} steps to redo" in lost
+    for step in range(1, FINAL + 1):  # once, or twice when redone; the run's last lines may be cut off at exit
+        count = sum(f"step {step}/12 |" in line for line in progress)
+        assert count <= (2 if 4 < step <= reached else 1), (step, progress)
+        assert count >= 1 or step > 8, (step, progress)
+    assert not [line for line in lines if re.fullmatch(r"\(\w+ pid=\d+(, ip=[\d.]+)?\)\s*", line)]  # blank worker lines
+    for noise in ("Traceback", "Failed to query Ray Train Controller actor state", "multiple active Ray",
+                  "Starting execution of Dataset", "[FailurePolicy]"):
+        assert noise not in out, noise
+    assert any(f"{FINAL} steps (1-{FINAL}) in " in line for line in lines)
+    assert any(f"1 restart: after step {reached}: resumed from 4" in line for line in lines)
+    assert len(lines) <= 3 * len(progress) + 40, "\n".join(lines)

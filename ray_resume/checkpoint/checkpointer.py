@@ -168,7 +168,7 @@ class Checkpointer:
         stall = time.perf_counter() - start
         self.last_stall_s = stall
         self.stalls.append((step, stall))
-        logger.info("rank %d: save of iteration %d blocked training %.3f s (%s; %.3f s of it waiting for the previous save)",
+        logger.debug("rank %d: save of iteration %d blocked training %.3f s (%s; %.3f s of it waiting for the previous save)",
                     self.rank, step, stall, "async" if self.ckpt.async_save else "sync", waited)
         return True
 
@@ -179,7 +179,7 @@ class Checkpointer:
         """
         waited = self.background.close()
         if waited:
-            logger.info("rank %d: waited %.3f s for the last save to finish", self.rank, waited)
+            logger.debug("rank %d: waited %.3f s for the last save to finish", self.rank, waited)
         return waited
 
     def _write_and_report(self, step: int, shards, rng: dict[str, str], common: dict) -> None:

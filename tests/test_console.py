@@ -1,0 +1,76 @@
+"""What a run tells its user: the summary at the end and the TensorBoard curves (harness), and the
+console of a real run on Ray Train with a worker lost (tests/test_whole_job.py)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import harness
+from conftest import FINAL, per_step, read_metrics, tiny_config
+from ray_resume.summary import summarize
+
+
+def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from the event files under `directory`, read as TensorBoard reads them:
+    file by file in name order, an event of a purging session dropping the later steps before it."""
+    from tensorboardX.proto import event_pb2
+
+    curves: dict[str, dict[int, float]] = {}
+    for path in sorted(directory.rglob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4  # length, its crc, the record, its crc
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                for values in curves.values():
+                    for step in [s for s in values if s >= event.step]:
+                        del values[step]
+            for value in event.summary.value:
+                curves.setdefault(value.tag, {})[event.step] = value.simple_value
+    return curves
+
+
+def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_path, local_reference):
+    cfg = tiny_config(tmp_path, fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    cfg["data"]["path"] = local_reference["data"]
+    root = cfg["checkpoint"]["save_path"]
+    outcome = harness.run_job(cfg)
+    assert outcome.attempts == 2
+    [job] = {r["job"] for r in read_metrics(root)}
+
+    lines = summarize(read_metrics(root), list(outcome.reached), job_id=job, global_batch_size=16, wall_s=10.0)
+    assert lines[0] == f"{FINAL} steps (1-{FINAL}) in 10.0 s: {FINAL * 16 / 10:.0f} samples/s overall"
+    assert lines[1].startswith("3 saves; training blocked ") and lines[1].endswith(" s at most (any rank)")
+    reached = outcome.reached[0]["step"]
+    assert reached in (5, 6)  # rank 0 finished 5 or 6 before the group was ended
+    assert lines[2].startswith(f"1 restart: after step {reached}: resumed from 4, {reached - 4} steps redone, ")
+    assert lines[2].endswith(" s lost") and len(lines) == 3
+
+    events = Path(f"{root}-metrics") / "tensorboard" / job
+    assert len(list(events.glob("events.out.tfevents.*"))) == 2  # one per attempt
+    curves = tensorboard_scalars(events)
+    losses = {step: runs[-1]["loss"] for step, runs in per_step(read_metrics(root)).items()}
+    assert sorted(curves["loss"]) == list(range(1, FINAL + 1))
+    assert all(abs(curves["loss"][s] - losses[s]) < 1e-5 for s in losses)  # float32 in the events
+    assert losses == {s: runs[-1]["loss"] for s, runs in local_reference["steps"].items()}  # the reference's
+    assert curves["attempt"] == {0: 0.0, 4: 1.0}  # the restart, where it resumed
+    assert set(curves["save_stall_s"]) == {4, 8, FINAL} and set(curves["lr"]) == set(range(1, FINAL + 1))
+
+
+def test_only_rank_0_writes_the_curve_the_others_what_differs(tmp_path, local_reference):
+    """Metrics that scale: without log_sample_ids the other ranks write their start (bytes read) and
+    their save stalls, in chunks rolled over by time, not a chunk every few steps."""
+    cfg = tiny_config(tmp_path, training={"log_sample_ids": False, "log_every": 1})
+    cfg["data"]["path"] = local_reference["data"]
+    root = cfg["checkpoint"]["save_path"]
+    assert harness.run_job(cfg).error is None
+    chunks = sorted(p.name for p in Path(f"{root}-metrics").glob("*.jsonl"))
+    rank1 = [r for r in read_metrics(root) if r["rank"] == 1]
+    assert len([c for c in chunks if "-rank00001-" in c]) == 2  # its start, and its last chunk at the end
+    assert len([c for c in chunks if "-rank00000-" in c]) >= FINAL  # the curve: a chunk per logged step
+    assert [r["event"] for r in rank1 if "event" in r] == ["start", "save_wait"]
+    assert [r["step"] for r in rank1 if r.get("saved")] == [4, 8, FINAL] and not any("loss" in r for r in rank1)
+    steps = [r["step"] for r in read_metrics(root) if r["rank"] == 0 and "loss" in r]
+    assert steps == list(range(1, FINAL + 1))
