@@ -72,6 +72,7 @@ class JobController:
         self.attempt = -1
         self.last_step: int | None = None  # the newest step rank 0 finished in the current attempt
         self.reached: list[dict] = []  # per attempt: its last finished step and when (for the summary)
+        self.lost: dict[int, str] = {}  # rank -> why, for the current attempt's failure (Ray Train tells us)
         self.pending: dict[int, dict[int, dict]] = {}  # iteration -> rank -> manifest
         self.pending_common: dict[int, dict] = {}  # iteration -> rank 0's common
         self.committed_by_job: list[int] = []
@@ -101,8 +102,14 @@ class JobController:
         self.pending.clear()
         self.pending_common.clear()
         failed_after, self.last_step = self.last_step, None
+        lost, self.lost = self.lost, {}
         self.reached.append({"attempt": self.attempt, "step": None, "time": None})
-        return {"attempt": self.attempt, "resume_step": self.last_committed(), "failed_after": failed_after}
+        return {"attempt": self.attempt, "resume_step": self.last_committed(), "failed_after": failed_after,
+                "lost": {str(rank): why for rank, why in sorted(lost.items())}}
+
+    def ranks_failed(self, why: dict[int, str]) -> None:
+        """Ray Train saw these ranks fail (rank -> its error's first line): the restart names them."""
+        self.lost.update(why)
 
     def stepped(self, attempt: int, step: int) -> None:
         """Rank 0 finished `step` of `attempt`: what a restart says the lost attempt had reached."""

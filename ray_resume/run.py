@@ -137,6 +137,7 @@ def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str, verb
             # tracebacks, a surviving rank's "Error in training function") to its log files
             # only: a failure that ends the run raises from fit(), and main() prints its cause.
             logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "CRITICAL"),
+            callbacks=[FailedRanks(controller)],
         ),
     )
     error = None
@@ -177,6 +178,18 @@ def say_summary(cfg: Config, job_id: str, attempts: list[dict], wall_s: float) -
         return
     for line in summarize(records, attempts, job_id=job_id, global_batch_size=cfg.training.global_batch_size, wall_s=wall_s):
         logger.info("[%s] %s", cfg.name, line)
+
+
+class FailedRanks(ray.train.UserCallback):
+    """On Ray Train's controller: which ranks failed, and the first line of why, for the line a
+    restarted group says (the full errors stay in Ray Train's log files)."""
+
+    def __init__(self, controller):
+        self.controller = controller
+
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        why = {rank: (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160] for rank, exc in worker_exceptions.items()}
+        self.controller.ranks_failed.remote(why)
 
 
 @contextlib.contextmanager

@@ -60,7 +60,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     torch.set_num_threads(1)  # deterministic and fair on small CPU hosts
     train = cfg.training
 
-    attempt, resume_step, failed_after = _agree_on_attempt(controller, rank, collective_device())
+    attempt, resume_step, ended = _agree_on_attempt(controller, rank, collective_device())
     faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
     checkpointer = Checkpointer(cfg, controller, rank, world, attempt, faults)
 
@@ -77,7 +77,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     samples = stream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
                      resume.consumed_samples, columns=cfg.data.columns or None)
     progress = Progress(cfg, rank, attempt, job_id, controller)
-    progress.resumed(resume, world, attempt, failed_after)
+    progress.resumed(resume, world, attempt, **ended)
 
     batches = iter(samples)
     accumulation = train.accumulation_steps(world)
@@ -157,18 +157,19 @@ def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[bool, bo
     return bool(flags[0].item()), bool(flags[1].item())
 
 
-def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, int | None]:
+def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, dict]:
     """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None).
-    Rank 0 also learns the last step the previous attempt finished (None elsewhere)."""
+    Rank 0 also learns how the previous attempt ended: `failed_after` (its last finished step)
+    and `lost` (rank -> why); the other ranks get {}."""
     facts = torch.tensor([-1, -1], device=device)
-    failed_after = None
+    ended = {}
     if rank == 0:
         reply = call(controller, "start_attempt")
-        failed_after = reply["failed_after"]
+        ended = {"failed_after": reply["failed_after"], "lost": reply["lost"]}
         facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"]], device=device)
     dist.broadcast(facts, src=0)
     attempt, step = facts.tolist()
-    return attempt, None if step < 0 else step, failed_after
+    return attempt, None if step < 0 else step, ended
 
 
 class Progress:
@@ -203,7 +204,7 @@ class Progress:
         if self.rank == 0:
             logger.info("[%s] %s", self.cfg.name, text)
 
-    def resumed(self, resume, world: int, attempt: int, failed_after: int | None = None) -> None:
+    def resumed(self, resume, world: int, attempt: int, failed_after: int | None = None, lost: dict | None = None) -> None:
         if self.metrics and self.rank == 0:
             self.curves = Curves(self.cfg.checkpoint.save_path, self.cfg.checkpoint.storage, job=self.job_id,
                                  attempt=attempt, purge_step=resume.global_step + 1)
@@ -213,7 +214,8 @@ class Progress:
         if attempt > 0:  # a restart: the previous group was lost (Ray Train's account is in its log files)
             reached = f"after step {failed_after}" if failed_after is not None else "before its first step"
             redo = f": {failed_after - resume.global_step} steps to redo" if failed_after is not None else ""
-            self._say(f"worker group lost {reached} (attempt {attempt - 1}); resuming from "
+            why = "".join(f"; rank {r}: {text}" for r, text in (lost or {}).items())
+            self._say(f"worker group lost {reached} (attempt {attempt - 1}{why}); resuming from "
                       f"{'iteration ' + str(resume.global_step) if resume.source else 'step 0'}{redo}")
         if resume.source is None:
             if not self.cfg.checkpoint.enable_save:

@@ -177,7 +177,8 @@ def test_the_console_of_a_run_that_loses_a_worker(tmp_path, reference):
     progress = [line for line in lines if re.search(r"\[tiny\] step \d+/12 \|", line)]
     [lost] = [line for line in lines if "worker group lost after step" in line]
     reached = int(re.search(r"after step (\d+)", lost).group(1))
-    assert f"(attempt 0); resuming from iteration 4: {reached - 4} steps to redo" in lost
+    assert "(attempt 0; rank 1: " in lost  # Ray Train's account of the failed rank, its first line
+    assert f"); resuming from iteration 4: {reached - 4} steps to redo" in lost
     for step in range(1, FINAL + 1):  # once, or twice when redone; the run's last lines may be cut off at exit
         count = sum(f"step {step}/12 |" in line for line in progress)
         assert count <= (2 if 4 < step <= reached else 1), (step, progress)
