@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint.state import load_optim_tensors, local_tensor, optim_tensors, unwrap
+from .checkpoint.state import dim0_sharded, load_optim_tensors, local_tensor, optim_tensors, unwrap
 
 MAIN_PARAM = "main_param"
 
@@ -55,6 +55,7 @@ class MainParamsOptimizer:
             self.main = [p for _, p in self.named]
         self.optimizer = torch.optim.AdamW(self.main, lr=lr, weight_decay=weight_decay)
         self.scaler = LossScaler() if any(p.dtype == torch.float16 for _, p in self.named) else None
+        self.grad_norm = float("nan")  # of the last step's (unscaled) gradients, for the curves
 
     @property
     def param_groups(self):
@@ -76,6 +77,7 @@ class MainParamsOptimizer:
         if self.mixed:
             for main, (_, p) in zip(self.main, self.named):
                 main.grad = None if p.grad is None else p.grad.float() / self.loss_scale
+        self.grad_norm = grad_norm(self.main)
         if self.scaler:
             finite = all(torch.isfinite(local_tensor(m.grad)).all() for m in self.main if m.grad is not None)
             finite_flag = torch.tensor([1.0 if finite else 0.0], device=self.main[0].device)
@@ -118,3 +120,18 @@ class MainParamsOptimizer:
                 for name, main in self.named_main():
                     local = local_tensor(main)  # this rank's shard under FSDP
                     local.copy_(tensors[f"{name}.{MAIN_PARAM}"].view(local.shape))
+
+
+def grad_norm(params) -> float:
+    """The global L2 norm of the parameters' gradients, in float64 beside the training math (it
+    changes nothing there). FSDP2 shards are summed over the group; replicated ones count once."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    squares = {True: 0.0, False: 0.0}
+    for g in grads:
+        squares[dim0_sharded(g)] += local_tensor(g).detach().double().pow(2).sum()
+    sharded = torch.as_tensor(squares[True], dtype=torch.float64, device=local_tensor(grads[0]).device)
+    if any(dim0_sharded(g) for g in grads) and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sharded)
+    return float((sharded + squares[False]).sqrt())

@@ -102,7 +102,8 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
             "data": samples.fingerprint,
             **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
         })
-        progress.step(step, loss, optimizer.param_groups[0]["lr"], batch["sample_id"], saved, checkpointer.last_stall_s if saved else None)
+        progress.step(step, loss, optimizer.param_groups[0]["lr"], optimizer.grad_norm, batch["sample_id"], saved,
+                      checkpointer.last_stall_s if saved else None)
         if rank == 0:
             tell(controller, "stepped", attempt, step)
         if stop:
@@ -235,13 +236,13 @@ class Progress:
         self._record({"event": "stop", "step": step}, flush=True)
         self._say(f"stop requested: saved step {step} and stopping")
 
-    def step(self, step: int, loss: float, lr: float, sample_ids, saved: bool, stall: float | None = None) -> None:
-        record = {"step": step, "loss": loss, "lr": lr, "saved": saved}
+    def step(self, step: int, loss: float, lr: float, grad_norm: float, sample_ids, saved: bool, stall: float | None = None) -> None:
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "saved": saved}
         if stall is not None:
             record["save_stall_s"] = round(stall, 6)  # how long this save blocked training
         self.last = dict(record)
         if self.curves:
-            self.curves.add(step, {k: v for k, v in record.items() if k in ("loss", "lr", "save_stall_s")})
+            self.curves.add(step, {k: v for k, v in record.items() if k in ("loss", "lr", "grad_norm", "save_stall_s")})
         if self.cfg.training.log_sample_ids:
             record["sample_ids"] = sample_ids.tolist()
         log_now = step % self.cfg.training.log_every == 0 or step == self.total

@@ -57,6 +57,22 @@ def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_pa
     assert losses == {s: runs[-1]["loss"] for s, runs in local_reference["steps"].items()}  # the reference's
     assert curves["attempt"] == {0: 0.0, 4: 1.0}  # the restart, where it resumed
     assert set(curves["save_stall_s"]) == {4, 8, FINAL} and set(curves["lr"]) == set(range(1, FINAL + 1))
+    assert sorted(curves["grad_norm"]) == list(range(1, FINAL + 1)) and all(v > 0 for v in curves["grad_norm"].values())
+
+
+def test_grad_norm_is_torchs_total_norm_and_changes_no_gradient():
+    import torch
+
+    from ray_resume.model import GPT
+    from ray_resume.optim import grad_norm
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2)
+    model(torch.randint(0, 32, (2, 8))).float().sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    assert abs(grad_norm(model.parameters()) - expected) < 1e-5 * expected
+    assert all(torch.equal(b, p.grad) for b, p in zip(before, model.parameters()))
 
 
 def test_only_rank_0_writes_the_curve_the_others_what_differs(tmp_path, local_reference):
