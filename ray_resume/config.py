@@ -131,6 +131,7 @@ class DataConfig(_Section):
     columns: dict[str, str] = field(default_factory=dict)  # parquet column -> numpy dtype for the batch ({} = input_ids: int32)
     collate: str = ""  # "pkg.module:fn" turning a dict of numpy arrays into the batch your loss takes
     allow_change: bool = False  # resume although data.seed/shuffle/columns or the dataset differ from the checkpoint's
+    eval_path: str = ""  # a held-out dataset (same columns) for the eval loss every training.eval_every steps
 
     def _check(self) -> list[str]:
         p = [] if self.path else ["data.path must be a non-empty string"]
@@ -159,6 +160,7 @@ class TrainingConfig(_Section):
     log_every: int = 10  # log metrics every N steps (>= 1)
     log_sample_ids: bool = False  # record every step's sample ids in the metrics (for audits and tests)
     loss: str = ""  # "pkg.module:fn" called as fn(model, batch) -> scalar tensor ("" = next-token loss)
+    eval_every: int = 0  # eval loss on data.eval_path every N steps and at the end (0 = off)
 
     def _check(self) -> list[str]:
         p: list[str] = []
@@ -169,6 +171,7 @@ class TrainingConfig(_Section):
             p.append(f"training.lr must be > 0, got {self.lr!r}")
         _one_of(p, "training.strategy", self.strategy, STRATEGIES)
         _at_least(p, "training.warmup_steps", self.warmup_steps, 0)
+        _at_least(p, "training.eval_every", self.eval_every, 0)
         _at_least(p, "training.weight_decay", self.weight_decay, 0)
         return p
 
@@ -324,6 +327,8 @@ class Config(_Section):
                      f"training.micro_batch_size for world sizes {bad} of elastic scaling.num_workers="
                      f"{s.num_workers} ({detail}); choose a global_batch_size that is a multiple of {lcm} "
                      f"(gradient accumulation makes up the rest)")
+        if t.eval_every and not self.data.eval_path:
+            p.append(f"training.eval_every={t.eval_every} needs data.eval_path (a held-out dataset); set it, or eval_every: 0")
         if self.fault is not None and self.fault.rank >= s.max_workers:
             p.append(f"fault.rank={self.fault.rank} must be < the largest world size "
                      f"scaling.num_workers ({s.max_workers})")

@@ -391,6 +391,25 @@ def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shu
     return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
 
 
+def check_eval_set(path: str, columns: Optional[Dict[str, str]], least: int) -> None:
+    """data.eval_path must be a dataset with the training columns and at least `least` samples
+    (every rank evaluates the same number of micro-batches)."""
+    units = scan_units(path, columns)
+    if dataset_size(units) < least:
+        raise DataError(f"data.eval_path {path!r} holds {dataset_size(units)} samples; evaluating needs at least "
+                        f"{least} (scaling.num_workers x training.micro_batch_size)")
+
+
+def read_eval_set(path: str, columns: Dict[str, str]) -> Dict[str, np.ndarray]:
+    """The held-out dataset whole, in file order (no shuffle): every evaluation sees the same samples."""
+    units = scan_units(path, columns)
+    items = {"file": np.array([u.file for u in units]), "row_group": np.array([u.row_group for u in units]),
+             "unit_index": np.arange(len(units)), "row_start": np.zeros(len(units), dtype=np.int64),
+             "num_rows": np.array([u.num_rows for u in units])}
+    block = _read_unit_batch(items, seed=0, epoch=0, shuffle=False, columns=columns)
+    return {name: block[name] for name in (SAMPLE_ID, *columns)}
+
+
 def quiet_ray_data() -> None:
     """No Ray Data banners, plans or progress bars on this process's console (they stay in Ray
     Data's log files): each epoch's stream on each rank printed a dozen lines, most of them blank

@@ -5,6 +5,7 @@ Reads the records every rank writes beside the checkpoint root
 
     {"job", "attempt", "rank", "event": "start", "step", "source", "world_size"}   each worker-group start
     {"job", "attempt", "rank", "step", "loss", "sample_ids", "saved"}               each step
+    {"job", "attempt", "rank", "event": "eval", "step", "eval_loss", "samples"}    each evaluation (rank 0)
 
 One line per (job, attempt), so the steps repeated after a resume show up
 as a second line over the first; dashed verticals where a checkpoint was
@@ -45,11 +46,14 @@ def summarize(records_by_rank: dict[int, list[dict]]) -> dict:
     runs: dict[tuple, dict[int, float]] = {}
     saves: set[int] = set()
     starts: list[dict] = []
+    evals: dict[int, float] = {}  # step -> eval loss (a redone evaluation gives the same value)
     for r in records_by_rank[rank]:
         key = (r.get("job"), r.get("attempt"))
         if r.get("event") == "start":
             runs.setdefault(key, {})
             starts.append(r)
+        elif r.get("event") == "eval":
+            evals[r["step"]] = r["eval_loss"]
         elif "loss" in r and "step" in r:
             runs.setdefault(key, {})[r["step"]] = r["loss"]
             if r.get("saved"):
@@ -58,7 +62,8 @@ def summarize(records_by_rank: dict[int, list[dict]]) -> dict:
                 "world_size": s.get("world_size")} for s in starts if s.get("source")]
     # A start with nothing to load after the first one: a restart from scratch.
     restarts = [{"job": s.get("job"), "attempt": s.get("attempt"), "step": s["step"]} for s in starts[1:] if not s.get("source")]
-    return {"rank": rank, "runs": runs, "saves": sorted(saves), "resumes": resumes, "restarts": restarts}
+    return {"rank": rank, "runs": runs, "saves": sorted(saves), "resumes": resumes, "restarts": restarts,
+            "evals": dict(sorted(evals.items()))}
 
 
 def _import_matplotlib():
@@ -91,6 +96,9 @@ def plot_run(root: str, output: str, *, storage_options=None, width: float = 11.
         # after a resume show whether they repeat the first run exactly.
         ax.plot(steps, [losses[s] for s in steps], marker="o", markersize=3, linewidth=2.2 - min(n, 3) * 0.5,
                 label=label, zorder=2 + n)
+    if info["evals"]:
+        ax.plot(list(info["evals"]), list(info["evals"].values()), color="black", marker="s", markersize=5,
+                linestyle="--", linewidth=1.2, label="eval loss (held-out)", zorder=20)
     for i, step in enumerate(info["saves"]):
         ax.axvline(step, color="0.55", linestyle="--", linewidth=0.9, zorder=1, label="checkpoint saved" if i == 0 else None)
     top = ax.get_ylim()[1]
@@ -110,4 +118,5 @@ def plot_run(root: str, output: str, *, storage_options=None, width: float = 11.
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(output, format="png")
-    return {"output": output, "runs": len(runs), "saves": info["saves"], "resumes": info["resumes"], "restarts": info["restarts"]}
+    return {"output": output, "runs": len(runs), "saves": info["saves"], "resumes": info["resumes"], "restarts": info["restarts"],
+            "evals": info["evals"]}

@@ -36,7 +36,8 @@ from .config import Config, ConfigError, load_config, redacted
 from .controller import CommitError, JobControllerActor
 from .metrics import read_metrics
 from .summary import summarize
-from .data import DEFAULT_COLUMNS, DataError, data_fingerprint, ensure_dataset, fingerprint_changes, scan_units
+from .data import (DEFAULT_COLUMNS, DataError, check_eval_set, data_fingerprint, ensure_dataset, fingerprint_changes,
+                   scan_units)
 from . import parallel
 from .plugins import make_model, resolve
 from .train_loop import train_func
@@ -218,13 +219,15 @@ def absolute_paths(cfg: Config) -> Config:
         return os.path.abspath(path) if path and "://" not in path else path
 
     ckpt = replace(cfg.checkpoint, save_path=fix(cfg.checkpoint.save_path), load_path=fix(cfg.checkpoint.load_path))
-    return replace(cfg, data=replace(cfg.data, path=fix(cfg.data.path)), checkpoint=ckpt)
+    return replace(cfg, data=replace(cfg.data, path=fix(cfg.data.path), eval_path=fix(cfg.data.eval_path)), checkpoint=ckpt)
 
 
 def preflight(cfg: Config) -> tuple[str, int | None] | None:
     """Check data and checkpoints on the driver; return what to load: (root, step), (export_dir, None) or None."""
     ensure_dataset(cfg.data.path, cfg.data.synthetic, cfg.model.seq_len, cfg.model.vocab_size)
     units = scan_units(cfg.data.path, cfg.data.columns or None)
+    if cfg.training.eval_every:
+        check_eval_set(cfg.data.eval_path, cfg.data.columns or None, cfg.scaling.max_workers * cfg.training.micro_batch_size)
     ckpt = cfg.checkpoint
     if not ckpt.enable_save:
         logger.warning("[%s] checkpoints are off (checkpoint.enable_save: false): nothing will be saved", cfg.name)

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from . import parallel
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.loader import collective_device
-from .checkpoint.state import seed_everything
+from .checkpoint.state import seed_everything, unwrap
 from .config import Config
 from .controller import call, tell
-from .data import SampleStream, quiet_ray_data
+from .data import DEFAULT_COLUMNS, SAMPLE_ID, SampleStream, quiet_ray_data, read_eval_set
 from .faults import FaultInjector
 from .metrics import Curves, MetricsWriter
 from .optim import MainParamsOptimizer
@@ -66,6 +66,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
 
     seed_everything(train.seed)  # identical initial weights on every rank
     model = parallel.wrap(make_model(plugins, cfg).to(device), train.strategy, cfg.model.fsdp_units, device, world)
+    model.train()  # a builder may hand over a model in eval mode (from_pretrained does): dropout would be off
     optimizer = MainParamsOptimizer(model, lr=train.lr, weight_decay=train.weight_decay)
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
 
@@ -79,6 +80,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     progress = Progress(cfg, rank, attempt, job_id, controller)
     progress.resumed(resume, world, attempt, **ended)
 
+    evaluate = Evaluator(cfg, plugins, rank, world, device) if train.eval_every else None
     batches = iter(samples)
     accumulation = train.accumulation_steps(world)
     noticed = False  # a preemption notice was seen and saved for
@@ -104,6 +106,8 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
         })
         progress.step(step, loss, optimizer.param_groups[0]["lr"], optimizer.grad_norm, batch["sample_id"], saved,
                       checkpointer.last_stall_s if saved else None)
+        if evaluate and (step % train.eval_every == 0 or step == train.train_steps):
+            progress.evaluated(step, *evaluate(model))
         if rank == 0:
             tell(controller, "stepped", attempt, step)
         if stop:
@@ -173,6 +177,41 @@ def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, d
     return attempt, None if step < 0 else step, ended
 
 
+class Evaluator:
+    """The mean loss over the held-out `data.eval_path`, every rank a contiguous equal share of it.
+
+    In eval mode, without gradients, on the unwrapped module (no DDP collectives; FSDP2 gathers,
+    which is why every rank runs the same number of micro-batches), and inside `fork_rng`: the
+    training RNG streams continue as if no evaluation had run, so exact resume still holds.
+    """
+
+    def __init__(self, cfg, plugins, rank: int, world: int, device):
+        self.plugins, self.device, self.micro = plugins, device, cfg.training.micro_batch_size
+        columns = dict(cfg.data.columns or DEFAULT_COLUMNS)
+        data = read_eval_set(cfg.data.eval_path, columns)
+        share = len(data[SAMPLE_ID]) // world // self.micro * self.micro
+        self.columns = {name: data[name][rank * share : (rank + 1) * share] for name in columns}
+        self.samples = share * world
+
+    def __call__(self, model) -> tuple[float, int]:
+        """(mean loss, samples evaluated), the same on every rank."""
+        module = unwrap(model)
+        devices = [self.device] if self.device.type == "cuda" else []
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            module.eval()
+            try:
+                for lo in range(0, len(next(iter(self.columns.values()))), self.micro):
+                    micro = self.plugins.collate({k: v[lo : lo + self.micro] for k, v in self.columns.items()})
+                    micro = {k: t.to(self.device, non_blocking=True) for k, t in micro.items()}
+                    total += torch.stack([self.plugins.loss(module, micro).double() * self.micro,
+                                          torch.tensor(self.micro, dtype=torch.float64, device=self.device)])
+            finally:
+                module.train()
+        dist.all_reduce(total)
+        return float(total[0] / total[1]), self.samples
+
+
 class Progress:
     """Progress lines on rank 0, and every rank's per-step metrics beside the checkpoint root."""
 
@@ -230,6 +269,13 @@ class Progress:
         )
         if resume.global_step >= self.total:
             self._say(f"training already reached train_steps={self.total}: nothing left to do")
+
+    def evaluated(self, step: int, loss: float, samples: int) -> None:
+        if self.curves:
+            self.curves.add(step, {"eval_loss": loss})
+        if self.rank == 0:
+            self._record({"event": "eval", "step": step, "eval_loss": loss, "samples": samples}, flush=True)
+        self._say(f"eval at step {step}: loss {loss:.4f} over {samples} held-out samples")
 
     def stopped(self, step: int) -> None:
         self.last["stopped"] = True

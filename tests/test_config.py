@@ -111,6 +111,12 @@ def test_wrong_type_names_full_key():
 
 
 
+def test_evaluation_needs_a_held_out_dataset():
+    assert problems(cfg(training={"eval_every": 50})) == [
+        "x.yaml: training.eval_every=50 needs data.eval_path (a held-out dataset); set it, or eval_every: 0"]
+    assert problems(cfg(training={"eval_every": -1})) == ["x.yaml: training.eval_every must be >= 0, got -1"]
+
+
 def test_a_wrong_credential_is_named_but_never_shown():
     assert problems(cfg(checkpoint={"save_path": "/x", "storage": {"secret_access_key": 1234567, "session_token": ["tok-123"]}})) == [
         "x.yaml: checkpoint.storage.secret_access_key must be a string, got int <redacted>",

@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 
 import harness
-from conftest import FINAL, per_step, read_metrics, tiny_config
+from conftest import FINAL, per_step, read_metrics, shard_bytes, tiny_config
 from ray_resume.summary import summarize
 
 
@@ -90,3 +90,34 @@ def test_only_rank_0_writes_the_curve_the_others_what_differs(tmp_path, local_re
     assert [r["step"] for r in rank1 if r.get("saved")] == [4, 8, FINAL] and not any("loss" in r for r in rank1)
     steps = [r["step"] for r in read_metrics(root) if r["rank"] == 0 and "loss" in r]
     assert steps == list(range(1, FINAL + 1))
+
+
+def test_evaluation_is_reported_and_changes_nothing_in_training(tmp_path, local_reference):
+    """Eval loss on a held-out set every 4 steps, in a job killed at step 6: the training bytes are
+    the reference run's (which never evaluated), the eval losses those of a clean run with evaluation,
+    and they are in the metrics, the curves and the plot's data."""
+    from ray_resume.plot import read_records, summarize as plotted
+
+    def config(where, **sections):
+        cfg = tiny_config(where, training={"eval_every": 4}, **sections)
+        cfg["data"].update(path=local_reference["data"], eval_path=local_reference["data"])
+        return cfg
+
+    killed = config(tmp_path / "killed", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    assert harness.run_job(killed).attempts == 2
+    clean = config(tmp_path / "clean")
+    assert harness.run_job(clean).error is None
+    root = killed["checkpoint"]["save_path"]
+    for step in (4, 8, FINAL):
+        assert shard_bytes(root, step) == shard_bytes(local_reference["root"], step), step
+
+    def evals(cfg):
+        return {r["step"]: (r["eval_loss"], r["samples"]) for r in read_metrics(cfg["checkpoint"]["save_path"])
+                if r.get("event") == "eval"}
+
+    assert sorted(evals(killed)) == [4, 8, FINAL] and evals(killed) == evals(clean)
+    assert {s for s, (_, n) in evals(killed).items() if n == 160} == {4, 8, FINAL}  # all 160 held-out samples
+    assert plotted(read_records(root))["evals"] == {s: loss for s, (loss, _) in evals(killed).items()}
+    [job] = {r["job"] for r in read_metrics(root)}
+    curve = tensorboard_scalars(Path(f"{root}-metrics") / "tensorboard" / job)["eval_loss"]
+    assert {s: round(v, 4) for s, v in curve.items()} == {s: round(loss, 4) for s, (loss, _) in evals(killed).items()}
