@@ -34,21 +34,33 @@ import ray
 
 from .checkpoint import paths
 from .checkpoint.commit import commit_iteration
-from .checkpoint.lease import Lease
+from .checkpoint.lease import Lease, LeaseLost
 from .checkpoint.storage import storage_for
 from .config import redacted
 
 logger = logging.getLogger(__name__)
 
 
+SAVE_AND_STOP, STOP_NOW = 1, 2  # should_stop's answers, ordered: the ranks agree on the largest
+
+
 class CommitError(RuntimeError):
     """A commit failed: the run ends with this error, and its tracker stays on the last good commit."""
+
+
+# The calls that change the job's state run one at a time in a concurrency group of their own
+# on the actor: queued there behind a slow commit, they hold none of the threads that answer
+# the per-step calls (should_stop, last_committed, stepped), however many ranks report.
+SERIAL = frozenset({"report", "start_attempt", "claim_fault"})
 
 
 def call(controller, method: str, *args):
     """Call `method` of the job's controller: remotely on the Ray actor, directly on anything else."""
     if isinstance(controller, ray.actor.ActorHandle):
-        return ray.get(getattr(controller, method).remote(*args))
+        remote = getattr(controller, method)
+        if method in SERIAL:
+            remote = remote.options(concurrency_group="state")
+        return ray.get(remote.remote(*args))
     return getattr(controller, method)(*args)
 
 
@@ -80,6 +92,7 @@ class JobController:
         self.final_metrics: dict = {}
         self.stop_requested = False
         self.commit_error: str | None = None  # the first failed commit, for the driver's result
+        self.lease_lost = False  # a commit found another job holding the writer lease
         self.lock = threading.RLock()  # attempts, manifests and commits, one at a time (a commit claims its fault)
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")  # in commit order
         self.lease = None
@@ -127,9 +140,14 @@ class JobController:
         """Preemption: the ranks save at the next step boundary and end the run cleanly."""
         self.stop_requested = True
 
-    def should_stop(self) -> bool:
-        """Stop at the next step boundary: a stop was requested, or a commit failed (never silently)."""
-        return self.stop_requested or self.commit_error is not None
+    def should_stop(self) -> int:
+        """What the ranks do at the next step boundary: 0 go on; SAVE_AND_STOP (a stop was
+        requested, or a commit failed: never silently, and one more save may commit where it
+        failed); STOP_NOW (this job lost the writer lease: a save would write into a root
+        another job now owns)."""
+        if self.lease_lost:
+            return STOP_NOW
+        return SAVE_AND_STOP if self.stop_requested or self.commit_error is not None else 0
 
     def release(self) -> None:
         """The job is over: finish retention's deletions (the driver gives the lease back after this)."""
@@ -180,6 +198,7 @@ class JobController:
         except Exception as exc:  # never raised into Ray: the ranks stop, and the driver fails the run with it
             logger.exception("commit of iteration %d failed; the tracker stays on the previous iteration", iteration)
             self.commit_error = self.commit_error or f"the commit of iteration {iteration} failed: {exc}"
+            self.lease_lost = self.lease_lost or isinstance(exc, LeaseLost)
             return False
 
     def _commit(self, iteration: int, manifests: list[dict], common: dict) -> None:
@@ -239,5 +258,5 @@ class JobController:
         os._exit(1)
 
 
-# Threaded: the per-step calls of every rank are answered while a commit runs.
-JobControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16)(JobController)
+# Threaded: the per-step calls of every rank are answered while a commit runs (see SERIAL).
+JobControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16, concurrency_groups={"state": 1})(JobController)

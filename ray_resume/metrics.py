@@ -22,7 +22,8 @@ import os
 import tempfile
 import time
 
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto import event_pb2, summary_pb2
 
 from .checkpoint import paths
 from .checkpoint.storage import storage_for
@@ -75,10 +76,12 @@ def read_metrics(save_path: str, storage_options=None) -> list[dict]:
 class Curves:
     """Rank 0's curves as TensorBoard event files, one file per attempt of a job.
 
-    A restarted attempt starts at `purge_step`: TensorBoard drops what earlier
-    files hold from that step on, so the redone steps are drawn once. On object
-    storage the events are written to a local file that is uploaded whole at
-    each flush (an object cannot be appended to).
+    Written synchronously (tensorboardX's EventsWriter, not its SummaryWriter, whose
+    queue a flush does not drain: events of a rank killed right after were lost). A
+    restarted attempt's file starts with a session start at `purge_step`: TensorBoard
+    drops what earlier files hold from that step on, so the redone steps are drawn once.
+    On object storage the events go to a local file that is uploaded at each flush and
+    then started afresh, so each upload carries only the new events.
     """
 
     def __init__(self, save_path: str, storage_options, *, job: str, attempt: int, purge_step: int):
@@ -86,16 +89,26 @@ class Curves:
         self.storage = storage_for(self.dir, storage_options)
         self.remote = "://" in self.dir and not self.dir.startswith("file://")
         self.local = tempfile.mkdtemp(prefix="ray_resume-tb-") if self.remote else self.dir.removeprefix("file://")
-        self.writer = SummaryWriter(logdir=self.local, purge_step=purge_step or None, filename_suffix=f".attempt{attempt}",
-                                    flush_secs=3600, max_queue=1 << 20)
+        os.makedirs(self.local, exist_ok=True)
+        self.attempt, self.part = attempt, 0
+        self._open()
+        self.writer.write_event(event_pb2.Event(wall_time=time.time(), step=purge_step,
+                                                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+
+    def _open(self) -> None:
+        self.writer = EventsWriter(os.path.join(self.local, "events"), f".attempt{self.attempt}.{self.part:05d}")
 
     def add(self, step: int, values: dict[str, float]) -> None:
-        for name, value in values.items():
-            self.writer.add_scalar(name, value, step)
+        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        self.writer.write_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 
     def flush(self) -> None:
         self.writer.flush()
         if self.remote:
+            self.writer.close()
             for name in os.listdir(self.local):
                 with open(os.path.join(self.local, name), "rb") as f:
                     self.storage.write_atomic(paths.join(self.dir, name), f.read())
+                os.remove(os.path.join(self.local, name))
+            self.part += 1
+            self._open()

@@ -130,7 +130,8 @@ def grad_norm(params) -> float:
         return 0.0
     squares = {True: 0.0, False: 0.0}
     for g in grads:
-        squares[dim0_sharded(g)] += local_tensor(g).detach().double().pow(2).sum()
+        # One float32 reduction per tensor, no full-size copy at the step's memory peak.
+        squares[dim0_sharded(g)] += torch.linalg.vector_norm(local_tensor(g).detach(), dtype=torch.float32).double() ** 2
     sharded = torch.as_tensor(squares[True], dtype=torch.float64, device=local_tensor(grads[0]).device)
     if any(dim0_sharded(g) for g in grads) and torch.distributed.is_initialized():
         torch.distributed.all_reduce(sharded)

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from . import parallel
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.loader import collective_device
-from .checkpoint.state import seed_everything, unwrap
+from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
 from .config import Config
-from .controller import call, tell
+from .controller import STOP_NOW, call, tell
 from .data import DEFAULT_COLUMNS, SAMPLE_ID, SampleStream, quiet_ray_data, read_eval_set
 from .faults import FaultInjector
 from .metrics import Curves, MetricsWriter
@@ -91,11 +91,13 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
         loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world, device)
         faults.maybe_kill("after_optimizer_step", step)
         consumed = samples.position
-        stop, notice = False, False
+        stop, notice = 0, False
         if step < train.train_steps:
             stop, notice = _agree_on_stop_or_notice(controller, rank, preempted if step % train.log_every == 0 and not noticed else None)
             noticed = noticed or notice
-        saved = checkpointer.maybe_save(step, model, optimizer, force=stop or notice, common={
+        if stop == STOP_NOW:  # the writer lease is lost: no more saves; the driver ends the run with it
+            break
+        saved = checkpointer.maybe_save(step, model, optimizer, force=bool(stop) or notice, common={
             "global_step": step,
             "global_batch_size": train.global_batch_size,
             "consumed_samples": consumed,
@@ -146,20 +148,20 @@ def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumul
     return total.item() / world
 
 
-def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[bool, bool]:
-    """(stop after this step, save now and go on), the same on every rank.
+def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[int, bool]:
+    """(the controller's `should_stop` answer, save now and go on), the same on every rank.
 
-    Stop: the driver got SIGTERM. Save and go on: `preempted()` (Ray Train's
+    SAVE_AND_STOP: the driver got SIGTERM, or a commit failed. STOP_NOW: the lease is lost. Save and go on: `preempted()` (Ray Train's
     notice that a node will be preempted; asked every log_every steps, ~7 ms)
     is true on some rank. As Ray Train documents, the run keeps training on
     the node's remaining time: the commit bounds what its loss costs, and
     the group restarts from it when the node is gone.
     """
-    stop = rank == 0 and call(controller, "should_stop")
+    stop = call(controller, "should_stop") if rank == 0 else 0
     notice = preempted is not None and preempted()
     flags = torch.tensor([int(stop), int(notice)], device=collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0].item()), bool(flags[1].item())
+    return int(flags[0].item()), bool(flags[1].item())
 
 
 def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, dict]:
@@ -181,8 +183,9 @@ class Evaluator:
     """The mean loss over the held-out `data.eval_path`, every rank a contiguous equal share of it.
 
     In eval mode, without gradients, on the unwrapped module (no DDP collectives; FSDP2 gathers,
-    which is why every rank runs the same number of micro-batches), and inside `fork_rng`: the
-    training RNG streams continue as if no evaluation had run, so exact resume still holds.
+    which is why every rank runs the same number of micro-batches), and with every RNG (torch,
+    CUDA, numpy, python: a collate or loss may draw from any) put back afterwards: the training
+    streams continue as if no evaluation had run, so exact resume still holds.
     """
 
     def __init__(self, cfg, plugins, rank: int, world: int, device):
@@ -196,18 +199,19 @@ class Evaluator:
     def __call__(self, model) -> tuple[float, int]:
         """(mean loss, samples evaluated), the same on every rank."""
         module = unwrap(model)
-        devices = [self.device] if self.device.type == "cuda" else []
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            module.eval()
-            try:
+        rng = capture_rng()
+        module.eval()
+        try:
+            with torch.no_grad():
                 for lo in range(0, len(next(iter(self.columns.values()))), self.micro):
                     micro = self.plugins.collate({k: v[lo : lo + self.micro] for k, v in self.columns.items()})
                     micro = {k: t.to(self.device, non_blocking=True) for k, t in micro.items()}
                     total += torch.stack([self.plugins.loss(module, micro).double() * self.micro,
                                           torch.tensor(self.micro, dtype=torch.float64, device=self.device)])
-            finally:
-                module.train()
+        finally:
+            module.train()
+            restore_rng(rng)
         dist.all_reduce(total)
         return float(total[0] / total[1]), self.samples
 

@@ -141,6 +141,8 @@ def test_a_job_that_lost_its_lease_commits_nothing_more(tmp_path, local_referenc
     assert tracker(root) == "4" and outcome.committed == 4
     assert not (root / "iteration_00000008" / paths.COMMON).exists()
     assert not (root / f"iteration_{FINAL:08d}").exists()  # the ranks stopped
+    saved = {r["step"] for r in read_metrics(str(root)) if r.get("saved")}
+    assert max(saved) == 8  # and saved nothing more into a root another job holds
 
 
 def marked_slow_loss(marks: str, step_sleep: float, model, batch):

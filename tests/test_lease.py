@@ -33,8 +33,10 @@ def test_a_live_lease_refuses_a_second_writer_naming_the_holder(tmp_path):
     assert f"checkpoint.save_path {str(tmp_path)!r} is being written by job job-a" in str(err.value)
     first.acquire()  # the same job (a restarted worker group) keeps it
     first.release()
-    assert generations(tmp_path) == {}
-    Lease(LocalStorage(), str(tmp_path), "job-b", ttl_s=60).acquire()
+    assert [(r["job_id"], r["expires_at"], r["released"]) for r in generations(tmp_path).values()] == [("job-a", 0, True)]
+    second = Lease(LocalStorage(), str(tmp_path), "job-b", ttl_s=60)
+    second.acquire()
+    assert second.generation == 2 and list(generations(tmp_path)) == ["00000002.json"]  # numbers never restart
 
 
 @pytest.mark.parametrize("record", [
@@ -118,6 +120,25 @@ def test_a_commit_is_fenced_by_the_lease(tmp_path):
         stalled.renew()  # and its renewals stop: the newer generation is another job's
 
 
+def test_a_stalled_job_whose_lease_was_taken_and_released_stays_out(tmp_path):
+    """A stalls past its ttl; B takes over, finishes and releases. A's renewal must not bring its old
+    generation back to life, and its fence must keep failing."""
+    from ray_resume.checkpoint.lease import LeaseLost
+
+    stalled = Lease(LocalStorage(), str(tmp_path), "job-a", ttl_s=60)
+    stalled.acquire()
+    path = tmp_path / LEASE_DIR / "00000001.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "expires_at": 0}))  # its lease ran out
+    taker = Lease(LocalStorage(), str(tmp_path), "job-b", ttl_s=60)
+    taker.acquire()
+    taker.release()
+    with pytest.raises(LeaseLost):
+        stalled.renew()
+    with pytest.raises(LeaseLost):
+        stalled.check()
+    assert [r["job_id"] for r in generations(tmp_path).values()] == ["job-b"]
+
+
 def test_a_lease_about_to_run_out_fences_too(tmp_path):
     """Renewals failing: with less than ttl/3 left, committing could race a takeover."""
     from ray_resume.checkpoint.lease import LeaseLost
@@ -162,4 +183,4 @@ def test_two_real_jobs_on_one_save_path(tmp_path, reference):
     finally:
         first.join()
     assert "error" not in outcome, outcome.get("error")
-    assert generations(tmp_path / "ckpt") == {}  # released when the first job finished
+    assert [r["released"] for r in generations(tmp_path / "ckpt").values()] == [True]  # released when the first job finished

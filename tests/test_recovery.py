@@ -186,19 +186,22 @@ def test_bad_load_path_is_refused_by_key(tmp_path, make, message):
     assert "checkpoint.load_path" in str(err.value) and message in str(err.value)
 
 
-def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_reference):
-    """The whole job (on the in-process harness): the driver sets 12 aside, the ranks load 8 and
-    redo 9-12 to the very bytes of the reference run."""
+@pytest.mark.parametrize("fault", [None, {"phase": "after_optimizer_step", "step": 10, "rank": 1}], ids=["clean", "killed-before-a-commit"])
+def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_reference, fault):
+    """The whole job (on the in-process harness): the driver names 12, the ranks find its damage,
+    set it aside, load 8 and redo 9-12 to the very bytes of the reference run. Killed at step 10,
+    before it commits anything, the restarted group (which the driver's choice still sends to 12)
+    falls back to 8 the same way."""
     root = tmp_path / "ckpt"
     shutil.copytree(local_reference["root"], root)
     flip_byte(root / "iteration_00000012" / "ckpt-model-0000001-0000002.safetensors")
     (root / paths.TRACKER).write_text("12\n")
-    cfg = tiny_config(tmp_path, training={"train_steps": FINAL}, checkpoint={"load_path": str(root)})
+    cfg = tiny_config(tmp_path, training={"train_steps": FINAL}, checkpoint={"load_path": str(root)}, fault=fault)
     cfg["data"]["path"] = local_reference["data"]
-    run_on_harness(cfg)
-    assert any(p.name.startswith("iteration_00000012.damaged-") for p in root.iterdir())
-    [start] = [r for r in read_metrics(str(root)) if r.get("event") == "start" and r["rank"] == 0]
-    assert start["source"].endswith("iteration_00000008")
+    assert run_on_harness(cfg).attempts == (2 if fault else 1)
+    assert len([p for p in root.iterdir() if p.name.startswith("iteration_00000012.damaged-")]) == 1
+    starts = [r for r in read_metrics(str(root)) if r.get("event") == "start" and r["rank"] == 0]
+    assert [r["source"].rsplit("/", 1)[1] for r in starts] == ["iteration_00000008"] * (2 if fault else 1)
     assert shard_bytes(root, FINAL) == shard_bytes(local_reference["root"], FINAL)  # redone from 8, the same bytes
 
 

@@ -77,7 +77,14 @@ class Checkpointer:
             load_weights(model, read_export(storage, root), root, self.rank, self.world_size)
             optimizer.reload_main_params_from_model()
             return ResumePoint(source=root)
-        it = open_shared(storage, root, step, self.rank, self.world_size)
+        try:
+            it = open_shared(storage, root, step, self.rank, self.world_size)
+        except CheckpointError as exc:
+            if not storage.is_dir(paths.iteration_dir(root, step)):
+                # Set aside by an earlier attempt of this job, whose ranks found it damaged: the
+                # restart falls back the same way, where the driver and controller still name it.
+                raise DamagedShards(str(exc)) from exc
+            raise
         kinds = (paths.MODEL_KIND, paths.OPTIM_KIND) if full and it.common["has_optimizer"] else (paths.MODEL_KIND,)
         loader = StateLoader(storage, it, self.rank, self.world_size, self.ckpt.load_balanced, kinds)
         where = paths.join(it.path, paths.METADATA)

@@ -85,6 +85,8 @@ def fall_back(storage, root: str, damaged: int | None, failure: str, *, fallback
 
 def set_aside(storage, root: str, step: int) -> None:
     src = paths.iteration_dir(root, step)
+    if not storage.is_dir(src):
+        return  # already set aside (by an earlier attempt)
     dst = f"{src}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
     try:
         storage.rename(src, dst)

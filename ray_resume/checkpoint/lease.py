@@ -68,6 +68,7 @@ class Lease:
         self.record = {"job_id": job_id, "host": socket.gethostname(), "pid": os.getpid()}
         self.generation: int | None = None
         self._stop = threading.Event()
+        self._renewing: threading.Thread | None = None
 
     def _path(self, generation: int) -> str:
         return paths.join(self.dir, f"{generation:08d}.json")
@@ -93,7 +94,7 @@ class Lease:
         self.storage.makedirs(self.dir)
         newest = self._newest()
         generation, held = newest if newest else (0, {})
-        if newest and held.get("job_id") == self.job_id:
+        if newest and held.get("job_id") == self.job_id and not held.get("released"):
             self.generation = generation  # the same job again: it holds it already
             return
         if newest and held.get("expires_at", 0) > time.time() and not _dead_here(held):
@@ -103,7 +104,7 @@ class Lease:
                 f"{time.strftime('%H:%M:%S', time.localtime(held['expires_at']))} and is renewed while that job lives. "
                 "Stop that job or use another save_path; a dead job's lease expires by itself."
             )
-        if newest:
+        if newest and not held.get("released"):
             logger.warning("taking over the expired lease of job %s on %s", held.get("job_id"), self.root)
         self.generation = generation + 1
         if not self._create(self._path(self.generation), self._data()):
@@ -142,10 +143,10 @@ class Lease:
                             "committing now could race a job that takes it over")
 
     def renew(self) -> None:
-        """Extend this job's generation, unless a newer one exists (then it is lost: leave it)."""
+        """Extend this job's generation while it is the newest; otherwise the lease is lost (leave it)."""
         newest = self._generations()
-        if newest and newest[-1] != self.generation:
-            raise LeaseLost(f"generation {newest[-1]} of the writer lease of {self.root} is another job's")
+        if not newest or newest[-1] != self.generation:
+            raise LeaseLost(f"the writer lease of {self.root} is no longer this job's generation {self.generation}")
         self.storage.write_atomic(self._path(self.generation), self._data())
 
     def keep_renewed(self) -> None:
@@ -161,9 +162,16 @@ class Lease:
                 except OSError:
                     logger.exception("could not renew the writer lease of %s", self.root)
 
-        threading.Thread(target=loop, daemon=True, name="lease-renewal").start()
+        self._renewing = threading.Thread(target=loop, daemon=True, name="lease-renewal")
+        self._renewing.start()
 
     def release(self) -> None:
+        """Stop renewing and mark this generation released (expired at once). It is not deleted:
+        generation numbers never restart, so a stalled job holding an older one can never pass for
+        the holder again."""
         self._stop.set()
+        if self._renewing:
+            self._renewing.join()  # a renewal mid-write would otherwise extend the lease again
         if self.generation is not None and self._read_owner(self._path(self.generation)) == self.job_id:
-            self.storage.remove(self._path(self.generation))
+            record = {**self.record, "generation": self.generation, "expires_at": 0, "released": True}
+            self.storage.write_atomic(self._path(self.generation), json.dumps(record).encode())

@@ -276,6 +276,8 @@ class Retrying:
         self.backend = backend
 
     def __getattr__(self, name: str):
+        if name == "backend" or name.startswith("__"):  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         attr = getattr(self.backend, name)
         if name not in self.IDEMPOTENT:
             return attr
