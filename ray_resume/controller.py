@@ -82,8 +82,7 @@ class JobController:
         self.fault = config.get("fault")
         self.storage = storage_for(save_path, config["checkpoint"]["storage"]) if save_path else None
         self.attempt = -1
-        self.last_step: int | None = None  # the newest step rank 0 finished in the current attempt
-        self.reached: list[dict] = []  # per attempt: its last finished step and when (for the summary)
+        self.reached: list[dict] = []  # per attempt: the last step rank 0 finished, and when
         self.lost: dict[int, str] = {}  # rank -> why, for the current attempt's failure (Ray Train tells us)
         self.pending: dict[int, dict[int, dict]] = {}  # iteration -> rank -> manifest
         self.pending_common: dict[int, dict] = {}  # iteration -> rank 0's common
@@ -114,7 +113,7 @@ class JobController:
         self.attempt += 1
         self.pending.clear()
         self.pending_common.clear()
-        failed_after, self.last_step = self.last_step, None
+        failed_after = self.reached[-1]["step"] if self.reached else None
         lost, self.lost = self.lost, {}
         self.reached.append({"attempt": self.attempt, "step": None, "time": None})
         return {"attempt": self.attempt, "resume_step": self.last_committed(), "failed_after": failed_after,
@@ -127,7 +126,6 @@ class JobController:
     def stepped(self, attempt: int, step: int) -> None:
         """Rank 0 finished `step` of `attempt`: what a restart says the lost attempt had reached."""
         if attempt == self.attempt:
-            self.last_step = step
             self.reached[-1].update(step=step, time=time.time())
 
     def claim_fault(self) -> bool:

@@ -240,23 +240,26 @@ def preflight(cfg: Config) -> tuple[str, int | None] | None:
                 f"checkpoint.save_path {ckpt.save_path!r} already holds committed iteration {existing} of an earlier run; "
                 "set checkpoint.load_path to the same directory to resume it, or choose an empty save_path"
             )
-    if ckpt.enable_save and load and load[1] is not None and load[0] == ckpt.save_path:
+    if not load or load[1] is None:
+        return load
+    it = open_iteration(storage_for(load[0], ckpt.storage), *load)  # once, for the refusals below
+    if ckpt.enable_save and load[0] == ckpt.save_path:
         if ckpt.no_load_optim:
             raise CheckpointError(
                 f"checkpoint.save_path {ckpt.save_path!r} holds committed iteration {load[1]}, and no_load_optim: true "
                 "starts over at step 0, so this run's saves would overwrite it; set checkpoint.save_path to a new "
                 "directory (checkpoint.load_path stays where it is)"
             )
-        refuse_step_rewind(cfg, *load)
-    if load and load[1] is not None and not ckpt.no_load_optim:
-        refuse_data_change(cfg, *load, units)
+        refuse_step_rewind(cfg, it)
+    if not ckpt.no_load_optim:
+        refuse_data_change(cfg, it, units)
     return load
 
 
-def refuse_data_change(cfg: Config, root: str, step: int, units) -> None:
+def refuse_data_change(cfg: Config, it, units) -> None:
     """A full resume continues the saved data cursor; with another seed, shuffle, columns or dataset
     it would continue another order, silently. Refused unless `data.allow_change` says it is meant."""
-    it = open_iteration(storage_for(root, cfg.checkpoint.storage), root, step)
+    step = it.step
     saved = it.common.get("data")
     if saved is None:  # written before the fingerprint was kept
         return
@@ -276,12 +279,12 @@ def refuse_data_change(cfg: Config, root: str, step: int, units) -> None:
     )
 
 
-def refuse_step_rewind(cfg: Config, root: str, step: int) -> None:
+def refuse_step_rewind(cfg: Config, it) -> None:
     """A smaller resume step (a larger global_batch_size, spec 1.4) would save into the
     iteration directories of the run it resumes, committed ones included, while the
     tracker still names them: a crash then could leave the tracker on a half-rewritten
     iteration. Such a resume must write to a new save_path."""
-    it = open_iteration(storage_for(root, cfg.checkpoint.storage), root, step)
+    root, step = it.root, it.step
     resume_step = it.common["consumed_samples"] // cfg.training.global_batch_size
     if resume_step < step:
         raise CheckpointError(

@@ -151,9 +151,10 @@ def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumul
 def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[int, bool]:
     """(the controller's `should_stop` answer, save now and go on), the same on every rank.
 
-    SAVE_AND_STOP: the driver got SIGTERM, or a commit failed. STOP_NOW: the lease is lost. Save and go on: `preempted()` (Ray Train's
-    notice that a node will be preempted; asked every log_every steps, ~7 ms)
-    is true on some rank. As Ray Train documents, the run keeps training on
+    SAVE_AND_STOP: the driver got SIGTERM, or a commit failed. STOP_NOW: the
+    lease is lost. Save and go on: `preempted()` (Ray Train's notice that a
+    node will be preempted; asked every log_every steps, ~7 ms) is true on
+    some rank. As Ray Train documents, the run keeps training on
     the node's remaining time: the commit bounds what its loss costs, and
     the group restarts from it when the node is gone.
     """
@@ -228,8 +229,8 @@ class Progress:
         self.window_steps = 0
         self.metrics = None
         self.curves = None  # rank 0's TensorBoard events
-        self.attempt, self.job_id = attempt, job_id
-        self.curve = rank == 0 or cfg.training.log_sample_ids  # records every step (see ray_resume.metrics)
+        self.job_id = job_id
+        self.every_step = rank == 0 or cfg.training.log_sample_ids  # records every step (see ray_resume.metrics)
         self.last: dict = {}
         if cfg.checkpoint.enable_save:
             self.metrics = MetricsWriter(cfg.checkpoint.save_path, cfg.checkpoint.storage, job=job_id, attempt=attempt, rank=rank)
@@ -299,7 +300,7 @@ class Progress:
         self.window_steps += 1
         if self.rank == 0 and log_now:
             self._progress_line(step, loss)
-        if self.curve:
+        if self.every_step:
             self._record(record, flush=saved or log_now)
         elif self.metrics:  # another rank: only its save stalls, in a chunk rolled over by time
             if stall is not None:

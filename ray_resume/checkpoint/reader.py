@@ -213,12 +213,18 @@ class ShardReader:
         that hashing one read overlaps the next; only bytes no request wants
         pass through scratch buffers.
         """
-        before = self.bytes_read
-        def read():  # a transient error mid-stream reads the file's blocks again, from its first
-            self.bytes_read = before
-            self._read_checked(file, requests, blocks)
+        self._retried(file, lambda: self._read_checked(file, requests, blocks))
 
-        retried(read, f"read of {self.path(file)}")
+    def _retried(self, file: str, read) -> None:
+        """`read()` of `file`, read again from its start after a transient error (`retried`),
+        `bytes_read` counting one pass."""
+        before = self.bytes_read
+
+        def attempt():
+            self.bytes_read = before
+            read()
+
+        retried(attempt, f"read of {self.path(file)}")
 
     def _read_checked(self, file: str, requests: list[Request], blocks: list[int] | None) -> None:
         self.check_size(file)
@@ -264,17 +270,14 @@ class ShardReader:
 
     def read_ranges(self, file: str, requests: list[Request]) -> None:
         """Fetch only the requested byte ranges, unchecked (see the class doc): no header, no size check."""
-        before = self.bytes_read
-
         def read():
-            self.bytes_read = before
             with self.storage.open_read(self.path(file)) as f:
                 for first, last, r in self.spans(file, requests):
                     f.seek(first)
                     _readinto_exactly(f, _writable_bytes(r.dest), self.path(file))
                     self.bytes_read += last - first
 
-        retried(read, f"read of {self.path(file)}")
+        self._retried(file, read)
 
 
 def consecutive_runs(indices) -> list[list[int]]:
