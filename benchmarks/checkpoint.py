@@ -9,7 +9,7 @@ loopback, each holding the same real `ray_resume.model.GPT` and AdamW state
 (one optimizer step taken, so exp_avg/exp_avg_sq exist), writing to a local
 temp dir. Our saves go through the real `Checkpointer.maybe_save` and a real
 driver-side `JobController` (so a save is timed up to its commit);
-our loads through the real `Checkpointer.restore` (fetch.StateLoader, which
+our loads through the real `Checkpointer.restore` (loader.StateLoader, which
 streams shard bytes into the rank's tensors), with and without load_balanced. Every number is the
 slowest rank's, measured after a barrier, and the median over `--repeats` rounds in which every
 contender takes one turn, in an order rotated each round. Before each load the files are
@@ -44,20 +44,21 @@ SEQ_LEN = 32
 # Every row the JSON has for every size (tests/test_benchmark.py checks them all).
 ROWS = [
     "params", "checkpoint_bytes",
-    "ours_sync_save_s", "ours_sync_stall_s", "ours_async_first_stall_s", "ours_async_stall_s", "ours_async_save_s",
-    "raw_write_s", "ours_save_gbps", "raw_write_gbps", "ours_vs_raw",
-    "ours_load_s", "ours_load_bytes_read", "ours_load_balanced_s", "ours_load_balanced_bytes_read",
+    "ours_sync_save_s", "ours_sync_stall_s", "ours_sync_save_sha256_s", "ours_async_first_stall_s", "ours_async_stall_s", "ours_async_save_s",
+    "raw_write_s", "ours_save_gbps", "raw_write_gbps", "ours_vs_raw", "ours_sha256_vs_raw",
+    "ours_load_s", "ours_load_bytes_read", "ours_load_sha256_s", "ours_load_balanced_s", "ours_load_balanced_bytes_read",
     "dcp_save_s", "dcp_async_stall_s", "dcp_async_save_s", "dcp_load_s", "dcp_load_bytes_read",
     "torch_save_s", "torch_load_s", "torch_load_bytes_read",
     "async_stall_vs_sync_save", "async_stall_vs_dcp_async_stall", "ours_save_vs_dcp_save", "ours_save_vs_torch_save",
-    "ours_load_vs_dcp_load", "ours_load_vs_torch_load",
+    "ours_load_vs_dcp_load", "ours_load_sha256_vs_dcp_load", "ours_load_vs_torch_load",
     "load_bytes_read_vs_checkpoint", "load_balanced_bytes_read_vs_checkpoint",
 ]
 TRAIN_ROWS = ["steps", "save_every", "never_steps_per_s", "async_steps_per_s", "sync_steps_per_s",
               "async_vs_never", "sync_vs_never"]
 
 
-def _config(root: str, size: str, *, async_save: bool = True, load_balanced: bool = False, save_every: int = 1) -> dict:
+def _config(root: str, size: str, *, async_save: bool = True, load_balanced: bool = False, save_every: int = 1,
+            checksum: str = "xxh3-128") -> dict:
     vocab, d, layers, heads = SIZES[size]
     return {
         "name": f"bench-{size}",
@@ -67,7 +68,7 @@ def _config(root: str, size: str, *, async_save: bool = True, load_balanced: boo
         "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_steps": 10**9, "lr": 1e-4, "seed": 0},
         "scaling": {"num_workers": 2},
         "checkpoint": {"save_path": os.path.join(root, "ckpt"), "save_interleaved_steps": save_every, "save_max": 1000,
-                       "async_save": async_save, "load_balanced": load_balanced},
+                       "async_save": async_save, "load_balanced": load_balanced, "checksum": checksum},
     }
 
 
@@ -141,10 +142,11 @@ class BenchWorker:
         return {"model": state.model_tensors(self.model), "optim": self.optimizer.state_tensors()}
 
     # ------------------------------------------------------------------ ours
-    def ours_save(self, step: int, async_save: bool) -> dict:
+    def ours_save(self, step: int, async_save: bool, checksum: str = "xxh3-128") -> dict:
         """Save iteration `step`, timed to its commit; one Checkpointer per mode, so async snapshot buffers are reused."""
         cks = self.__dict__.setdefault("_checkpointers", {})
-        ck = cks.setdefault(async_save, self._checkpointer(self.root, async_save=async_save))
+        ck = cks.get((async_save, checksum)) or cks.setdefault((async_save, checksum),
+                                                               self._checkpointer(self.root, async_save=async_save, checksum=checksum))
         self._barrier()
         start = time.perf_counter()
         ck.maybe_save(step, self.model, self.optimizer, {"global_step": step, "global_batch_size": 4,
@@ -390,27 +392,34 @@ def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: 
         first = _all(workers, "ours_save", step, True)  # allocates the async snapshot buffers
         r["checkpoint_bytes"] = sum(x["bytes"] for x in first)
         r["ours_async_first_stall_s"] = max(x["stall"] for x in first)
-        saves: dict[str, list] = {k: [] for k in ("sync", "async", "raw", "dcp", "dcp_async", "torch")}
+        saves: dict[str, list] = {k: [] for k in ("sync", "sync_sha256", "async", "raw", "dcp", "dcp_async", "torch")}
 
         def ours(mode: str) -> None:
             nonlocal step
             _all(workers, "cleanup", "ckpt", step)  # only the newest iteration stays (raw_write rewrites it)
             step += 1
-            saves[mode].append(_all(workers, "ours_save", step, mode == "async"))
+            saves[mode].append(_all(workers, "ours_save", step, mode == "async", "sha256" if mode == "sync_sha256" else "xxh3-128"))
 
         _rounds(repeats, {
             "sync": lambda: ours("sync"),
+            "sync_sha256": lambda: ours("sync_sha256"),  # format 3's checksum, as an option now
             "async": lambda: ours("async"),
             "raw": lambda: saves["raw"].append(_all(workers, "raw_write", step)),
             "dcp": lambda: saves["dcp"].append(_all(workers, "dcp_save", "sync")),
             "dcp_async": lambda: saves["dcp_async"].append(_all(workers, "dcp_save", "async")),
             "torch": lambda: saves["torch"].append(_all(workers, "torch_save")),
         })
+        # The iterations the loads read: one with each checksum.
+        _all(workers, "cleanup", "ckpt", step)
+        _all(workers, "ours_save", step + 1, False, "xxh3-128")
+        _all(workers, "ours_save", step + 2, False, "sha256")
+        step += 2
         committed = ray.get(coordinator.last_committed.remote())
         if committed != step:  # never time saves that did not commit
             raise RuntimeError(f"benchmark saves did not commit: last committed iteration is {committed}, expected {step}")
         r["ours_sync_save_s"] = _median_of_max(saves["sync"], "total")
         r["ours_sync_stall_s"] = _median_of_max(saves["sync"], "stall")
+        r["ours_sync_save_sha256_s"] = _median_of_max(saves["sync_sha256"], "total")
         r["ours_async_stall_s"] = _median_of_max(saves["async"], "stall")
         r["ours_async_save_s"] = _median_of_max(saves["async"], "total")
         r["raw_write_s"] = _median_of_max(saves["raw"], "total")
@@ -418,6 +427,7 @@ def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: 
         r["ours_save_gbps"] = round(gb / r["ours_sync_save_s"], 4)
         r["raw_write_gbps"] = round(gb / r["raw_write_s"], 4)
         r["ours_vs_raw"] = _ratio(r["ours_save_gbps"], r["raw_write_gbps"])
+        r["ours_sha256_vs_raw"] = _ratio(r["raw_write_s"], r["ours_sync_save_sha256_s"])
         r["dcp_save_s"] = _median_of_max(saves["dcp"], "total")
         r["dcp_async_stall_s"] = _median_of_max(saves["dcp_async"], "stall")
         r["dcp_async_save_s"] = _median_of_max(saves["dcp_async"], "total")
@@ -427,15 +437,16 @@ def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: 
 
         # Our loader and torch.load build fresh tensors of the whole state (~1.1x the checkpoint
         # per rank on top of the live state, until they are copied in): skip what cannot fit.
-        loads: dict[str, list] = {"ours_load": [], "ours_load_balanced": [], "dcp_load": [], "torch_load": []}
+        loads: dict[str, list] = {"ours_load": [], "ours_load_sha256": [], "ours_load_balanced": [], "dcp_load": [], "torch_load": []}
         phases = {"dcp_load": lambda: loads["dcp_load"].append(_all(workers, "dcp_load"))}
         skipped = r.setdefault("skipped", {})
         if _fits(2 * 1.1 * r["checkpoint_bytes"]):
-            phases["ours_load"] = lambda: loads["ours_load"].append(_all(workers, "ours_load", step, False))
-            phases["ours_load_balanced"] = lambda: loads["ours_load_balanced"].append(_all(workers, "ours_load", step, True))
+            phases["ours_load"] = lambda: loads["ours_load"].append(_all(workers, "ours_load", step - 1, False))
+            phases["ours_load_sha256"] = lambda: loads["ours_load_sha256"].append(_all(workers, "ours_load", step, False))
+            phases["ours_load_balanced"] = lambda: loads["ours_load_balanced"].append(_all(workers, "ours_load", step - 1, True))
             phases["torch_load"] = lambda: loads["torch_load"].append(_all(workers, "torch_load"))
         else:
-            for key in ("ours_load", "torch_load"):
+            for key in ("ours_load", "ours_load_sha256", "ours_load_balanced", "torch_load"):
                 skipped[key] = f"needs ~{2 * 1.1 * r['checkpoint_bytes'] / 1e9:.0f} GB free beyond the live state"
         _rounds(repeats, phases)
         for key, runs in loads.items():
@@ -451,6 +462,7 @@ def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: 
         r["ours_save_vs_dcp_save"] = _ratio(r["ours_sync_save_s"], r["dcp_save_s"])
         r["ours_save_vs_torch_save"] = _ratio(r["ours_sync_save_s"], r["torch_save_s"])
         r["ours_load_vs_dcp_load"] = _ratio(r.get("ours_load_s"), r.get("dcp_load_s"))
+        r["ours_load_sha256_vs_dcp_load"] = _ratio(r.get("ours_load_sha256_s"), r.get("dcp_load_s"))
         r["ours_load_vs_torch_load"] = _ratio(r.get("ours_load_s"), r.get("torch_load_s"))
         r["load_bytes_read_vs_checkpoint"] = _ratio(r.get("ours_load_bytes_read"), r.get("checkpoint_bytes"))
         r["load_balanced_bytes_read_vs_checkpoint"] = _ratio(r.get("ours_load_balanced_bytes_read"), r.get("checkpoint_bytes"))
@@ -504,22 +516,26 @@ def table(results: dict) -> str:
         ("parameters", lambda r: f"{r['params'] / 1e6:.1f}M"),
         ("checkpoint size (model + Adam)", lambda r: f"{r['checkpoint_bytes'] / 1e9:.3f} GB"),
         ("ours sync: save to commit (= stall)", lambda r: _fmt_s(r["ours_sync_save_s"])),
+        ("ours sync with sha256 (format 3's checksum)", lambda r: _fmt_s(r["ours_sync_save_sha256_s"])),
         ("ours async: stall (buffers reused)", lambda r: _fmt_s(r["ours_async_stall_s"])),
         ("ours async: stall, first save (allocates)", lambda r: _fmt_s(r["ours_async_first_stall_s"])),
         ("ours async: save to commit", lambda r: _fmt_s(r["ours_async_save_s"])),
         ("async stall / sync save", lambda r: f"{r['async_stall_vs_sync_save']:.3f}"),
         ("raw write + fsync, same bytes", lambda r: _fmt_s(r["raw_write_s"])),
         ("ours save GB/s  vs raw GB/s", lambda r: f"{r['ours_save_gbps']:.3f} vs {r['raw_write_gbps']:.3f} ({r['ours_vs_raw']:.2f}x)"),
+        ("ours with sha256 vs raw (speed ratio)", lambda r: f"{r['ours_sha256_vs_raw']:.2f}x"),
         ("DCP save / async_save stall / async total", lambda r: f"{r['dcp_save_s']:.3f} / {r['dcp_async_stall_s']:.3f} / {r['dcp_async_save_s']:.3f} s"),
         ("torch.save on rank 0", lambda r: _fmt_s(r["torch_save_s"])),
         ("ours save / DCP save", lambda r: f"{r['ours_save_vs_dcp_save']:.2f}"),
         ("ours save / torch.save", lambda r: f"{r['ours_save_vs_torch_save']:.2f}"),
         ("ours async stall / DCP async stall", lambda r: f"{r['async_stall_vs_dcp_async_stall']:.2f}"),
         ("load, direct (bytes read / ckpt)", lambda r: f"{r['ours_load_s']:.3f} s ({r['load_bytes_read_vs_checkpoint']:.2f}x)"),
+        ("load, direct, sha256", lambda r: _fmt_s(r["ours_load_sha256_s"])),
         ("load, load_balanced (bytes read / ckpt)", lambda r: f"{r['ours_load_balanced_s']:.3f} s ({r['load_balanced_bytes_read_vs_checkpoint']:.2f}x)"),
         ("DCP load (bytes read / ckpt)", lambda r: f"{r['dcp_load_s']:.3f} s ({r['dcp_load_bytes_read'] / r['checkpoint_bytes']:.2f}x)"),
         ("torch.load weights_only, every rank", lambda r: f"{r['torch_load_s']:.3f} s ({r['torch_load_bytes_read'] / r['checkpoint_bytes']:.2f}x)"),
         ("ours load / DCP load", lambda r: f"{r['ours_load_vs_dcp_load']:.2f}"),
+        ("ours load with sha256 / DCP load", lambda r: f"{r['ours_load_sha256_vs_dcp_load']:.2f}"),
         ("ours load / torch.load", lambda r: f"{r['ours_load_vs_torch_load']:.2f}"),
     ]
     head = ["| |"] + [f" {s} |" for s in sizes]

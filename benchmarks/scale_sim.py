@@ -18,7 +18,7 @@ For each saving world size W it
   `--all-ranks-upto` ranks);
 - synthesises every rank's manifest as `writer.write_shards` reports it
   (names from `paths.shard_filename`, sizes = the share's data bytes plus
-  the safetensors header, a fake sha256 per 4 MiB checksum block), creates
+  the safetensors header, a fake xxh3-128 digest per 4 MiB checksum block), creates
   the shard files as sparse files of those sizes in a local temp dir, and
   runs the driver's real commit (`commit.commit_iteration`: a stat per
   file, `validate_metadata`, metadata.json / config.yaml / common.json /
@@ -67,7 +67,6 @@ equal the per-rank plans; metadata.json round-trips through the commit and
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -81,6 +80,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.commit import commit_iteration
@@ -247,15 +247,15 @@ def shard_sizes(specs: dict[str, list[TensorSpec]], world: int) -> dict[str, dic
 
 
 def manifests_for(specs: dict[str, list[TensorSpec]], world: int, sizes, block_size: int = CHECKSUM_BLOCK) -> list[dict]:
-    """Every rank's manifest, as `writer.write_shards` returns it (a fake sha256 per checksum block; rank 0 carries the specs)."""
+    """Every rank's manifest, as `writer.write_shards` returns it (a fake xxh3-128 digest per checksum block; rank 0 carries the specs)."""
     out = []
     for rank in range(world):
         files = {}
         for kind in KINDS:
             name = paths.shard_filename(PREFIX, kind, rank, world)
             size, start = int(sizes[kind]["size"][rank]), int(sizes[kind]["header"][rank])
-            digests = [hashlib.sha256(f"{name}/{i}".encode()).hexdigest() for i in range(len(block_bounds(size, start, block_size)))]
-            files[name] = {"size": size, "data_start": start, "sha256": digests, "kind": kind, "rank": rank}
+            digests = [xxhash.xxh3_128(f"{name}/{i}".encode()).hexdigest() for i in range(len(block_bounds(size, start, block_size)))]
+            files[name] = {"size": size, "data_start": start, "checksum": "xxh3-128", "digests": digests, "kind": kind, "rank": rank}
         rows = {kind: [[s.name, s.dtype, list(s.shape), s.layout] for s in specs[kind]] for kind in KINDS} if rank == 0 else {}
         out.append({"rank": rank, "world_size": world, "block_size": block_size, "files": files, "specs": rows})
     return out

@@ -1,7 +1,7 @@
 """Operator CLI for a checkpoint root: `python -m ray_resume.cli` (or `ray-resume`).
 
     list    ROOT [--verify] [--json]                  every iteration_* dir, one row each
-    verify  ROOT [--iteration N] [--json]             sizes, sha256, extra shards (exit 1 if bad)
+    verify  ROOT [--iteration N] [--json]             sizes, block digests, extra shards (exit 1 if bad)
     show    ROOT [--iteration N] [--json]             common.json, tensors and their shard pieces
     export  ROOT OUT_DIR [--iteration N] [--with-optimizer] [--force]
                                                       consolidated plain safetensors files
@@ -118,7 +118,7 @@ def resolve_iteration(storage: LocalStorage, root: str, requested: int | None) -
 
 
 def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
-    """Check every file metadata.json lists (size, sha256, the pieces its header holds) and look for extra shards.
+    """Check every file metadata.json lists (size, block digests, the pieces its header holds) and look for extra shards.
 
     Streams one file at a time. Returns {"ok", "problems": [str], "files": {name: {...}}};
     every problem names the file it is about.
@@ -127,7 +127,7 @@ def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
     files: dict[str, dict] = {}
     reader = ShardReader(storage, it)
     for name, expected in sorted(it.metadata["files"].items()):
-        entry = {"size": expected["size"], "sha256": expected["sha256"], "kind": expected.get("kind"), "rank": expected.get("rank"), "ok": False}
+        entry = {"size": expected["size"], "checksum": expected["checksum"], "digests": expected["digests"], "kind": expected.get("kind"), "rank": expected.get("rank"), "ok": False}
         files[name] = entry
         try:
             reader.read_checked(name, [])
@@ -248,11 +248,13 @@ def cmd_verify(args) -> int:
         label = f"iteration {step}{' (tracker)' if step == tracker else ''} at {path}"
         if result["files"]:
             print(table(["file", "kind", "rank", "size", "blocks", "ok"],
-                        [[n, f["kind"], f["rank"], f["size"], len(f["sha256"]), "yes" if f["ok"] else "NO"]
+                        [[n, f["kind"], f["rank"], f["size"], len(f["digests"]), "yes" if f["ok"] else "NO"]
                          for n, f in result["files"].items()], right={2, 3, 4}))
         if result["ok"]:
             total = sum(f["size"] for f in result["files"].values())
-            print(f"OK: {label}: {len(result['files'])} files, {human_size(total)}, sizes and block sha256s match metadata.json, no extra shards")
+            checksums = "/".join(sorted({f["checksum"] for f in result["files"].values()}))
+            print(f"OK: {label}: {len(result['files'])} files, {human_size(total)}, sizes and block digests ({checksums}) match metadata.json, "
+                  "no extra shards")
         else:
             print(f"FAILED: {label}:")
             for problem in result["problems"]:
@@ -388,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="one row per iteration_* directory")
     p.add_argument("root", metavar="ROOT", help="checkpoint root (the job's checkpoint.save_path)")
-    p.add_argument("--verify", action="store_true", help="also check sizes, sha256 and extra shards of every complete iteration")
+    p.add_argument("--verify", action="store_true", help="also check sizes, block digests and extra shards of every complete iteration")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_list)
 

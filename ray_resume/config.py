@@ -23,6 +23,8 @@ from typing import Any, Iterable, Optional, Union
 import numpy as np
 import yaml
 
+from .checkpoint.digest import CHECKSUMS, DEFAULT_CHECKSUM
+
 logger = logging.getLogger(__name__)
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -264,6 +266,7 @@ class CheckpointConfig(_Section):
     load_balanced: bool = False  # spread checkpoint reads across ranks
     async_save: bool = True  # write shards in a background thread; training only waits for a snapshot copy
     prefix: str = "ckpt"  # shard file name prefix
+    checksum: str = DEFAULT_CHECKSUM  # digest of each 4 MiB block of a shard, checked on every load: xxh3-128 (fast) | sha256 (cryptographic, ~15x slower)
     storage: StorageConfig = field(default_factory=StorageConfig)  # s3:// connection settings
     fallback: bool = True  # if the tracker's iteration is damaged, load the newest older one that verifies
     lease_ttl_s: float = 60.0  # the writer lease on save_path expires this long after a dead job's last renewal
@@ -272,6 +275,7 @@ class CheckpointConfig(_Section):
         p: list[str] = []
         _at_least(p, "checkpoint.save_interleaved_steps", self.save_interleaved_steps, 1)
         _at_least(p, "checkpoint.save_max", self.save_max, 1)
+        _one_of(p, "checkpoint.checksum", self.checksum, tuple(CHECKSUMS))
         if not _SAFE_NAME.match(self.prefix):
             p.append(f"checkpoint.prefix must be non-empty and use only [A-Za-z0-9._-], got {self.prefix!r}")
         if not self.lease_ttl_s > 0:

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from ray_resume.checkpoint import paths, reader, state
-from ray_resume.checkpoint.digest import BlockSha256, block_bounds
+from ray_resume.checkpoint.digest import BlockDigests, block_bounds
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.plan import TensorSpec, split_replicated
 from ray_resume.checkpoint.reader import ShardReader, check_no_extra_shards, find_committed, load_rank_extras, open_iteration, plan_reads, read_verified
@@ -68,14 +69,15 @@ def make_state(seed=0, dtype=torch.float32):
     return model, opt
 
 
-def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None, block_size: int = CHECKSUM_BLOCK) -> Path:
+def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None, block_size: int = CHECKSUM_BLOCK,
+                    checksum: str = "xxh3-128") -> Path:
     """Every rank's shards (written from one process) and the driver's JSON and tracker."""
     model, opt = (model, opt) if model is not None else make_state()
     storage = LocalStorage()
     manifests = [
         save_shards(storage, str(root), step, prefix="ckpt", rank=r, world_size=world,
                     model_state=state.model_tensors(model), optim_state=opt.state_tensors(),
-                    rank_extras={"rank": str(r)}, block_size=block_size)
+                    rank_extras={"rank": str(r)}, block_size=block_size, checksum=checksum)
         for r in range(world)
     ]
     directory = Path(paths.iteration_dir(str(root), step))
@@ -109,16 +111,22 @@ def test_round_trip_restores_every_tensor_bitwise(tmp_path, world):
     assert model_bytes <= stored < model_bytes + world * 4096  # plus one safetensors header per file
 
 
+# The two checksums take the two hashing paths: xxh3-128 inline, sha256 on helper threads
+# (a block's updates on one thread, blocks dealt over several).
+CHECKSUMS = {"xxh3-128": lambda b: xxhash.xxh3_128(b).hexdigest(), "sha256": lambda b: hashlib.sha256(b).hexdigest()}
+
+
+@pytest.mark.parametrize("checksum", CHECKSUMS)
 @pytest.mark.parametrize("flip", [None, "requested", "skipped"])
 @pytest.mark.parametrize("block_size", [CHECKSUM_BLOCK, 100])
-def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(tmp_path, monkeypatch, flip, block_size):
+def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(tmp_path, monkeypatch, flip, block_size, checksum):
     """read_checked with 40-byte reads: requested spans are read into their tensors, the bytes
-    between them go through the two alternating scratch buffers, and the sha256 of each checksum
-    block (hashed on its own thread; one data block, or many of 100 bytes) covers all of them:
-    a flipped byte anywhere is caught, and the error names its block."""
+    between them go through the two alternating scratch buffers, and the digest of each checksum
+    block (one data block, or many of 100 bytes) covers all of them: a flipped byte anywhere is
+    caught, and the error names its block."""
     monkeypatch.setattr(reader, "READ_BLOCK", 40)
     model, opt = make_state()
-    write_iteration(tmp_path, 2, model=model, opt=opt, block_size=block_size)
+    write_iteration(tmp_path, 2, model=model, opt=opt, block_size=block_size, checksum=checksum)
     storage = LocalStorage()
     it = open_iteration(storage, str(tmp_path), find_committed(storage, str(tmp_path)))
     live = state.model_tensors(model)
@@ -135,7 +143,7 @@ def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(tmp_
         data[at] ^= 0xFF
         path.write_bytes(bytes(data))
         block = next(i for i, (lo, hi) in enumerate(block_bounds(len(data), it.metadata["files"][file]["data_start"], block_size)) if lo <= at < hi)
-        with pytest.raises(CheckpointError, match=rf"{file}: sha256 does not match metadata.json \(checksum block {block}, "):
+        with pytest.raises(CheckpointError, match=rf"{file}: {checksum} does not match metadata.json \(checksum block {block}, "):
             ShardReader(storage, it).read_checked(file, reads[file])
         return
     ShardReader(storage, it).read_checked(file, reads[file])
@@ -144,10 +152,11 @@ def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(tmp_
         assert torch.equal(dests[r.piece.name][r.lo : r.hi], saved), r.piece.name
 
 
-def test_each_checksum_block_is_the_sha256_of_its_bytes_and_any_subset_can_be_checked(tmp_path):
-    """metadata.json lists the sha256 of the header and of each 64-byte block of the data section;
-    a reader can check any set of blocks alone, reading only them."""
-    directory = write_iteration(tmp_path, 2, block_size=64)
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_each_checksum_block_is_the_digest_of_its_bytes_and_any_subset_can_be_checked(tmp_path, checksum):
+    """metadata.json names each file's checksum and lists the digest of the header and of each
+    64-byte block of the data section; a reader can check any set of blocks alone, reading only them."""
+    directory = write_iteration(tmp_path, 2, block_size=64, checksum=checksum)
     storage = LocalStorage()
     it = open_iteration(storage, str(tmp_path), 5)
     assert it.metadata["block_size"] == 64
@@ -157,7 +166,7 @@ def test_each_checksum_block_is_the_sha256_of_its_bytes_and_any_subset_can_be_ch
         assert info["data_start"] == 8 + length and info["size"] == len(data)
         bounds = block_bounds(len(data), info["data_start"], 64)
         assert bounds[0] == (0, 8 + length) and all(hi - lo == 64 for lo, hi in bounds[1:-1]) and bounds[-1][1] == len(data)
-        assert info["sha256"] == [hashlib.sha256(data[lo:hi]).hexdigest() for lo, hi in bounds]
+        assert info["checksum"] == checksum and info["digests"] == [CHECKSUMS[checksum](data[lo:hi]) for lo, hi in bounds]
     file = max(it.metadata["files"], key=lambda f: it.metadata["files"][f]["size"])
     blocks = block_bounds(it.metadata["files"][file]["size"], it.metadata["files"][file]["data_start"], 64)
     some = [1, 2, 5, len(blocks) - 1]
@@ -168,39 +177,40 @@ def test_each_checksum_block_is_the_sha256_of_its_bytes_and_any_subset_can_be_ch
     data[blocks[3][0]] ^= 0xFF  # a block nobody reads here: the others still check out
     (directory / file).write_bytes(bytes(data))
     ShardReader(storage, it).read_checked(file, [], blocks=some)
-    with pytest.raises(CheckpointError, match=rf"sha256 does not match metadata.json \(checksum block 3, bytes {blocks[3][0]}-{blocks[3][1]}\)"):
+    with pytest.raises(CheckpointError, match=rf"{checksum} does not match metadata.json \(checksum block 3, bytes {blocks[3][0]}-{blocks[3][1]}\)"):
         ShardReader(storage, it).read_checked(file, [], blocks=[2, 3])
 
 
+@pytest.mark.parametrize("checksum", CHECKSUMS)
 @pytest.mark.parametrize("seed", range(3))
-def test_block_sha256_cuts_any_chunking_at_block_ends(seed):
+def test_block_digests_cut_any_chunking_at_block_ends(seed, checksum):
     rng = random.Random(seed)
     data = os.urandom(rng.randint(1, 5000))
     bounds = block_bounds(len(data), rng.randint(1, len(data)), rng.randint(1, 700))
-    digest = BlockSha256(0, [hi for _, hi in bounds])
+    digest = BlockDigests(checksum, 0, [hi for _, hi in bounds])
     pos = 0
     while pos < len(data):
         n = rng.randint(0, 900)
         digest.update(data[pos : pos + n])
         pos += n
-    assert digest.hexdigests() == [hashlib.sha256(data[lo:hi]).hexdigest() for lo, hi in bounds]
-    short = BlockSha256(0, [hi for _, hi in bounds])
+    assert digest.hexdigests() == [CHECKSUMS[checksum](data[lo:hi]) for lo, hi in bounds]
+    short = BlockDigests(checksum, 0, [hi for _, hi in bounds])
     short.update(data[:-1])
     with pytest.raises(ValueError, match="inside the checksum block"):
         short.hexdigests()
 
 
 def test_sha256_beside_io_matches_hashlib_also_in_a_forked_child():
-    """The hashing thread does not survive fork(); a child must start its own instead of
+    """The hashing threads do not survive fork(); a child must start its own instead of
     waiting forever on the parent's (which it did before the at-fork hook)."""
     data = os.urandom(3 << 20)
-    digest = BlockSha256(0, [len(data)])
+    digest = BlockDigests("sha256", 0, [len(data)])
     for start in range(0, len(data), 1 << 20):
         digest.update(memoryview(data)[start : start + (1 << 20)])
     assert digest.hexdigests() == [hashlib.sha256(data).hexdigest()]
     pid = os.fork()
     if pid == 0:  # child: exit 0 only if its hash is right
-        child = BlockSha256(0, [len(data)])
+        child = BlockDigests("sha256", 0, [len(data)])
         child.update(data)
         os._exit(0 if child.hexdigests() == [hashlib.sha256(data).hexdigest()] else 1)
     deadline = time.monotonic() + 30
@@ -303,15 +313,22 @@ def _status(d: Path):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (_flip_byte, "ckpt-model-0000001-0000002.safetensors: sha256 does not match metadata.json"),
+        (_flip_byte, "ckpt-model-0000001-0000002.safetensors: xxh3-128 does not match metadata.json (checksum block 1, bytes"),
         (_truncate, "ckpt-opt-0000000-0000002.safetensors: size is"),
         (lambda d: (d / "ckpt-opt-0000001-0000002.safetensors").unlink(), "shard listed in metadata.json is missing"),
         (lambda d: (d / "ckpt-opt-0000002-0000003.safetensors").write_bytes(b"x"), "ckpt-opt-0000002-0000003.safetensors: shard file not listed in metadata.json"),
         (_escape, "file name '../../etc/passwd' points outside the iteration directory"),
-        (_meta(lambda m, f: f.update(sha256="ab" * 32)),  # a format-2 entry: one digest for the whole file
-         "files['ckpt-model-0000000-0000002.safetensors']: 'sha256' must list 2 lowercase hex sha256 digests, one per checksum block"),
+        (_meta(lambda m, f: f.update(digests=["ab" * 16])),  # one digest for the whole file
+         "files['ckpt-model-0000000-0000002.safetensors']: 'digests' must list 2 lowercase hex xxh3-128 digests, one per checksum block"),
+        (_meta(lambda m, f: f.update(checksum="sha256")),  # digests of another length than the named algorithm's
+         "files['ckpt-model-0000000-0000002.safetensors']: 'digests' must list 2 lowercase hex sha256 digests, one per checksum block"),
+        (_meta(lambda m, f: f.update(checksum="crc32c")),
+         "files['ckpt-model-0000000-0000002.safetensors']: checksum 'crc32c' is not one this ray_resume knows (xxh3-128, sha256); "
+         "use the ray_resume release that wrote it"),
+        (_meta(lambda m, f: [f.pop("checksum"), f.update(sha256=f.pop("digests"))]),  # a format-3 entry
+         "files['ckpt-model-0000000-0000002.safetensors']: checksum None is not one this ray_resume knows"),
         (_meta(lambda m, f: f.update(data_start=f["size"] + 1)), "needs integers 'size' and 'data_start' (8 <= data_start <= size"),
-        (_meta(lambda m, f: m.update(format_version=2)), "format_version 2 is not supported by this ray_resume (it reads version 3)"),
+        (_meta(lambda m, f: m.update(format_version=3)), "format_version 3 is not supported by this ray_resume (it reads version 4)"),
         (_status, "ckpt_status is 'saving', not 'ok'"),
         (lambda d: (d / "common.json").write_text("{not json"), "common.json: not valid JSON"),
         (lambda d: (d / "metadata.json").unlink(), "metadata.json: missing"),

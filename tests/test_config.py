@@ -186,6 +186,8 @@ def test_bad_enums():
     assert problems(cfg(fault={"phase": "sometime", "step": 5})) == [
         "x.yaml: fault.phase must be one of after_optimizer_step, mid_shard_write, before_report, "
         "commit_before_tracker, retention_delete, commit_fails; got 'sometime'"]
+    assert problems(cfg(checkpoint={"save_path": "/tmp/c", "checksum": "md5"})) == [
+        "x.yaml: checkpoint.checksum must be one of xxh3-128, sha256; got 'md5'"]
 
 
 def test_enable_save_requires_save_path_and_fault_rank():

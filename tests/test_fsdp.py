@@ -161,7 +161,7 @@ def test_save_under_one_strategy_load_under_the_other_on_any_world_size(tmp_path
 
 
 def assert_reads_own_share(tmp: Path, reads: list[int]) -> None:
-    """FSDP on the saving world size: each rank reads exactly its own files, whole (sha256-checked).
+    """FSDP on the saving world size: each rank reads exactly its own files, whole (digest-checked).
     The 0-d Adam steps split over both files reach the other rank through one all-reduce."""
     files = sorted(Path(paths.iteration_dir(str(tmp / "ckpt"), STEP)).glob("*.safetensors"))
     own = [sum(p.stat().st_size for p in files if paths.parse_shard_filename(p.name)["rank"] == rank) for rank in range(2)]

@@ -67,7 +67,7 @@ def test_list_verify_marks_a_damaged_iteration(root, capsys):
     code, out, _ = cli(capsys, "list", root["root"], "--verify")
     rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0].isdigit()}
     assert rows["4"].rstrip().endswith("NO") and rows["8"].rstrip().endswith("yes")
-    assert "ckpt-opt-0000000-0000002.safetensors: sha256 does not match" in out
+    assert "ckpt-opt-0000000-0000002.safetensors: xxh3-128 does not match" in out
 
 
 def flip_byte(path: Path) -> None:
@@ -85,8 +85,8 @@ def test_verify_passes_then_names_the_corrupt_shard(root, capsys):
     flip_byte(shard)
     code, out, err = cli(capsys, "verify", root["root"])
     assert code == 1
-    assert f"{shard}: sha256 does not match metadata.json" in out
-    assert err.startswith("error: ") and "ckpt-model-0000001-0000002.safetensors" in err and "sha256" in err
+    assert f"{shard}: xxh3-128 does not match metadata.json" in out
+    assert err.startswith("error: ") and "ckpt-model-0000001-0000002.safetensors" in err and "xxh3-128" in err
     # The other iteration is untouched and still verifies.
     assert cli(capsys, "verify", root["root"], "--iteration", 4)[0] == 0
 
@@ -94,7 +94,7 @@ def test_verify_passes_then_names_the_corrupt_shard(root, capsys):
     report = json.loads(out)
     assert code == 1 and not report["ok"] and report["iteration"] == 8
     assert not report["files"][shard.name]["ok"]
-    assert [p for p in report["problems"] if shard.name in p and "sha256" in p]
+    assert [p for p in report["problems"] if shard.name in p and "xxh3-128" in p]
 
 
 def test_verify_names_extra_and_missing_shards(root, capsys):
@@ -167,7 +167,7 @@ def test_export_writes_plain_safetensors_equal_to_the_model(root, capsys, tmp_pa
 def test_export_refuses_a_corrupt_iteration(root, capsys, tmp_path):
     flip_byte(root["root"] / paths.iteration_dirname(8) / "ckpt-opt-0000001-0000002.safetensors")
     code, _, err = cli(capsys, "export", root["root"], tmp_path / "export")
-    assert code == 1 and "ckpt-opt-0000001-0000002.safetensors: sha256 does not match" in err
+    assert code == 1 and "ckpt-opt-0000001-0000002.safetensors: xxh3-128 does not match" in err
     assert not (tmp_path / "export").exists()
 
 

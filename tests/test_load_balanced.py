@@ -69,7 +69,7 @@ def test_load_balanced_reads_each_byte_once_and_loads_the_same_state(tmp_path, b
     assert sum(balanced) == total and min(balanced) > 0  # each byte once in total, both ranks share the work
     assert max(balanced) - min(balanced) < 2 * block_size  # each within one block of the mean
     owners = balanced_owners(meta, ("model", "opt"), WORLD)
-    split = [f for f in files if len({owners[f, i] for i in range(1, len(files[f]["sha256"]))}) == WORLD]  # data blocks
+    split = [f for f in files if len({owners[f, i] for i in range(1, len(files[f]["digests"]))}) == WORLD]  # data blocks
     assert bool(split) == (block_size == 256)
     for r, report in enumerate(reports):
         assert report["True"]["bits"] == report["False"]["bits"]  # bit-identical state
@@ -104,7 +104,7 @@ def test_one_cut_over_both_kinds_gives_each_rank_a_consecutive_run_within_a_bloc
     def blocks(size: int) -> int:
         return 1 + -(-(size - 8) // 10)
 
-    files = {f"ckpt-{kind}-{r:07d}-0000004.safetensors": {"size": size, "data_start": 8, "sha256": ["0" * 64] * blocks(size)}
+    files = {f"ckpt-{kind}-{r:07d}-0000004.safetensors": {"size": size, "data_start": 8, "checksum": "xxh3-128", "digests": ["0" * 32] * blocks(size)}
              for kind, size in (("model", 100), ("opt", 200)) for r in range(4)}
     meta = {"world_size": 4, "prefix": "ckpt", "block_size": 10, "files": files}
     owners = balanced_owners(meta, ("model", "opt"), 3)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import shutil
@@ -12,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from conftest import FINAL, run_on_harness, shard_bytes, tiny_config
-from ray_resume.checkpoint import paths
+from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.digest import block_bounds
 from ray_resume.checkpoint.fallback import select_iteration
+from ray_resume.checkpoint.loader import StateLoader
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.config import Config
@@ -54,6 +55,31 @@ def restore(root: Path, step: int, **checkpoint):
     return Checkpointer(cfg, None, 0, 1, 0, None).restore(model, opt, (str(root), step), full=True)
 
 
+@pytest.mark.parametrize("stepped", [True, False])
+def test_a_restore_reads_straight_into_the_live_tensors(root, monkeypatch, stepped):
+    """Every model tensor, and each slot a stepped optimizer already holds, is filled in place:
+    the loader hands back the live storage itself, holding the saved bytes. A fresh optimizer's
+    slots come as new tensors."""
+    saved_model, saved_opt = make_state()
+    model, opt = make_state(seed=4)
+    if not stepped:
+        opt = MainParamsOptimizer(model, lr=1e-2, weight_decay=0.0)  # no slots yet
+    live = {**state.model_tensors(model), **opt.state_tensors()}
+    pointers = {n: t.data_ptr() for n, t in live.items()}
+    returned: dict[str, torch.Tensor] = {}
+    load = StateLoader.load
+    monkeypatch.setattr(StateLoader, "load", lambda self, *a, **kw: returned.update(out := load(self, *a, **kw)) or out)
+    cfg = Config.from_dict(tiny_config(root.parent))
+    Checkpointer(cfg, None, 0, 1, 0, None).restore(model, opt, (str(root), 10), full=True)
+    saved = {**state.model_tensors(saved_model), **saved_opt.state_tensors()}
+    assert returned.keys() == saved.keys()
+    for name, t in {**state.model_tensors(model), **opt.state_tensors()}.items():
+        assert torch.equal(t, saved[name]), name
+        in_place = returned[name].data_ptr() == pointers.get(name) == t.data_ptr()
+        assert in_place == (name in pointers), name
+    assert len(pointers) == (len(saved) if stepped else len(state.model_tensors(model)))
+
+
 def read_chars() -> int:
     """Bytes this process has read through read(2) and friends so far (/proc/self/io rchar)."""
     return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar:")).split()[1])
@@ -84,7 +110,7 @@ def test_the_driver_reads_metadata_not_shards_and_the_ranks_find_the_damage(tmp_
         point = Checkpointer(cfg, None, 0, 1, 0, None).restore(big, MainParamsOptimizer(big, lr=1e-2, weight_decay=0.0),
                                                                 (str(root), 10), full=True)
     assert point.consumed_samples == 8 * 5 and point.source.endswith("iteration_00000005")
-    assert "ckpt-opt-0000001-0000002.safetensors: sha256 does not match metadata.json" in caplog.text
+    assert "ckpt-opt-0000001-0000002.safetensors: xxh3-128 does not match metadata.json" in caplog.text
     assert "Resuming from iteration 5 instead" in caplog.text
     names = sorted(p.name for p in root.iterdir())
     assert "iteration_00000010" not in names and any(n.startswith("iteration_00000010.damaged-") for n in names)
@@ -121,7 +147,7 @@ def test_no_fallback_lists_the_valid_iterations_and_changes_nothing(root):
     before = tree(root)
     with pytest.raises(CheckpointError) as err:
         restore(root, 10, fallback=False)
-    assert "sha256 does not match" in str(err.value) and "Iterations that check out: [5]" in str(err.value)
+    assert "xxh3-128 does not match" in str(err.value) and "Iterations that check out: [5]" in str(err.value)
     assert tree(root) == before
 
 
@@ -137,7 +163,7 @@ def test_missing_or_garbled_tracker_with_valid_iterations(root, tracker):
 
 
 def lie_about_offsets(directory: Path) -> None:
-    """A shard whose safetensors header claims more bytes than the file holds (sizes/sha fixed up to match)."""
+    """A shard whose safetensors header claims more bytes than the file holds (sizes and digests fixed up to match)."""
     shard = directory / "ckpt-model-0000000-0000002.safetensors"
     data = shard.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
@@ -150,7 +176,8 @@ def lie_about_offsets(directory: Path) -> None:
     meta = json.loads((directory / "metadata.json").read_text())
     data = shard.read_bytes()
     bounds = block_bounds(len(data), 8 + len(raw), meta["block_size"])
-    meta["files"][shard.name].update(size=len(data), data_start=8 + len(raw), sha256=[hashlib.sha256(data[lo:hi]).hexdigest() for lo, hi in bounds])
+    meta["files"][shard.name].update(size=len(data), data_start=8 + len(raw),
+                                   digests=[xxhash.xxh3_128(data[lo:hi]).hexdigest() for lo, hi in bounds])
     (directory / "metadata.json").write_text(json.dumps(meta))
 
 

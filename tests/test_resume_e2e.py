@@ -42,7 +42,7 @@ def test_uninterrupted_run_commits_every_interval(reference):
     it = open_iteration(storage, root, FINAL)
     assert it.common["global_step"] == FINAL and it.common["consumed_samples"] == FINAL * 16
     assert it.common["epoch_num"] == 1 and it.common["step_num"] == 2  # 160 samples = 10 steps per epoch
-    read_verified(storage, it, list(it.metadata["files"]))  # sizes and sha256 hold
+    read_verified(storage, it, list(it.metadata["files"]))  # sizes and block digests hold
     # Replicated state is split: each tensor element is stored exactly once, by one of the ranks.
     for kind in ("model", "opt"):
         state = load_state(storage, it, kind)

@@ -18,7 +18,7 @@ from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import find_committed, open_iteration, read_verified
 from ray_resume.checkpoint.commit import remove_unlisted
-from ray_resume.checkpoint.digest import BlockSha256
+from ray_resume.checkpoint.digest import BlockDigests
 from ray_resume.checkpoint.storage import storage_for
 
 
@@ -31,7 +31,7 @@ def test_object_storage_basics(s3):
     assert storage.read_bytes(path) == b'{"a": 2}' and storage.size(path) == 8
     assert storage.read_range(path, 1, 3) == b'"a"'
     assert storage.is_dir("s3://ckpts/basics") and storage.listdir("s3://ckpts/basics") == ["iteration_00000001"]
-    digest = BlockSha256(0, [1, 4])
+    digest = BlockDigests("sha256", 0, [1, 4])
     assert storage.write_durable("s3://ckpts/basics/x.bin", [b"ab", b"cd"], digest) == 4
     assert storage.read_bytes("s3://ckpts/basics/x.bin") == b"abcd"
     assert digest.hexdigests() == [hashlib.sha256(b"a").hexdigest(), hashlib.sha256(b"bcd").hexdigest()]

@@ -91,7 +91,7 @@ class Checkpointer:
         live = state.model_tensors(model)
         specs = {s.name: s for s in tensor_specs(it.metadata, paths.MODEL_KIND)}
         check_weights(live, specs, state.tied_aliases(model), where)
-        assign(live, self._load(loader, paths.MODEL_KIND, specs, live))
+        assign(live, self._load(loader, paths.MODEL_KIND, specs, live, into=live))
         if not full:
             optimizer.reload_main_params_from_model()
             return ResumePoint(source=it.path, bytes_read=loader.bytes_read)
@@ -101,7 +101,8 @@ class Checkpointer:
         if it.common["has_optimizer"]:
             specs = {s.name: s for s in tensor_specs(it.metadata, paths.OPTIM_KIND)}
             params = dict(optimizer.named_main())  # a slot is sharded like its parameter
-            flat = self._load(loader, paths.OPTIM_KIND, specs, {n: params.get(n.rsplit(".", 1)[0]) for n in specs})
+            flat = self._load(loader, paths.OPTIM_KIND, specs, {n: params.get(n.rsplit(".", 1)[0]) for n in specs},
+                              into=optimizer.state_tensors())  # slots that exist already (a live optimizer) load in place
             optimizer.load_state_tensors({n: _shaped(flat[n], specs[n]) for n in specs})
             if optimizer.scaler:
                 optimizer.scaler.load(it.common)
@@ -117,11 +118,19 @@ class Checkpointer:
         point.bytes_read = loader.bytes_read
         return point
 
-    def _load(self, loader: StateLoader, kind: str, specs: dict[str, TensorSpec], live: dict) -> dict[str, torch.Tensor]:
-        """This rank's part of every tensor in `specs`: its dim-0 chunk where the live tensor is an FSDP shard, else all."""
+    def _load(self, loader: StateLoader, kind: str, specs: dict[str, TensorSpec], live: dict,
+              into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of every tensor in `specs`: its dim-0 chunk where the live tensor is an FSDP shard, else all.
+
+        Where `into` has a CPU tensor that holds exactly that part in the saved
+        dtype, the bytes land in it directly.
+        """
         sharded = {n for n, t in live.items() if _sharded(specs[n], t)}
         ranges = {n: needed_range(specs[n], n in sharded, self.world_size, self.rank) for n in specs}
-        return loader.load(kind, ranges, shared=set(specs) - sharded)
+        targets = {n: state.local_tensor(into[n]).detach() for n in specs if torch.is_tensor(into.get(n))}
+        in_place = {n: t.view(-1) for n, t in targets.items() if t.device.type == "cpu" and t.is_contiguous()
+                    and DTYPE_TAGS.get(t.dtype) == specs[n].dtype and t.numel() == ranges[n][1]}
+        return loader.load(kind, ranges, shared=set(specs) - sharded, into=in_place)
 
     def _progress(self, it) -> ResumePoint:
         """Step and data cursor to continue from, rescaled when global_batch_size changed (spec 1.4).
@@ -193,7 +202,7 @@ class Checkpointer:
         manifest = write_shards(
             storage_for(self.ckpt.save_path, self.ckpt.storage), self.ckpt.save_path, step,
             prefix=self.ckpt.prefix, rank=self.rank, world_size=self.world_size,
-            shards=shards, rank_extras=rng,
+            shards=shards, rank_extras=rng, checksum=self.ckpt.checksum,
             on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step),
         )
         self.faults.maybe_kill("before_report", step)
@@ -234,7 +243,8 @@ def assign(live: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> No
     with torch.no_grad():
         for name, tensor in live.items():
             local = state.local_tensor(tensor)
-            local.copy_(loaded[name].view(local.shape))
+            if loaded[name].data_ptr() != local.data_ptr():  # not loaded in place
+                local.copy_(loaded[name].view(local.shape))
 
 
 def _elements(t: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:

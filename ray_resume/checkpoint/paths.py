@@ -22,7 +22,9 @@ COMMON = "common.json"
 CONFIG = "config.yaml"
 MODEL_KIND = "model"
 OPTIM_KIND = "opt"
-FORMAT_VERSION = 3  # 2: tensors carry a layout (split | dim0); 3: a sha256 per checksum block, not per file
+# 2: tensors carry a layout (split | dim0); 3: a sha256 per checksum block, not per file;
+# 4: each file names its checksum algorithm (xxh3-128 by default), its digests under "digests"
+FORMAT_VERSION = 4
 
 _ITERATION_RE = re.compile(r"^iteration_(\d{8})$")
 _SHARD_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9._-]+)-(?P<kind>model|opt)-(?P<rank>\d{7})-(?P<world>\d{7})\.safetensors$")

@@ -1,14 +1,13 @@
 """Find, verify and load a committed iteration.
 
 Order matters: the tracker names an iteration, its JSON is validated, every
-file it lists is checked for size and the sha256 of each checksum block,
+file it lists is checked for size and the digest of each checksum block,
 and only then is any tensor used. Nothing here writes, so a failed load
 leaves storage as it was. Shards are parsed by safetensors (no pickle).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import struct
 from concurrent.futures import Future
@@ -18,7 +17,7 @@ import safetensors.torch
 import torch
 
 from . import paths
-from .digest import BlockSha256
+from .digest import BlockDigests, hexdigest
 from .plan import Piece, SavePlan, TensorSpec
 from .schema import DTYPES, CheckpointError, file_blocks, parse_json, tensor_specs, validate_common, validate_iteration, validate_metadata
 from .storage import READ_BLOCK, LocalStorage, retried
@@ -78,14 +77,14 @@ def open_iteration(storage: LocalStorage, root: str, step: int) -> Iteration:
 
 
 def read_verified(storage: LocalStorage, it: Iteration, names: list[str]) -> dict[str, bytes]:
-    """Whole files as bytes (tools and tests), each checked as a loader checks it: size, every block's sha256, the header."""
+    """Whole files as bytes (tools and tests), each checked as a loader checks it: size, every block's digest, the header."""
     reader = ShardReader(storage, it)
     out = {}
     for name in names:
         reader.check_size(name)
         out[name] = storage.read_bytes(reader.path(name))
         for index, (lo, hi, _) in enumerate(reader.blocks(name)):
-            reader.check_block(name, index, hashlib.sha256(out[name][lo:hi]).hexdigest())
+            reader.check_block(name, index, hexdigest(reader.checksum(name), out[name][lo:hi]))
         reader.check_header(name, out[name][: it.metadata["files"][name]["data_start"]])
     return out
 
@@ -116,7 +115,7 @@ class ShardReader:
     read needs the file's header first. Two ways to read a file:
 
     - `read_checked` reads whole checksum blocks (all of the file unless
-      told which), checks each one's sha256, and for the header block that
+      told which), checks each one's digest, and for the header block that
       the header places every piece where the layout says; requested bytes
       inside land straight in their tensors (no copy of the file is held).
     - `read_ranges` fetches only the requested byte ranges, unchecked: the
@@ -195,16 +194,19 @@ class ShardReader:
         return header
 
     def blocks(self, file: str) -> list[tuple[int, int, str]]:
-        """(first byte, end byte, sha256) of each checksum block of `file` (`schema.file_blocks`, cached)."""
+        """(first byte, end byte, digest) of each checksum block of `file` (`schema.file_blocks`, cached)."""
         if file not in self._blocks:
             self._blocks[file] = file_blocks(self.it.metadata, file)
         return self._blocks[file]
 
-    def check_block(self, file: str, index: int, hexdigest: str) -> None:
+    def checksum(self, file: str) -> str:
+        return self.it.metadata["files"][file]["checksum"]
+
+    def check_block(self, file: str, index: int, digest: str) -> None:
         lo, hi, expected = self.blocks(file)[index]
-        if hexdigest != expected:
-            raise CheckpointError(f"{self.path(file)}: sha256 does not match metadata.json (checksum block {index}, bytes {lo}-{hi}); "
-                                  "the shard is corrupt")
+        if digest != expected:
+            raise CheckpointError(f"{self.path(file)}: {self.checksum(file)} does not match metadata.json (checksum block {index}, "
+                                  f"bytes {lo}-{hi}); the shard is corrupt")
 
     def read_checked(self, file: str, requests: list[Request], blocks: list[int] | None = None) -> None:
         """Read checksum blocks `blocks` (all by default), checking each; requested bytes in them land in their tensors.
@@ -233,15 +235,15 @@ class ShardReader:
         with self.storage.open_read(self.path(file)) as f:
             for run in consecutive_runs(range(len(checksums)) if blocks is None else sorted(blocks)):
                 lo, hi = checksums[run[0]][0], checksums[run[-1]][1]
-                digest = BlockSha256(lo, [checksums[i][1] for i in run])
+                digest = BlockDigests(self.checksum(file), lo, [checksums[i][1] for i in run])
                 head = self._stream(f, file, lo, hi, spans, digest, scratch)
-                for index, hexdigest in zip(run, digest.hexdigests()):
-                    self.check_block(file, index, hexdigest)
+                for index, found in zip(run, digest.hexdigests()):
+                    self.check_block(file, index, found)
                 if head is not None:
                     self.check_header(file, head)
                 self.bytes_read += hi - lo
 
-    def _stream(self, f, file: str, lo: int, hi: int, spans, digest: BlockSha256, scratch: _ScratchBlocks) -> bytes | None:
+    def _stream(self, f, file: str, lo: int, hi: int, spans, digest: BlockDigests, scratch: _ScratchBlocks) -> bytes | None:
         """Bytes [lo, hi) of `f` into the spans' tensors (scratch elsewhere), all hashed; the header bytes when lo is 0."""
         path = self.path(file)
         f.seek(lo)
@@ -296,19 +298,19 @@ class _ScratchBlocks:
 
     def __init__(self):
         self._blocks: list[bytearray | None] = [None, None]
-        self._hashed: list[Future | None] = [None, None]
+        self._hashed: list[list[Future]] = [[], []]
         self._turn = 0
 
     def take(self, n: int) -> memoryview:
         self._turn ^= 1
-        if self._hashed[self._turn] is not None:
-            self._hashed[self._turn].result()  # its last bytes are hashed: safe to overwrite
+        for future in self._hashed[self._turn]:
+            future.result()  # its bytes are hashed: safe to overwrite
         if self._blocks[self._turn] is None:
             self._blocks[self._turn] = bytearray(READ_BLOCK)
         return memoryview(self._blocks[self._turn])[:n]
 
-    def hashing(self, future: Future) -> None:
-        self._hashed[self._turn] = future
+    def hashing(self, futures: list[Future]) -> None:
+        self._hashed[self._turn] = futures
 
 
 def _read_exactly(f, n: int, path: str) -> bytes:
@@ -345,7 +347,7 @@ def plan_reads(it: Iteration, kind: str, ranges: dict[str, tuple[int, int]],
     dests, reads = dict(dests or {}), {}
     for name, (start, numel) in ranges.items():
         spec = specs[name]
-        dest = dests.setdefault(name, torch.empty(numel, dtype=DTYPES[spec.dtype]))
+        dest = dests[name] if name in dests else dests.setdefault(name, torch.empty(numel, dtype=DTYPES[spec.dtype]))
         for rank, piece in plan.overlaps(name, start, numel):
             lo, hi = max(start, piece.start), min(start + numel, piece.start + piece.numel)
             reads.setdefault(files[rank], []).append(Request(piece, spec, lo, hi, dest[lo - start : hi - start]))

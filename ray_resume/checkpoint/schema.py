@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import paths
-from .digest import block_bounds
+from .digest import CHECKSUMS, block_bounds
 from .plan import DIM0, LAYOUTS, TensorSpec
 
 CKPT_STATUS_OK = "ok"
@@ -37,7 +37,7 @@ COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
 METADATA_FIELDS: dict[str, type | tuple[type, ...]] = {
     "format_version": int, "iteration": int, "world_size": int, "block_size": int, "files": dict, "tensors": dict,
 }
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_HEX = re.compile(r"[0-9a-f]+")
 
 # A safetensors header larger than this is not one we wrote (ours are ~100 bytes per tensor).
 MAX_HEADER = 64 << 20
@@ -153,16 +153,21 @@ def _check_file_entry(info: Any, block_size: int, label: str) -> None:
     sizes = [info.get(k) for k in ("size", "data_start")] if isinstance(info, dict) else [None]
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) or not 8 <= sizes[1] <= min(sizes[0], 8 + MAX_HEADER):
         raise CheckpointError(f"{label} needs integers 'size' and 'data_start' (8 <= data_start <= size, a header of at most {MAX_HEADER} bytes)")
-    expected = len(block_bounds(info["size"], info["data_start"], block_size))
-    digests = info.get("sha256")
-    if not isinstance(digests, list) or len(digests) != expected or not all(isinstance(d, str) and _SHA256_HEX.fullmatch(d) for d in digests):
-        raise CheckpointError(f"{label}: 'sha256' must list {expected} lowercase hex sha256 digests, one per checksum block")
+    checksum = info.get("checksum")
+    if not isinstance(checksum, str) or checksum not in CHECKSUMS:
+        raise CheckpointError(f"{label}: checksum {checksum!r} is not one this ray_resume knows ({', '.join(CHECKSUMS)}); "
+                              "use the ray_resume release that wrote it")
+    expected, digits = len(block_bounds(info["size"], info["data_start"], block_size)), CHECKSUMS[checksum][1]
+    digests = info.get("digests")
+    if not isinstance(digests, list) or len(digests) != expected or not all(
+            isinstance(d, str) and len(d) == digits and _HEX.fullmatch(d) for d in digests):
+        raise CheckpointError(f"{label}: 'digests' must list {expected} lowercase hex {checksum} digests, one per checksum block")
 
 
 def file_blocks(meta: dict, name: str) -> list[tuple[int, int, str]]:
-    """(first byte, end byte, sha256) of each checksum block of a listed (validated) file."""
+    """(first byte, end byte, digest) of each checksum block of a listed (validated) file."""
     info = meta["files"][name]
-    return [(lo, hi, d) for (lo, hi), d in zip(block_bounds(info["size"], info["data_start"], meta["block_size"]), info["sha256"])]
+    return [(lo, hi, d) for (lo, hi), d in zip(block_bounds(info["size"], info["data_start"], meta["block_size"]), info["digests"])]
 
 
 def tensor_specs(meta: dict, kind: str) -> list[TensorSpec]:

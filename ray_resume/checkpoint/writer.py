@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from . import paths
-from .digest import BlockSha256, block_bounds
+from .digest import DEFAULT_CHECKSUM, BlockDigests, block_bounds
 from .plan import DIM0, SPLIT, Piece, SavePlan, TensorSpec
 from .schema import DTYPE_TAGS, DTYPES
 from .state import dim0_sharded, local_tensor
@@ -205,6 +205,7 @@ def write_shards(
     rank_extras: dict[str, str],
     on_mid_write: Callable[[], None] = lambda: None,
     block_size: int = CHECKSUM_BLOCK,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> dict:
     """Write this rank's shard files of iteration `step` from their data sections; return its manifest.
 
@@ -231,11 +232,11 @@ def write_shards(
         chunks = [memoryview(head), *_pieces(data)]
 
         def write(path=paths.join(iter_dir, name), chunks=chunks, ends=[end for _, end in blocks]):
-            digest = BlockSha256(0, ends)  # a retry rewrites the whole file, hashed afresh
+            digest = BlockDigests(checksum, 0, ends)  # a retry rewrites the whole file, hashed afresh
             return storage.write_durable(path, _halves(chunks, on_mid_write), digest), digest
 
         size, digest = retried(write, f"write of {paths.join(iter_dir, name)}")
-        manifest["files"][name] = {"size": size, "data_start": len(head), "sha256": digest.hexdigests(), "kind": shard.kind, "rank": rank}
+        manifest["files"][name] = {"size": size, "data_start": len(head), "checksum": checksum, "digests": digest.hexdigests(), "kind": shard.kind, "rank": rank}
         if rank == 0:
             manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape), s.layout] for s in shard.specs]
     logger.debug("rank %d wrote %s", rank, json.dumps(manifest["files"]))
@@ -255,12 +256,14 @@ def save_shards(
     rank_extras: dict[str, str],
     on_mid_write: Callable[[], None] = lambda: None,
     block_size: int = CHECKSUM_BLOCK,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> dict:
     """Synchronous save: write this rank's shards straight from the live tensors; return its manifest."""
     states = {paths.MODEL_KIND: model_state, paths.OPTIM_KIND: optim_state}
     shards = [(s, live_data(s, states[s.kind])) for s in shard_layouts(states, rank, world_size)]
     return write_shards(storage, root, step, prefix=prefix, rank=rank, world_size=world_size,
-                        shards=shards, rank_extras=rank_extras, on_mid_write=on_mid_write, block_size=block_size)
+                        shards=shards, rank_extras=rank_extras, on_mid_write=on_mid_write, block_size=block_size,
+                        checksum=checksum)
 
 
 # Bytes handed to one write(): each piece is hashed while still in the CPU cache and
