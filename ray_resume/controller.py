@@ -16,7 +16,7 @@ after the tracker has moved. What changes the job's state (an attempt
 starting, a manifest arriving, a commit) is serialized by one lock, so a
 commit and a restarted group asking "what is committed?" never interleave.
 
-The class is plain Python; ranks reach it through `call`, so the in-process
+The class is plain Python; ranks reach it through `calls.call`, so the in-process
 test harness serves the very same class without Ray.
 """
 
@@ -46,30 +46,6 @@ SAVE_AND_STOP, STOP_NOW = 1, 2  # should_stop's answers, ordered: the ranks agre
 
 class CommitError(RuntimeError):
     """A commit failed: the run ends with this error, and its tracker stays on the last good commit."""
-
-
-# The calls that change the job's state run one at a time in a concurrency group of their own
-# on the actor: queued there behind a slow commit, they hold none of the threads that answer
-# the per-step calls (should_stop, last_committed, stepped), however many ranks report.
-SERIAL = frozenset({"report", "start_attempt", "claim_fault"})
-
-
-def call(controller, method: str, *args):
-    """Call `method` of the job's controller: remotely on the Ray actor, directly on anything else."""
-    if isinstance(controller, ray.actor.ActorHandle):
-        remote = getattr(controller, method)
-        if method in SERIAL:
-            remote = remote.options(concurrency_group="state")
-        return ray.get(remote.remote(*args))
-    return getattr(controller, method)(*args)
-
-
-def tell(controller, method: str, *args) -> None:
-    """`call` without waiting for the answer on the Ray actor (per-step news costs training nothing)."""
-    if isinstance(controller, ray.actor.ActorHandle):
-        getattr(controller, method).remote(*args)
-    else:
-        getattr(controller, method)(*args)
 
 
 class JobController:
@@ -256,5 +232,5 @@ class JobController:
         os._exit(1)
 
 
-# Threaded: the per-step calls of every rank are answered while a commit runs (see SERIAL).
+# Threaded: the per-step calls of every rank are answered while a commit runs (see calls.SERIAL).
 JobControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16, concurrency_groups={"state": 1})(JobController)

@@ -23,7 +23,8 @@ from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.loader import collective_device
 from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
 from .config import Config
-from .controller import STOP_NOW, call, tell
+from .calls import call, tell
+from .controller import STOP_NOW
 from .data import DEFAULT_COLUMNS, SAMPLE_ID, SampleStream, quiet_ray_data, read_eval_set
 from .faults import FaultInjector
 from .metrics import Curves, MetricsWriter

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..controller import call
+from ..calls import call
 from . import paths, state
 from .fallback import fall_back
 from .loader import StateLoader, collective_device, decided_by_rank0, open_shared

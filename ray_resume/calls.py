@@ -1,0 +1,39 @@
+"""How ranks reach the job's controller: its Ray actor, or the plain object itself.
+
+Apart from `controller.py`, which needs Ray, so that the checkpoint core runs
+where Ray is not installed (scripts/gpu_check.py on a bare GPU machine).
+"""
+
+from __future__ import annotations
+
+import sys
+
+# The calls that change the job's state run one at a time in a concurrency group of their own
+# on the actor: queued there behind a slow commit, they hold none of the threads that answer
+# the per-step calls (should_stop, last_committed, stepped), however many ranks report.
+SERIAL = frozenset({"report", "start_attempt", "claim_fault"})
+
+
+def _ray_actor(controller):
+    """Ray, when `controller` is one of its actor handles (none can exist before Ray is imported)."""
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and isinstance(controller, ray.actor.ActorHandle) else None
+
+
+def call(controller, method: str, *args):
+    """Call `method` of the job's controller: remotely on the Ray actor, directly on anything else."""
+    ray = _ray_actor(controller)
+    if ray is None:
+        return getattr(controller, method)(*args)
+    remote = getattr(controller, method)
+    if method in SERIAL:
+        remote = remote.options(concurrency_group="state")
+    return ray.get(remote.remote(*args))
+
+
+def tell(controller, method: str, *args) -> None:
+    """`call` without waiting for the answer on the Ray actor (per-step news costs training nothing)."""
+    if _ray_actor(controller) is None:
+        getattr(controller, method)(*args)
+    else:
+        getattr(controller, method).remote(*args)
