@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("ddp", "fsdp")  # DistributedDataParallel, or FSDP2 fully_shard (params and optimizer state sharded on dim 0)
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "wsd")  # the LR after warmup (train_loop.learning_rate)
 FAULT_PHASES = ("after_optimizer_step", "mid_shard_write", "before_report", "commit_before_tracker", "retention_delete", "commit_fails")
 
 
@@ -46,6 +47,7 @@ class ConfigError(ValueError):
 
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_OPTIMIZER_PATH = re.compile(r"^[A-Za-z_][\w.]*[.:][A-Za-z_]\w*$")
 
 
 def _import_path(problems: list[str], key: str, value: str) -> None:
@@ -158,7 +160,13 @@ class TrainingConfig(_Section):
     seed: int = 42  # model-init / dropout seed
     strategy: str = "ddp"  # data parallelism: ddp (replicated) | fsdp (FSDP2 fully_shard, sharded on dim 0)
     warmup_steps: int = 0  # linear LR warmup steps (>= 0)
-    weight_decay: float = 0.0  # AdamW weight decay (>= 0)
+    lr_decay_style: str = "constant"  # LR after warmup: constant | linear | cosine | wsd (warmup, stable, then a linear decay)
+    min_lr: float = 0.0  # where linear, cosine and wsd decay end, at train_steps (0 <= min_lr <= lr)
+    wsd_decay_fraction: float = 0.1  # wsd: the decay takes this last fraction of the samples after warmup (0 < f <= 1)
+    optimizer: str = "torch.optim.AdamW"  # a torch.optim.Optimizer class: "torch.optim.SGD", or "pkg.module:Class"
+    optimizer_args: dict[str, Any] = field(default_factory=dict)  # its keyword arguments besides lr and weight_decay ({momentum: 0.9})
+    weight_decay: float = 0.0  # the optimizer's weight decay (>= 0)
+    grad_clip: float = 0.0  # clip the global gradient norm to this (0 = off); DDP, FSDP2, accumulation and fp16 scaling included
     log_every: int = 10  # log metrics every N steps (>= 1)
     log_sample_ids: bool = False  # record every step's sample ids in the metrics (for audits and tests)
     loss: str = ""  # "pkg.module:fn" called as fn(model, batch) -> scalar tensor ("" = next-token loss)
@@ -175,6 +183,14 @@ class TrainingConfig(_Section):
         _at_least(p, "training.warmup_steps", self.warmup_steps, 0)
         _at_least(p, "training.eval_every", self.eval_every, 0)
         _at_least(p, "training.weight_decay", self.weight_decay, 0)
+        _at_least(p, "training.grad_clip", self.grad_clip, 0)
+        _one_of(p, "training.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
+        if not 0 <= self.min_lr <= self.lr:
+            p.append(f"training.min_lr must be between 0 and training.lr ({self.lr!r}), got {self.min_lr!r}")
+        if not 0 < self.wsd_decay_fraction <= 1:
+            p.append(f"training.wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction!r}")
+        if not _OPTIMIZER_PATH.match(self.optimizer):
+            p.append(f"training.optimizer must look like 'torch.optim.SGD' or 'package.module:Class', got {self.optimizer!r}")
         return p
 
     def accumulation_steps(self, world_size: int) -> int:

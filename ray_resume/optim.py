@@ -1,14 +1,21 @@
-"""Mixed precision: low-precision model params, fp32 main params, dynamic loss scale.
+"""The optimizer step: any torch.optim optimizer, fp32 main params, gradient clipping, dynamic loss scale.
 
 With `model.dtype: bfloat16 | float16` the model computes in that dtype while
-AdamW steps fp32 copies of the parameters ("main params", as in Megatron);
+the optimizer (`training.optimizer`, AdamW by default) steps fp32 copies of
+the parameters ("main params", as in Megatron);
 after each step the main params are copied back into the model. float16
 adds a dynamic loss scaler: grow after `growth_interval` clean steps, back
 off and skip the step on inf/nan gradients. With float32 the model's own
-params are the main params and the loss scale stays 1.0.
+params are the main params and the loss scale stays 1.0. `grad_clip` scales
+the gradients down to that global norm before the step (after unscaling, on
+the main params, so DDP, FSDP2 shards and gradient accumulation all see the
+norm of the whole step's gradient).
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Any
 
 import torch
 
@@ -42,10 +49,27 @@ class LossScaler:
         self.clean_steps = int(common.get("loss_scale_clean_steps", 0))
 
 
-class MainParamsOptimizer:
-    """AdamW over fp32 main params that shadow a (possibly) low-precision model."""
+def class_path(cls: type) -> str:
+    """Where a class is defined, "module:Qualname" (what common.json records of the optimizer)."""
+    return f"{cls.__module__}:{cls.__qualname__}"
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float):
+
+def optimizer_kwargs(cls: type, weight_decay: float, args: dict[str, Any] | None) -> dict[str, Any]:
+    """The keyword arguments `cls` is built with besides lr: `args`, and weight_decay where it takes one."""
+    try:
+        takes = "weight_decay" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        takes = True
+    if weight_decay and not takes:
+        raise TypeError(f"{cls.__name__} takes no weight_decay; set training.weight_decay: 0")
+    return {**({"weight_decay": weight_decay} if takes else {}), **(args or {})}
+
+
+class MainParamsOptimizer:
+    """A torch.optim optimizer (AdamW by default) over fp32 main params that shadow a (possibly) low-precision model."""
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,
+                 optimizer_class: type = torch.optim.AdamW, optimizer_args: dict[str, Any] | None = None, grad_clip: float = 0.0):
         self.model = model
         self.named = list(unwrap(model).named_parameters())
         self.mixed = any(p.dtype != torch.float32 for _, p in self.named)
@@ -53,7 +77,8 @@ class MainParamsOptimizer:
             self.main = [p.detach().float().clone().requires_grad_(True) for _, p in self.named]
         else:
             self.main = [p for _, p in self.named]
-        self.optimizer = torch.optim.AdamW(self.main, lr=lr, weight_decay=weight_decay)
+        self.optimizer = optimizer_class(self.main, lr=lr, **optimizer_kwargs(optimizer_class, weight_decay, optimizer_args))
+        self.grad_clip = grad_clip
         self.scaler = LossScaler() if any(p.dtype == torch.float16 for _, p in self.named) else None
         self.grad_norm = float("nan")  # of the last step's (unscaled) gradients, for the curves
 
@@ -87,6 +112,12 @@ class MainParamsOptimizer:
             self.scaler.update(finite)
             if not finite:
                 return False
+        if self.grad_clip and self.grad_norm > self.grad_clip:
+            # torch.nn.utils.clip_grad_norm_'s coefficient, from the norm of the whole (all-reduced or sharded) gradient
+            scale = self.grad_clip / (self.grad_norm + 1e-6)
+            for main in self.main:
+                if main.grad is not None:
+                    main.grad.mul_(scale)
         self.optimizer.step()
         if self.mixed:
             with torch.no_grad():

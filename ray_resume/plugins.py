@@ -4,7 +4,8 @@
 and returns an `nn.Module`; `training.loss: "pkg.module:fn"` is called as
 `fn(model, batch)` and returns a scalar tensor; `data.collate` turns a dict of
 numpy arrays (the configured `data.columns`, one micro-batch) into that
-batch. Everything is resolved and its signature checked on the driver, before
+batch; `training.optimizer` names a `torch.optim.Optimizer` class, built with
+`training.optimizer_args` (tried on a one-element parameter). Everything is resolved and its signature checked on the driver, before
 any worker starts, so a typo fails in a second with the key that holds it.
 """
 
@@ -21,6 +22,7 @@ import torch
 
 from .config import Config, ConfigError
 from .model import DTYPES, build_model, lm_loss
+from .optim import optimizer_kwargs
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Plugins:
     build_model: Callable
     loss: Callable
     collate: Callable
+    optimizer: type = torch.optim.AdamW
 
 
 def default_collate(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -84,7 +87,20 @@ def resolve(cfg: Config, *, build_model=None, loss=None, collate=None) -> Plugin
         fn = given or (load_callable(key, path) if path else builtin)
         check_signature(key, fn, params)
         chosen[key] = fn
-    return Plugins(chosen["model.builder"], chosen["training.loss"], chosen["data.collate"])
+    return Plugins(chosen["model.builder"], chosen["training.loss"], chosen["data.collate"], load_optimizer(cfg.training))
+
+
+def load_optimizer(training) -> type:
+    """`training.optimizer`'s class, refused here (the driver) unless it takes `optimizer_args`."""
+    path = training.optimizer
+    cls = load_callable("training.optimizer", path if ":" in path else ":".join(path.rsplit(".", 1)))
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"training.optimizer: {path!r} is not a torch.optim.Optimizer class")
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], lr=training.lr, **optimizer_kwargs(cls, training.weight_decay, training.optimizer_args))
+    except (TypeError, ValueError) as exc:  # an unknown keyword, or a value it refuses
+        raise ConfigError(f"training.optimizer_args: {cls.__name__} refuses {training.optimizer_args}: {exc}") from None
+    return cls
 
 
 def make_model(plugins: Plugins, cfg: Config) -> torch.nn.Module:

@@ -39,7 +39,8 @@ from .summary import summarize
 from .data import (DEFAULT_COLUMNS, DataError, check_eval_set, data_fingerprint, ensure_dataset, fingerprint_changes,
                    scan_units)
 from . import parallel
-from .plugins import make_model, resolve
+from .optim import class_path
+from .plugins import load_optimizer, make_model, resolve
 from .train_loop import train_func
 
 logger = logging.getLogger("ray_resume")
@@ -253,7 +254,20 @@ def preflight(cfg: Config) -> tuple[str, int | None] | None:
         refuse_step_rewind(cfg, it)
     if not ckpt.no_load_optim:
         refuse_data_change(cfg, it, units)
+        refuse_optimizer_change(cfg, it)
     return load
+
+
+def refuse_optimizer_change(cfg: Config, it) -> None:
+    """Another optimizer class cannot take the saved state (AdamW's moments are not SGD's momentum):
+    torch would load the foreign slots without a word. Refused; weights alone carry over."""
+    saved, now = it.common.get("optimizer"), class_path(load_optimizer(cfg.training))
+    if saved is not None and saved != now:  # None: written before the class was kept
+        raise CheckpointError(
+            f"{paths.join(it.path, paths.COMMON)}: iteration {it.step} holds the state of optimizer {saved}, but "
+            f"training.optimizer builds {now}; set checkpoint.no_load_optim: true to start {now} from its weights, "
+            "or set training.optimizer back"
+        )
 
 
 def refuse_data_change(cfg: Config, it, units) -> None:

@@ -10,6 +10,7 @@ when the first start had no `load_path`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import ray
@@ -28,7 +29,7 @@ from .controller import STOP_NOW
 from .data import DEFAULT_COLUMNS, SAMPLE_ID, SampleStream, quiet_ray_data, read_eval_set
 from .faults import FaultInjector
 from .metrics import Curves, MetricsWriter
-from .optim import MainParamsOptimizer
+from .optim import MainParamsOptimizer, class_path
 from .plugins import make_model
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     seed_everything(train.seed)  # identical initial weights on every rank
     model = parallel.wrap(make_model(plugins, cfg).to(device), train.strategy, cfg.model.fsdp_units, device, world)
     model.train()  # a builder may hand over a model in eval mode (from_pretrained does): dropout would be off
-    optimizer = MainParamsOptimizer(model, lr=train.lr, weight_decay=train.weight_decay)
+    optimizer = MainParamsOptimizer(model, lr=train.lr, weight_decay=train.weight_decay, optimizer_class=plugins.optimizer,
+                                    optimizer_args=train.optimizer_args, grad_clip=train.grad_clip)
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
 
     if resume_step is not None:  # a restart within this job: its own newest commit
@@ -86,9 +88,10 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     accumulation = train.accumulation_steps(world)
     noticed = False  # a preemption notice was seen and saved for
     for step in range(resume.global_step + 1, train.train_steps + 1):
+        lr = learning_rate(train, samples.position)  # of the samples consumed before this step
         batch = next(batches)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(train, step)
+            group["lr"] = lr
         loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world, device)
         faults.maybe_kill("after_optimizer_step", step)
         consumed = samples.position
@@ -105,6 +108,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
             "epoch_num": consumed // samples.num_samples,
             "step_num": (consumed % samples.num_samples) // train.global_batch_size,
             "data": samples.fingerprint,
+            "optimizer": class_path(plugins.optimizer),
             **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
         })
         progress.step(step, loss, optimizer.param_groups[0]["lr"], optimizer.grad_norm, batch["sample_id"], saved,
@@ -124,11 +128,29 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
         call(controller, "finish", progress.last)
 
 
-def learning_rate(train, step: int) -> float:
-    """Linear warmup, then constant: a pure function of the step, so it needs no checkpoint."""
-    if train.warmup_steps and step <= train.warmup_steps:
-        return train.lr * step / train.warmup_steps
-    return train.lr
+def learning_rate(train, consumed: int) -> float:
+    """The LR of the step that follows `consumed` samples: a pure function of them, so it needs no
+    checkpoint, and a resume with another global_batch_size continues the curve where it was.
+
+    Warmup rises linearly over the first `warmup_steps x global_batch_size` samples (from 0, as
+    Megatron's does); then `lr_decay_style` takes the LR from `lr` to `min_lr` by `train_steps x
+    global_batch_size` samples: constant, linear, cosine, or wsd (stable, then linear over the last
+    `wsd_decay_fraction` of the samples after warmup).
+    """
+    warmup, total = train.warmup_steps * train.global_batch_size, train.train_steps * train.global_batch_size
+    if consumed < warmup:
+        return train.lr * consumed / warmup
+    progress = min(1.0, (consumed - warmup) / max(1, total - warmup))
+    style = train.lr_decay_style
+    if style == "constant":
+        return train.lr
+    if style == "linear":
+        decay = 1.0 - progress
+    elif style == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:  # wsd
+        decay = min(1.0, (1.0 - progress) / train.wsd_decay_fraction)
+    return train.min_lr + (train.lr - train.min_lr) * decay
 
 
 def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumulation: int, world: int, device) -> float:
