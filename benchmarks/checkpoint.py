@@ -34,6 +34,8 @@ from pathlib import Path
 import ray
 import torch
 
+from benchmarks.page_cache import drop_cache
+
 SIZES = {  # name: (vocab_size, d_model, n_layers, n_heads)
     "tiny": (256, 64, 2, 4),
     "50m": (16384, 512, 12, 8),
@@ -78,18 +80,6 @@ def _rchar() -> int:
             if line.startswith("rchar:"):
                 return int(line.split()[1])
     return 0
-
-
-def _drop_cache(path: str) -> None:
-    """Evict a tree's clean pages so the next read goes to storage (no root needed)."""
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _tree_bytes(path: str) -> int:
@@ -193,7 +183,7 @@ class BenchWorker:
 
     def ours_load(self, step: int, balanced: bool) -> dict:
         ck = self._checkpointer(self.root, load_balanced=balanced)
-        _drop_cache(self.root)
+        drop_cache(self.root)
         gc.collect()
         self._barrier()
         before, start = _rchar(), time.perf_counter()
@@ -230,7 +220,7 @@ class BenchWorker:
         import torch.distributed.checkpoint as dcp
 
         path = os.path.join(self.root, "dcp-sync")
-        _drop_cache(path)
+        drop_cache(path)
         state = self._state()  # DCP loads in place into these tensors
         self._barrier()
         before, start = _rchar(), time.perf_counter()
@@ -259,7 +249,7 @@ class BenchWorker:
         from ray_resume.checkpoint import state as st
 
         path = os.path.join(self.root, "torch", "state.pt")
-        _drop_cache(os.path.dirname(path))
+        drop_cache(os.path.dirname(path))
         self._barrier()
         before, start = _rchar(), time.perf_counter()
         loaded = torch.load(path, weights_only=True)  # every rank needs the whole state under DDP

@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))  # the device gets the working tree, not an instal
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.page_cache import drop_cache  # noqa: E402
 from ray_resume.checkpoint import paths  # noqa: E402
 from ray_resume.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from ray_resume.checkpoint.commit import commit_iteration  # noqa: E402
@@ -167,7 +168,7 @@ def speed(size: str, device: torch.device, work: str) -> dict:
     out["ours_async"] = save(ours_async, model, optimizer, 3, device)
     fresh, fresh_opt = build(cfg, device, "plain", seed=1)
     train_step(fresh, fresh_opt, cfg, 1, device)  # a live optimizer, as DCP needs one to load into
-    _drop_cache(root)
+    drop_cache(root)
     sync(device)
     start = time.perf_counter()
     point = ours_sync.restore(fresh, fresh_opt, (root, 3), full=True)
@@ -191,7 +192,7 @@ def speed(size: str, device: torch.device, work: str) -> dict:
     (future.upload_completion if hasattr(future, "upload_completion") else future).result()
     out["dcp_async_save_s"] = time.perf_counter() - start
     shutil.rmtree(dcp_dir + "-async")
-    _drop_cache(dcp_dir + "-sync")
+    drop_cache(dcp_dir + "-sync")
     sync(device)
     start = time.perf_counter()
     dcp.load(live, checkpoint_id=dcp_dir + "-sync")
@@ -205,18 +206,6 @@ def speed(size: str, device: torch.device, work: str) -> dict:
     out["ours_load_vs_dcp_load"] = out["ours_load_s"] / out["dcp_load_s"]
     out["ours_save_gbps"] = out["checkpoint_bytes"] / out["ours_sync"]["save_s"] / 1e9
     return out
-
-
-def _drop_cache(path: str) -> None:
-    """Evict a tree's clean pages so the next read goes to storage."""
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 # ----------------------------------------------------------------------------- exactness
