@@ -11,7 +11,7 @@ import sys
 # The calls that change the job's state run one at a time in a concurrency group of their own
 # on the actor: queued there behind a slow commit, they hold none of the threads that answer
 # the per-step calls (should_stop, last_committed, stepped), however many ranks report.
-SERIAL = frozenset({"report", "start_attempt", "claim_fault"})
+SERIAL = frozenset({"report", "start_attempt", "claim_fault", "user_failed"})
 
 
 def _ray_actor(controller):

@@ -132,7 +132,7 @@ class DataConfig(_Section):
     shuffle: bool = True  # shuffle sample order each epoch
     seed: int = 1234  # shuffle seed
     synthetic: Optional[SyntheticDataConfig] = None  # if set, generate the dataset at `path` when missing
-    columns: dict[str, str] = field(default_factory=dict)  # parquet column -> numpy dtype for the batch ({} = input_ids: int32)
+    columns: dict[str, str] = field(default_factory=dict)  # parquet column -> numpy dtype for the batch, cast without loss ({} = input_ids: int32)
     collate: str = ""  # "pkg.module:fn" turning a dict of numpy arrays into the batch your loss takes
     allow_change: bool = False  # resume although data.seed/shuffle/columns or the dataset differ from the checkpoint's
     eval_path: str = ""  # a held-out dataset (same columns) for the eval loss every training.eval_every steps

@@ -67,6 +67,7 @@ class JobController:
         self.final_metrics: dict = {}
         self.stop_requested = False
         self.commit_error: str | None = None  # the first failed commit, for the driver's result
+        self.user_error: str | None = None  # the first mistake of the user's a rank found: the job ends with it
         self.lease_lost = False  # a commit found another job holding the writer lease
         self.lock = threading.RLock()  # attempts, manifests and commits, one at a time (a commit claims its fault)
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")  # in commit order
@@ -93,7 +94,13 @@ class JobController:
         lost, self.lost = self.lost, {}
         self.reached.append({"attempt": self.attempt, "step": None, "time": None})
         return {"attempt": self.attempt, "resume_step": self.last_committed(), "failed_after": failed_after,
-                "lost": {str(rank): why for rank, why in sorted(lost.items())}}
+                "lost": {str(rank): why for rank, why in sorted(lost.items())}, "user_error": self.user_error}
+
+    def user_failed(self, rank: int, message: str) -> None:
+        """A rank hit a mistake of the user's (a loss that is not a scalar...): running it again would
+        hit it again, so the group Ray Train restarts for it returns at once and the run ends with it."""
+        if self.user_error is None:
+            self.user_error = f"rank {rank}: {message}"
 
     def ranks_failed(self, why: dict[int, str]) -> None:
         """Ray Train saw these ranks fail (rank -> its error's first line): the restart names them."""
@@ -138,7 +145,8 @@ class JobController:
             last = self.last_committed()
             where = f"iteration {last}, the last good commit" if last is not None else "what it named before"
             error = f"{self.commit_error}; the tracker of {self.root} stays on {where}; run again with checkpoint.load_path={self.root} to resume from it"
-        return {"committed": self.last_committed(), "metrics": self.final_metrics, "error": error, "attempts": self.reached}
+        return {"committed": self.last_committed(), "metrics": self.final_metrics, "error": error, "attempts": self.reached,
+                "user_error": self.user_error}
 
     def last_committed(self) -> int | None:
         return self.committed_by_job[-1] if self.committed_by_job else None

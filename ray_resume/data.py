@@ -259,8 +259,9 @@ def ensure_dataset(path: Union[str, os.PathLike], synthetic: Any, seq_len: int, 
 def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str]) -> None:
     """`sample_id` int64 (sample exactness is audited by it) and every configured column.
 
-    A column's arrow type must be exactly the configured dtype, or a list of
-    it (one fixed-length vector per row): a silent cast could lose data.
+    A column (or each element of a list column: one fixed-length vector per
+    row) must cast to the configured dtype without loss: int16 tokens read as
+    int32, int64 ones are refused, since a cast could change them.
     """
     names = schema.names
     if SAMPLE_ID not in names:
@@ -273,8 +274,15 @@ def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str]) -> None
         if name not in names:
             raise DataError(f"{file}: missing column {name!r} (data.columns wants {dtype} or list<{dtype}>)")
         t = schema.field(name).type
-        if not (t == want or (pa.types.is_list(t) and t.value_type == want)):
-            raise DataError(f"{file}: column {name!r} has type {t}, expected {want} or list<{want}> (data.columns.{name}: {dtype})")
+        element = t.value_type if pa.types.is_list(t) else t
+        try:
+            lossless = np.can_cast(np.dtype(element.to_pandas_dtype()), np.dtype(dtype), casting="safe")
+        except (NotImplementedError, TypeError):  # not a numeric type
+            lossless = False
+        if not lossless:
+            shown = f"list<{element}>" if pa.types.is_list(t) else t
+            raise DataError(f"{file}: column {name!r} has type {shown}, which does not cast to {dtype} without loss; expected "
+                            f"{want} or list<{want}> or a narrower type (data.columns.{name}: {dtype}; set it to the column's type)")
 
 
 def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] = None) -> List[ReadUnit]:

@@ -26,11 +26,12 @@ import torch
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .checkpoint import paths
+from .checkpoint import paths, state
+from .checkpoint.checkpointer import check_weights
 from .checkpoint.fallback import select_iteration
 from .checkpoint.lease import Lease
-from .checkpoint.reader import find_committed, is_export, open_iteration
-from .checkpoint.schema import CheckpointError
+from .checkpoint.reader import export_specs, find_committed, is_export, open_iteration
+from .checkpoint.schema import CheckpointError, tensor_specs
 from .checkpoint.storage import storage_for
 from .config import Config, ConfigError, load_config, redacted
 from .controller import CommitError, JobControllerActor
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run(load_config(args.config, args.set), address=args.address, verbose=args.verbose)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(result.error, ConfigError):  # a user's mistake a rank found (not retried)
+        print(f"error: {result.error}", file=sys.stderr)
         return 2
     if result.error is not None:
         print(f"error: training failed: {result.error}", file=sys.stderr)
@@ -118,7 +122,7 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
 
 
 def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str, verbose: bool) -> RunResult:
-    load = preflight(cfg)
+    load = preflight(cfg, plugins)
     init_ray(address, cfg)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # On the driver's node: the commit must run where the driver does (it dies with it).
@@ -153,7 +157,9 @@ def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str, verb
     outcome = ray.get(controller.result.remote())
     ray.get(controller.release.remote())
     say_summary(cfg, job_id, outcome["attempts"], wall_s)
-    if error is None and outcome["error"]:
+    if outcome["user_error"]:  # what Ray Train's error wraps, in our words (it was not retried)
+        error = ConfigError(outcome["user_error"])
+    elif error is None and outcome["error"]:
         error = CommitError(outcome["error"])
     committed = outcome["committed"]
     path = paths.iteration_dir(cfg.checkpoint.save_path, committed) if committed is not None else None
@@ -223,8 +229,9 @@ def absolute_paths(cfg: Config) -> Config:
     return replace(cfg, data=replace(cfg.data, path=fix(cfg.data.path), eval_path=fix(cfg.data.eval_path)), checkpoint=ckpt)
 
 
-def preflight(cfg: Config) -> tuple[str, int | None] | None:
-    """Check data and checkpoints on the driver; return what to load: (root, step), (export_dir, None) or None."""
+def preflight(cfg: Config, plugins=None) -> tuple[str, int | None] | None:
+    """Check data, checkpoints and that they fit the model (`plugins`', the config's by default), on
+    the driver; return what to load: (root, step), (export_dir, None) or None."""
     ensure_dataset(cfg.data.path, cfg.data.synthetic, cfg.model.seq_len, cfg.model.vocab_size)
     units = scan_units(cfg.data.path, cfg.data.columns or None)
     if cfg.training.eval_every:
@@ -241,9 +248,15 @@ def preflight(cfg: Config) -> tuple[str, int | None] | None:
                 f"checkpoint.save_path {ckpt.save_path!r} already holds committed iteration {existing} of an earlier run; "
                 "set checkpoint.load_path to the same directory to resume it, or choose an empty save_path"
             )
-    if not load or load[1] is None:
+    if not load:
         return load
-    it = open_iteration(storage_for(load[0], ckpt.storage), *load)  # once, for the refusals below
+    storage, plugins = storage_for(load[0], ckpt.storage), plugins or resolve(cfg)
+    if load[1] is None:
+        refuse_misfit_weights(cfg, plugins, export_specs(storage, load[0]), load[0])
+        return load
+    it = open_iteration(storage, *load)  # once, for the refusals below
+    refuse_misfit_weights(cfg, plugins, {s.name: s for s in tensor_specs(it.metadata, paths.MODEL_KIND)},
+                          paths.join(it.path, paths.METADATA))
     if ckpt.enable_save and load[0] == ckpt.save_path:
         if ckpt.no_load_optim:
             raise CheckpointError(
@@ -256,6 +269,20 @@ def preflight(cfg: Config) -> tuple[str, int | None] | None:
         refuse_data_change(cfg, it, units)
         refuse_optimizer_change(cfg, it)
     return load
+
+
+def refuse_misfit_weights(cfg: Config, plugins, saved: dict, where: str) -> None:
+    """Weights that do not fit the model (names, shapes, dtypes) are the user's to fix: found here, on
+    the model built on the meta device (no memory), not in every rank of every attempt."""
+    try:
+        with torch.device("meta"):
+            model = make_model(plugins, cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a builder that cannot build on the meta device (it reads weights, say): the ranks check
+        logger.debug("[%s] weights not checked on the driver: the model does not build on the meta device (%s)", cfg.name, exc)
+        return
+    check_weights(state.model_tensors(model), saved, state.tied_aliases(model), where)
 
 
 def refuse_optimizer_change(cfg: Config, it) -> None:

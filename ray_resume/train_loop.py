@@ -23,7 +23,7 @@ from . import parallel
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.loader import collective_device
 from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
-from .config import Config
+from .config import Config, ConfigError
 from .calls import call, tell
 from .controller import STOP_NOW
 from .data import DEFAULT_COLUMNS, SAMPLE_ID, SampleStream, quiet_ray_data, read_eval_set
@@ -60,9 +60,20 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     if not logging.getLogger().handlers:  # outside Ray Train (which configures the root logger)
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)  # deterministic and fair on small CPU hosts
-    train = cfg.training
-
     attempt, resume_step, ended = _agree_on_attempt(controller, rank, collective_device())
+    if ended.pop("user_error"):  # the group Ray Train restarted after a user's mistake: nothing to redo
+        return
+    try:
+        _train(cfg, controller, rank, world, device, plugins=plugins, load=load, job_id=job_id, stream=stream,
+               preempted=preempted, attempt=attempt, resume_step=resume_step, ended=ended)
+    except ConfigError as exc:  # said once, never retried (see JobController.user_failed)
+        call(controller, "user_failed", rank, str(exc))
+        raise
+
+
+def _train(cfg: Config, controller, rank: int, world: int, device, *, plugins, load, job_id: str, stream, preempted,
+           attempt: int, resume_step: int | None, ended: dict) -> None:
+    train = cfg.training
     faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
     checkpointer = Checkpointer(cfg, controller, rank, world, attempt, faults)
 
@@ -153,6 +164,15 @@ def learning_rate(train, consumed: int) -> float:
     return train.min_lr + (train.lr - train.min_lr) * decay
 
 
+def scalar_loss(loss):
+    """The loss plugin's result, if it is what backward needs: a floating-point tensor of one element."""
+    if not (torch.is_tensor(loss) and loss.numel() == 1 and loss.is_floating_point()):
+        got = f"a {loss.dtype} tensor of shape {list(loss.shape)}" if torch.is_tensor(loss) else f"a {type(loss).__name__}"
+        raise ConfigError(f"training.loss returned {got}; it must return a scalar floating-point tensor "
+                          "(reduce it over the batch, with .mean() say)")
+    return loss
+
+
 def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumulation: int, world: int, device) -> float:
     """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
     columns = {k: v for k, v in batch.items() if k != "sample_id"}
@@ -163,7 +183,7 @@ def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumul
         with parallel.gradient_sync(model, i == accumulation - 1):
             micro = plugins.collate({k: v[i * micro_batch : (i + 1) * micro_batch] for k, v in columns.items()})
             micro = {k: t.to(device, non_blocking=True) for k, t in micro.items()}
-            loss = plugins.loss(model, micro) / accumulation
+            loss = scalar_loss(plugins.loss(model, micro)) / accumulation
             optimizer.backward(loss)
         total += loss.detach().float()
     optimizer.step()
@@ -189,18 +209,19 @@ def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[int, boo
 
 
 def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, dict]:
-    """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None).
-    Rank 0 also learns how the previous attempt ended: `failed_after` (its last finished step)
-    and `lost` (rank -> why); the other ranks get {}."""
-    facts = torch.tensor([-1, -1], device=device)
+    """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None) and
+    `user_error` (a rank found a mistake of the user's: the job is over). Rank 0 also learns how
+    the previous attempt ended: `failed_after` (its last finished step) and `lost` (rank -> why)."""
+    facts = torch.tensor([-1, -1, 0], device=device)
     ended = {}
     if rank == 0:
         reply = call(controller, "start_attempt")
         ended = {"failed_after": reply["failed_after"], "lost": reply["lost"]}
-        facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"]], device=device)
+        facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"],
+                              reply["user_error"] is not None], device=device)
     dist.broadcast(facts, src=0)
-    attempt, step = facts.tolist()
-    return attempt, None if step < 0 else step, ended
+    attempt, step, user_error = facts.tolist()
+    return attempt, None if step < 0 else step, {**ended, "user_error": bool(user_error)}
 
 
 class Evaluator:

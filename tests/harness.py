@@ -198,7 +198,7 @@ def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preemp
     """
     cfg = absolute_paths(Config.from_dict(cfg_dict))
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
-    load = preflight(cfg)
+    load = preflight(cfg, plugins)
     tmp = Path(tempfile.gettempdir())  # the groups' rendezvous files
     job_id = uuid.uuid4().hex[:12]
     driver = Driver(ctx=CTX)
@@ -217,6 +217,6 @@ def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preemp
         controller.release()
         if inspect:
             inspect(controller)
-        return Outcome(result["committed"], attempts, False, error or result["error"], result["attempts"])
+        return Outcome(result["committed"], attempts, False, result["user_error"] or error or result["error"], result["attempts"])
     finally:
         driver.shutdown()

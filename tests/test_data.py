@@ -16,6 +16,7 @@ import pytest
 
 from ray_resume.data import (
     DataError,
+    _column_array,
     ReadUnit,
     SampleStream,
     dataset_size,
@@ -240,8 +241,17 @@ def test_schema_errors(tmp_path):
                    bad2 / "part-00003.parquet")
     with pytest.raises(DataError) as ei:
         scan_units(bad2)
-    msg = str(ei.value)
-    assert "part-00003.parquet" in msg and "input_ids" in msg and "list<int32>" in msg
+    assert str(ei.value) == (f"{bad2 / 'part-00003.parquet'}: column 'input_ids' has type list<int64>, which does not cast "
+                             "to int32 without loss; expected int32 or list<int32> or a narrower type (data.columns.input_ids: int32; "
+                             "set it to the column's type)")
+
+    narrow = tmp_path / "narrow"  # int16 tokens cast to int32 without loss: read, not refused
+    narrow.mkdir()
+    pq.write_table(pa.table({"sample_id": pa.array([0, 1], pa.int64()),
+                             "input_ids": pa.array([[1, 2], [3, -4]], pa.list_(pa.int16()))}), narrow / "part-00000.parquet")
+    assert len(scan_units(narrow)) == 1
+    ids = _column_array(pq.read_table(narrow / "part-00000.parquet"), "input_ids", "int32", "narrow")
+    assert ids.dtype == np.int32 and ids.tolist() == [[1, 2], [3, -4]]
 
     bad3 = tmp_path / "bad3"
     bad3.mkdir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -175,3 +176,23 @@ def test_a_resume_into_another_optimizer_is_refused_on_the_driver(tmp_path):
         "training.optimizer builds torch.optim.sgd:SGD; set checkpoint.no_load_optim: true to start torch.optim.sgd:SGD "
         "from its weights, or set training.optimizer back")
     assert json.loads((tmp_path / "ckpt" / "iteration_00000004" / "common.json").read_text())["optimizer"] == "torch.optim.adamw:AdamW"
+
+
+
+def vector_loss(model, batch):
+    """A loss that forgot to reduce: one value per token."""
+    logits = model(batch["input_ids"][:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1).long(),
+                                             reduction="none")
+
+
+def test_a_loss_that_is_not_a_scalar_ends_the_job_in_one_line_without_a_retry(tmp_path):
+    """Found in the ranks, said once in our words, and the group Ray Train restarts for it returns at
+    once: only the first attempt starts training, although max_failures would allow two more."""
+    cfg = tiny_config(tmp_path)
+    outcome = harness.run_job(cfg, loss=vector_loss)
+    assert re.fullmatch(r"rank [01]: training\.loss returned a torch\.float32 tensor of shape \[64\]; it must return a scalar "
+                        r"floating-point tensor \(reduce it over the batch, with \.mean\(\) say\)", outcome.error), outcome.error
+    assert outcome.attempts == 2 and outcome.committed is None
+    started = [r for r in read_metrics(cfg["checkpoint"]["save_path"]) if r.get("event") == "start"]
+    assert {r["attempt"] for r in started} == {0}

@@ -13,6 +13,7 @@ import pytest
 import torch
 import xxhash
 
+import harness
 from conftest import FINAL, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
@@ -285,3 +286,42 @@ def test_fingerprint_changes_name_each_setting():
         'data.columns {"x": "float32"} -> {"x": "float32", "y": "int64"}']
     assert fingerprint_changes(saved, data_fingerprint(units[::-1], 7, True, {"x": "float32"})) == [
         "the dataset at data.path: 16 samples in 2 row groups -> 16 in 2 (other files or row groups)"]
+
+
+def test_weights_that_do_not_fit_the_model_are_refused_on_the_driver(tmp_path):
+    """Checked before any rank starts (each rank would find it again in every attempt), against the
+    model built on the meta device: the checkpoint's shapes, and an export's."""
+    from ray_resume import cli
+
+    write_iteration(tmp_path / "ckpt", world=2)  # make_state's GPT: vocab 32, d_model 16; tiny_config's: 64, 32
+    root = str(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError) as err:
+        harness.run_job(tiny_config(tmp_path, checkpoint={"save_path": str(tmp_path / "new"), "load_path": root}))
+    assert str(err.value) == (f"{root}/iteration_00000005/metadata.json: tensor 'tok.weight' is torch.float32 [32, 16] there but "
+                              "torch.float32 [64, 32] in the model; the model config differs from the one that saved it")
+    assert cli.main(["export", root, str(tmp_path / "export")]) == 0
+    with pytest.raises(CheckpointError) as err:
+        harness.run_job(tiny_config(tmp_path, checkpoint={"save_path": str(tmp_path / "new"), "load_path": str(tmp_path / "export"),
+                                                           "no_load_optim": True}))
+    assert str(err.value).startswith(f"{tmp_path / 'export'}: tensor 'tok.weight' is torch.float32 [32, 16] there but torch.float32 [64, 32]")
+    assert not (tmp_path / "new").exists()  # no rank ran
+
+
+class Wrapped(torch.nn.Module):
+    """The saved GPT one module down, as Hugging Face's *LMHeadModel holds its .transformer."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2)
+
+
+def test_names_one_module_apart_get_a_hint(tmp_path):
+    write_iteration(tmp_path / "ckpt", world=2)
+    root = str(tmp_path / "ckpt")
+    cfg = tiny_config(tmp_path, checkpoint={"save_path": str(tmp_path / "new"), "load_path": root})
+    with pytest.raises(CheckpointError) as err:
+        harness.run_job(cfg, build_model=lambda section: Wrapped())
+    assert str(err.value) == (
+        f"{root}/iteration_00000005/metadata.json: model tensor 'transformer.tok.weight' is missing (the model's names are the "
+        "saved ones with 'transformer.' in front: your model holds the saved one as .transformer); the model config differs "
+        "from the one that saved it")

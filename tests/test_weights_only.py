@@ -98,13 +98,14 @@ def test_weights_only_onto_its_own_committed_root_is_refused_naming_save_path(tm
     write_iteration(tmp_path / "ckpt", world=2)
     root = str(tmp_path / "ckpt")
     before = tree(tmp_path / "ckpt")
-    cfg = tiny_config(tmp_path, checkpoint={"save_path": root, "load_path": root, "no_load_optim": True})
+    saved_model = {"vocab_size": 32, "seq_len": 8, "d_model": 16, "n_layers": 1, "n_heads": 2}  # make_state's
+    cfg = tiny_config(tmp_path, model=saved_model, checkpoint={"save_path": root, "load_path": root, "no_load_optim": True})
     with pytest.raises(CheckpointError) as err:
         preflight(absolute_paths(Config.from_dict(cfg)))
     assert f"checkpoint.save_path {root!r} holds committed iteration 5" in str(err.value)
     assert "set checkpoint.save_path to a new directory" in str(err.value)
     assert tree(tmp_path / "ckpt") == before
-    fresh = tiny_config(tmp_path, checkpoint={"save_path": str(tmp_path / "new"), "load_path": root, "no_load_optim": True})
+    fresh = tiny_config(tmp_path, model=saved_model, checkpoint={"save_path": str(tmp_path / "new"), "load_path": root, "no_load_optim": True})
     assert preflight(absolute_paths(Config.from_dict(fresh))) == (root, 5)  # scenario B: a new root
 
 
@@ -119,7 +120,8 @@ def test_export_then_load_as_weights_round_trips_bitwise(tmp_path):
     cfg = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(out), "no_load_optim": True}))
     assert find_load_source(cfg.checkpoint) == (str(out), None)
     model, optimizer = make_state(seed=2)
-    Checkpointer(cfg, None, 0, 1, 0, None).restore(model, optimizer, (str(out), None), full=False)
+    point = Checkpointer(cfg, None, 0, 1, 0, None).restore(model, optimizer, (str(out), None), full=False)
+    assert point.bytes_read == (out / "model.safetensors").stat().st_size  # what "rank 0 read N bytes" says
     for name, tensor in state.model_tensors(saved).items():
         assert torch.equal(state.model_tensors(model)[name], tensor), name
     full = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(out)}))

@@ -74,9 +74,10 @@ class Checkpointer:
 
     def _restore(self, storage, model, optimizer, root: str, step: int | None, *, full: bool) -> ResumePoint:
         if step is None:
-            load_weights(model, read_export(storage, root), root, self.rank, self.world_size)
+            weights, read = read_export(storage, root)
+            load_weights(model, weights, root, self.rank, self.world_size)
             optimizer.reload_main_params_from_model()
-            return ResumePoint(source=root)
+            return ResumePoint(source=root, bytes_read=read)
         try:
             it = open_shared(storage, root, step, self.rank, self.world_size)
         except CheckpointError as exc:
@@ -226,16 +227,32 @@ def check_weights(live: dict[str, torch.Tensor], saved: dict[str, TensorSpec], a
     """Names, shapes and dtypes of the saved weights against the model's, naming the first misfit."""
     for name, tensor in live.items():
         if name not in saved:
-            raise CheckpointError(f"{where}: model tensor {name!r} is missing; the model config differs from the one that saved it")
+            raise CheckpointError(f"{where}: model tensor {name!r} is missing{prefix_hint(set(live), set(saved) - set(aliases))}; "
+                                  "the model config differs from the one that saved it")
         got = saved[name]
-        if got.shape != tuple(tensor.shape) or got.dtype != DTYPE_TAGS[tensor.dtype]:
+        if got.shape != tuple(tensor.shape) or got.dtype != DTYPE_TAGS.get(tensor.dtype):
             raise CheckpointError(
-                f"{where}: tensor {name!r} is {DTYPES[got.dtype]} {list(got.shape)} there but "
+                f"{where}: tensor {name!r} is {DTYPES.get(got.dtype, got.dtype)} {list(got.shape)} there but "
                 f"{tensor.dtype} {list(tensor.shape)} in the model; the model config differs from the one that saved it"
             )
     extra = sorted(set(saved) - set(live) - set(aliases))
     if extra:
         raise CheckpointError(f"{where}: tensor {extra[0]!r} is not a tensor of the model")
+
+
+def prefix_hint(model_names: set[str], saved_names: set[str]) -> str:
+    """Where the two sets of names differ by one leading module path (`transformer.` and none, as
+    between a Hugging Face `GPT2LMHeadModel` and its `GPT2Model`), a sentence saying so."""
+    for longer, shorter, says in (
+        (saved_names, model_names, "the saved names are the model's with {p!r} in front: they are of a model that holds yours as .{m}"),
+        (model_names, saved_names, "the model's names are the saved ones with {p!r} in front: your model holds the saved one as .{m}"),
+    ):
+        first = min(longer, default="")
+        for cut in range(first.count(".")):
+            prefix = ".".join(first.split(".")[: cut + 1]) + "."
+            if shorter and {n[len(prefix):] for n in longer if n.startswith(prefix)} >= shorter:
+                return " (" + says.format(p=prefix, m=prefix[:-1]) + ")"
+    return ""
 
 
 def assign(live: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:

@@ -19,7 +19,7 @@ import torch
 from . import paths
 from .digest import BlockDigests, hexdigest
 from .plan import Piece, SavePlan, TensorSpec
-from .schema import DTYPES, CheckpointError, file_blocks, parse_json, tensor_specs, validate_common, validate_iteration, validate_metadata
+from .schema import DTYPES, MAX_HEADER, CheckpointError, file_blocks, parse_json, tensor_specs, validate_common, validate_iteration, validate_metadata
 from .storage import READ_BLOCK, LocalStorage, retried
 from .writer import RANK_EXTRAS_KEY, Entry, shard_layout
 
@@ -406,25 +406,52 @@ def is_export(storage: LocalStorage, path: str) -> bool:
     return any(storage.size(paths.join(path, name)) is not None for name in (EXPORT_FILE, EXPORT_INDEX))
 
 
-def read_export(storage: LocalStorage, path: str) -> dict[str, torch.Tensor]:
-    """Weights from `model.safetensors`, or from the shards a `model.safetensors.index.json` maps."""
+def export_files(storage: LocalStorage, path: str) -> tuple[list[str], dict | None]:
+    """The safetensors files of an export (paths), and its index's weight_map (None without an index)."""
     index_path = paths.join(path, EXPORT_INDEX)
-    if storage.size(index_path) is not None:
+    if storage.size(index_path) is None:
+        names, weight_map = [EXPORT_FILE], None
+    else:
         weight_map = parse_json(storage.read_bytes(index_path), index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: needs a non-empty 'weight_map' of tensor name -> file")
-        files = sorted(set(weight_map.values()))
-    else:
-        weight_map, files = None, [EXPORT_FILE]
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
+        names = sorted(set(weight_map.values()))
+    files = []
+    for name in names:
         if not isinstance(name, str) or not paths.is_plain_filename(name):
             raise CheckpointError(f"{index_path}: file name {name!r} points outside {path}; refusing to read it")
         file = paths.join(path, name)
         if storage.size(file) is None:
             raise CheckpointError(f"{file}: missing")
-        out.update(_parse_shard(storage.read_bytes(file), file))
+        files.append(file)
+    return files, weight_map
+
+
+def read_export(storage: LocalStorage, path: str) -> tuple[dict[str, torch.Tensor], int]:
+    """Weights from `model.safetensors`, or from the shards a `model.safetensors.index.json` maps; and the bytes read."""
+    files, weight_map = export_files(storage, path)
+    out: dict[str, torch.Tensor] = {}
+    read = 0
+    for file in files:
+        data = storage.read_bytes(file)
+        read += len(data)
+        out.update(_parse_shard(data, file))
     if weight_map is not None and set(weight_map) != set(out):
         missing = sorted(set(weight_map) - set(out)) or sorted(set(out) - set(weight_map))
-        raise CheckpointError(f"{index_path}: weight_map and the shard files disagree about tensor {missing[0]!r}")
-    return out
+        raise CheckpointError(f"{paths.join(path, EXPORT_INDEX)}: weight_map and the shard files disagree about tensor {missing[0]!r}")
+    return out, read
+
+
+def export_specs(storage: LocalStorage, path: str) -> dict[str, TensorSpec]:
+    """Name, dtype and shape of every tensor of an export, from its safetensors headers alone."""
+    specs = {}
+    for file in export_files(storage, path)[0]:
+        (length,) = struct.unpack("<Q", storage.read_range(file, 0, 8))
+        if length > MAX_HEADER:
+            raise CheckpointError(f"{file}: not a valid safetensors file (a header of {length} bytes)")
+        header = parse_json(storage.read_range(file, 8, length), file)
+        for name, t in header.items():
+            if name != "__metadata__" and isinstance(t, dict):
+                dtype = DTYPES.get(t.get("dtype"))
+                specs[name] = TensorSpec(name, t.get("dtype"), tuple(t.get("shape", ())), dtype.itemsize if dtype else 0)
+    return specs

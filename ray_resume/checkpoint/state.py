@@ -7,6 +7,7 @@ so a checkpoint stays readable when the model is wrapped differently.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import random
 
@@ -67,11 +68,15 @@ def with_rank0_buffers(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """{alias: first name} for state_dict entries that are the same tensor as an earlier one."""
+    module = unwrap(model)
+    # A meta-device model (the driver's check) has no storage to compare: tied tensors are one object.
+    objects = dict(itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)))
     first: dict[tuple, str] = {}
     aliases = {}
-    for name, t in unwrap(model).state_dict().items():
+    for name, t in module.state_dict().items():
         local = local_tensor(t)
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), tuple(local.stride()), t.dtype)
+        key = ((id(objects.get(name, t)),) if t.is_meta else
+               (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), tuple(local.stride()), t.dtype))
         if key in first:
             aliases[name] = first[key]
         else:
