@@ -36,3 +36,10 @@ def build_batchnorm(model_section):
     args = model_section["args"]
     return nn.Sequential(nn.Linear(args["features"], args["hidden"]), nn.BatchNorm1d(args["hidden"]), nn.ReLU(),
                          nn.Linear(args["hidden"], 1))
+
+
+def loss_per_token(model, batch):
+    """A loss that forgot to reduce: one value per token (a mistake only a rank can find)."""
+    logits = model(batch["input_ids"][:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1).long(),
+                                             reduction="none")

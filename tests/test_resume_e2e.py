@@ -10,6 +10,7 @@ harness (tests/test_harness.py), whose runs equal this reference byte for byte.
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import yaml
@@ -81,3 +82,27 @@ def test_a_failed_commit_ends_the_run_non_zero_naming_it(tmp_path, reference, ca
     assert code == 1, last
     assert last.startswith("error: training failed: the commit of iteration 8 failed: [Errno 5] injected fault")
     assert "run again with checkpoint.load_path=" in last and "finished:" not in caplog.text
+
+
+def test_a_user_mistake_a_rank_finds_ends_the_run_once_in_our_words(tmp_path, reference):
+    """On Ray Train: a loss that returns one value per token is found by the ranks; the run ends with it
+    in our words (main() prints it as `error: ...`, exit 2), and the group Ray Train restarts for it
+    trains nothing."""
+    from ray import cloudpickle
+
+    import plugin_models
+    from ray_resume import train
+    from ray_resume.config import ConfigError
+
+    cloudpickle.register_pickle_by_value(plugin_models)  # the workers cannot import tests/
+    try:
+        cfg = tiny_config(tmp_path)
+        cfg["data"]["path"] = reference["data"]
+        result = train(cfg, loss=plugin_models.loss_per_token)
+    finally:
+        cloudpickle.unregister_pickle_by_value(plugin_models)
+    assert isinstance(result.error, ConfigError), result.error
+    assert re.fullmatch(r"rank [01]: training\.loss returned a torch\.float32 tensor of shape \[64\]; it must return a "
+                        r"scalar floating-point tensor \(reduce it over the batch, with \.mean\(\) say\)", str(result.error))
+    started = [r for r in read_metrics(cfg["checkpoint"]["save_path"]) if r.get("event") == "start"]
+    assert {r["attempt"] for r in started} == {0}
