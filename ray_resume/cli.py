@@ -317,12 +317,13 @@ def _pieces_by_tensor(it: Iteration, kind: str) -> dict[str, list[dict]]:
 
 # ----------------------------------------------------------------------------- export
 
-EXPORT_FILES = ("model.safetensors", "optimizer.safetensors", paths.CONFIG)
+EXPORT_FILES = ("model.safetensors", "optimizer.safetensors", paths.CONFIG, "config.json")
 
 
 def cmd_export(args) -> int:
     import safetensors.torch  # heavy: only this command needs it
 
+    from .checkpoint import state
     from .checkpoint.loader import load_state
 
     storage = open_root(args.root)
@@ -344,9 +345,13 @@ def cmd_export(args) -> int:
         if os.path.exists(os.path.join(out, name)):
             os.unlink(os.path.join(out, name))
     meta = {"format": "pt", "ray_resume_source": it.path, "ray_resume_iteration": str(step)}
+    model, why = rebuilt_model(storage, it)
     written = []
     for kind, filename in zip(kinds, ("model.safetensors", "optimizer.safetensors")):
         tensors = load_state(storage, it, kind)
+        if kind == paths.MODEL_KIND and model is not None:
+            # The checkpoint stores a tied weight once; a strict load_state_dict wants every name (a copy each).
+            tensors.update({alias: tensors[first].clone() for alias, first in state.tied_aliases(model).items()})
         safetensors.torch.save_file(tensors, os.path.join(out, filename), metadata=meta)
         os.chmod(os.path.join(out, filename), 0o666 & ~_umask())  # safetensors creates 0600 files
         written.append(f"{filename} ({len(tensors)} tensors, {human_size(os.path.getsize(os.path.join(out, filename)))})")
@@ -355,8 +360,31 @@ def cmd_export(args) -> int:
         with open(os.path.join(out, paths.CONFIG), "wb") as f:
             f.write(storage.read_bytes(config))
         written.append(paths.CONFIG)
+    if model is not None and callable(getattr(getattr(model, "config", None), "save_pretrained", None)):
+        model.config.save_pretrained(out)  # a Hugging Face model: from_pretrained(out) needs its config.json
+        written.append("config.json")
     print(f"exported iteration {step} from {it.path} to {out}: " + ", ".join(written))
+    if why:
+        print(f"note: {why}")
     return 0
+
+
+def rebuilt_model(storage, it: Iteration):
+    """The model of the iteration's config.yaml, built on the meta device (no memory), and None; or
+    None and why it could not be (then tied weights stay stored once and no config.json is written)."""
+    import torch
+    import yaml
+
+    from .config import Config
+    from .plugins import make_model, resolve
+
+    try:
+        cfg = Config.from_dict(yaml.safe_load(storage.read_bytes(paths.join(it.path, paths.CONFIG))), source=paths.CONFIG)
+        with torch.device("meta"):
+            return make_model(resolve(cfg), cfg), None
+    except Exception as exc:  # no config.yaml, a builder not importable here, one that needs real memory...
+        return None, (f"the model was not rebuilt here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
+                      "a tied weight is stored under its first name only, and no config.json is written")
 
 
 def _umask() -> int:

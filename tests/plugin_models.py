@@ -43,3 +43,19 @@ def loss_per_token(model, batch):
     logits = model(batch["input_ids"][:, :-1])
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1).long(),
                                              reduction="none")
+
+
+def build_gpt2(model_section):
+    """A Hugging Face GPT2LMHeadModel (tied input and output embeddings, dropout) from the model section."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = model_section
+    return GPT2LMHeadModel(GPT2Config(vocab_size=m["vocab_size"], n_positions=m["seq_len"], n_embd=m["d_model"],
+                                      n_layer=m["n_layers"], n_head=m["n_heads"], bos_token_id=0, eos_token_id=0))
+
+
+def hf_loss(model, batch):
+    """Next-token loss of a Hugging Face causal LM, which returns an output object, not logits."""
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).long())
