@@ -60,6 +60,7 @@ class JobController:
         self.attempt = -1
         self.reached: list[dict] = []  # per attempt: the last step rank 0 finished, and when
         self.lost: dict[int, str] = {}  # rank -> why, for the current attempt's failure (Ray Train tells us)
+        self.noticed_at: float | None = None  # when Ray Train told us (time.time(), this process's clock)
         self.pending: dict[int, dict[int, dict]] = {}  # iteration -> rank -> manifest
         self.pending_common: dict[int, dict] = {}  # iteration -> rank 0's common
         self.committed_by_job: list[int] = []
@@ -92,9 +93,14 @@ class JobController:
         self.pending_common.clear()
         failed_after = self.reached[-1]["step"] if self.reached else None
         lost, self.lost = self.lost, {}
+        # How long the loss took to notice and to replace, on this one clock: from the lost group's
+        # last finished step to Ray Train's failure report, and from that to this new group's call.
+        now, last = time.time(), self.reached[-1]["time"] if self.reached else None
+        noticed, self.noticed_at = self.noticed_at, None
+        clock = {} if last is None else ({"detect_s": noticed - last, "new_group_s": now - noticed} if noticed else {"new_group_s": now - last})
         self.reached.append({"attempt": self.attempt, "step": None, "time": None})
         return {"attempt": self.attempt, "resume_step": self.last_committed(), "failed_after": failed_after,
-                "lost": {str(rank): why for rank, why in sorted(lost.items())}, "user_error": self.user_error}
+                "lost": {str(rank): why for rank, why in sorted(lost.items())}, "user_error": self.user_error, "clock": clock}
 
     def user_failed(self, rank: int, message: str) -> None:
         """A rank hit a mistake of the user's (a loss that is not a scalar...): running it again would
@@ -105,6 +111,7 @@ class JobController:
     def ranks_failed(self, why: dict[int, str]) -> None:
         """Ray Train saw these ranks fail (rank -> its error's first line): the restart names them."""
         self.lost.update(why)
+        self.noticed_at = self.noticed_at or time.time()
 
     def stepped(self, attempt: int, step: int) -> None:
         """Rank 0 finished `step` of `attempt`: what a restart says the lost attempt had reached."""

@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import statistics
 
+# A restart's parts (the "restart" record rank 0 writes once the lost steps are redone): Ray Train
+# noticing the loss, the new worker group up to its first call, model build and restore, the
+# first step (data pipeline start included), and the rest of the steps done again.
+RESTART_PARTS = (("detect_s", "noticed"), ("new_group_s", "new group"), ("restore_s", "build and restore"),
+                 ("first_step_s", "first step"), ("redo_s", "redoing"))
+
 
 def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_batch_size: int, wall_s: float) -> list[str]:
     """The summary's lines, from this job's `records` and the controller's `attempts`."""
@@ -29,6 +35,7 @@ def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_
         lines.append(f"{saves} saves; training blocked {statistics.mean(stalls):.3f} s per save on average, "
                      f"{max(stalls):.3f} s at most (any rank)")
 
+    parts = {r["attempt"]: r for r in mine if r["rank"] == 0 and r.get("event") == "restart"}
     restarts = []
     for lost, again in zip(attempts, attempts[1:]):
         start = starts.get(again["attempt"])
@@ -37,7 +44,10 @@ def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_
         redone = lost["step"] - start["step"]
         beyond = [r["time"] for r in steps if r["attempt"] == again["attempt"] and r["step"] > lost["step"]]
         cost = f"{min(beyond) - lost['time']:.1f} s" if beyond else "the rest of the run"
-        restarts.append(f"after step {lost['step']}: resumed from {start['step']}, {redone} steps redone, {cost} lost")
+        split = parts.get(again["attempt"], {})
+        split = ", ".join(f"{label} {split[key]:.1f} s" for key, label in RESTART_PARTS if key in split)
+        restarts.append(f"after step {lost['step']}: resumed from {start['step']}, {redone} steps redone, {cost} lost"
+                        + (f" ({split})" if split else ""))
     if len(attempts) > 1:
         lines.append(f"{len(attempts) - 1} restart{'s' if len(attempts) > 2 else ''}" + (": " + "; ".join(restarts) if restarts else ""))
     return lines

@@ -74,6 +74,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
 def _train(cfg: Config, controller, rank: int, world: int, device, *, plugins, load, job_id: str, stream, preempted,
            attempt: int, resume_step: int | None, ended: dict) -> None:
     train = cfg.training
+    began = time.monotonic()
     faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
     checkpointer = Checkpointer(cfg, controller, rank, world, attempt, faults)
 
@@ -92,7 +93,7 @@ def _train(cfg: Config, controller, rank: int, world: int, device, *, plugins, l
     samples = stream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
                      resume.consumed_samples, columns=cfg.data.columns or None)
     progress = Progress(cfg, rank, attempt, job_id, controller)
-    progress.resumed(resume, world, attempt, **ended)
+    progress.resumed(resume, world, attempt, **ended, restore_s=time.monotonic() - began)
 
     evaluate = Evaluator(cfg, plugins, rank, world, device) if train.eval_every else None
     batches = iter(samples)
@@ -216,7 +217,7 @@ def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, d
     ended = {}
     if rank == 0:
         reply = call(controller, "start_attempt")
-        ended = {"failed_after": reply["failed_after"], "lost": reply["lost"]}
+        ended = {"failed_after": reply["failed_after"], "lost": reply["lost"], "clock": reply["clock"]}
         facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"],
                               reply["user_error"] is not None], device=device)
     dist.broadcast(facts, src=0)
@@ -276,6 +277,7 @@ class Progress:
         self.job_id = job_id
         self.every_step = rank == 0 or cfg.training.log_sample_ids  # records every step (see ray_resume.metrics)
         self.last: dict = {}
+        self.restart: dict | None = None  # a restart's parts until this group has redone the lost steps
         if cfg.checkpoint.enable_save:
             self.metrics = MetricsWriter(cfg.checkpoint.save_path, cfg.checkpoint.storage, job=job_id, attempt=attempt, rank=rank)
 
@@ -293,7 +295,8 @@ class Progress:
         if self.rank == 0:
             logger.info("[%s] %s", self.cfg.name, text)
 
-    def resumed(self, resume, world: int, attempt: int, failed_after: int | None = None, lost: dict | None = None) -> None:
+    def resumed(self, resume, world: int, attempt: int, failed_after: int | None = None, lost: dict | None = None,
+                clock: dict | None = None, restore_s: float = 0.0) -> None:
         if self.metrics and self.rank == 0:
             self.curves = Curves(self.cfg.checkpoint.save_path, self.cfg.checkpoint.storage, job=self.job_id,
                                  attempt=attempt, purge_step=resume.global_step + 1)
@@ -301,6 +304,9 @@ class Progress:
         self._record({"event": "start", "step": resume.global_step, "source": resume.source, "world_size": world,
                       "consumed_samples": resume.consumed_samples, "bytes_read": resume.bytes_read}, flush=True)
         if attempt > 0:  # a restart: the previous group was lost (Ray Train's account is in its log files)
+            # What it cost, part by part, recorded once this group has redone the lost steps.
+            self.restart = {"event": "restart", "step": resume.global_step, "caught_up": failed_after or resume.global_step,
+                            **(clock or {}), "restore_s": restore_s, "since": time.monotonic()}
             reached = f"after step {failed_after}" if failed_after is not None else "before its first step"
             redo = f": {failed_after - resume.global_step} steps to redo" if failed_after is not None else ""
             why = "".join(f"; rank {r}: {text}" for r, text in (lost or {}).items())
@@ -318,6 +324,16 @@ class Progress:
         )
         if resume.global_step >= self.total:
             self._say(f"training already reached train_steps={self.total}: nothing left to do")
+
+    def _restarted(self, step: int) -> None:
+        """The first step after a restart, and the step where the lost ones are redone: the restart's record."""
+        r = self.restart
+        elapsed = time.monotonic() - r["since"]
+        r.setdefault("first_step_s", elapsed)
+        if step >= r["caught_up"] or step == self.total:
+            r["redo_s"] = elapsed - r["first_step_s"]
+            self._record({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "since"}, flush=True)
+            self.restart = None
 
     def evaluated(self, step: int, loss: float, samples: int) -> None:
         if self.curves:
@@ -342,6 +358,8 @@ class Progress:
             record["sample_ids"] = sample_ids.tolist()
         log_now = step % self.cfg.training.log_every == 0 or step == self.total
         self.window_steps += 1
+        if self.restart and self.rank == 0:
+            self._restarted(step)
         if self.rank == 0 and log_now:
             self._progress_line(step, loss)
         if self.every_step:
