@@ -552,3 +552,43 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Confi
     cfg = Config.from_dict(raw, source=source)
     logger.debug("loaded config %r from %s", cfg.name, source)
     return cfg
+
+
+def json_schema() -> dict:
+    """The JSON Schema of a config file, for editors (`python -m ray_resume.config schema`).
+
+    pydantic's schema of these dataclasses, every section closed to keys it does not know, as
+    `Config.from_dict` is, and every key described by its comment above. The checks that span
+    keys (a batch size the world sizes divide, an import path that imports) stay in `from_dict`.
+    """
+    import pydantic
+
+    schema = pydantic.TypeAdapter(Config).json_schema()
+    for part in [schema, *schema.get("$defs", {}).values()]:  # each titled by its dataclass's name
+        part["additionalProperties"] = False
+        notes = _key_comments(globals()[part["title"]])
+        for key, prop in part.get("properties", {}).items():
+            if key in notes:
+                prop["description"] = notes[key]
+    return schema
+
+
+def _key_comments(cls: type) -> dict[str, str]:
+    """{key: its trailing comment} from the class's source."""
+    import inspect
+
+    notes = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"^\s{4}(\w+): [^#]+#\s*(.+)$", line)
+        if m:
+            notes[m.group(1)] = m.group(2).strip()
+    return notes
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1:] != ["schema"]:
+        sys.exit("usage: python -m ray_resume.config schema    # print the JSON Schema of a config file")
+    print(json.dumps(json_schema(), indent=1))

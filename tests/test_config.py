@@ -356,3 +356,28 @@ def test_scenario_a_is_the_quickstart_resuming_its_own_root():
     q = load_config(QUICK)
     assert (c.model, c.data, c.training) == (q.model, q.data, q.training)
     assert c.fault is None and c.checkpoint.save_path == c.checkpoint.load_path != q.checkpoint.save_path
+
+
+def test_the_json_schema_takes_every_shipped_config_and_refuses_an_unknown_key():
+    """`python -m ray_resume.config schema`: what editors validate a config file with."""
+    import json
+    import subprocess
+    import sys
+
+    import jsonschema
+    import yaml
+
+    out = subprocess.run([sys.executable, "-m", "ray_resume.config", "schema"], cwd=ROOT, capture_output=True, text=True, check=True)
+    schema = json.loads(out.stdout)
+    for path in CONFIG_FILES:
+        jsonschema.validate(yaml.safe_load(open(path).read()), schema)
+    bad = yaml.safe_load(open(QUICK).read())
+    bad["checkpoint"]["save_pth"] = "x"
+    with pytest.raises(jsonschema.ValidationError, match="'save_pth' was unexpected"):
+        jsonschema.validate(bad, schema)
+    bad = yaml.safe_load(open(QUICK).read())
+    bad["training"]["train_steps"] = "many"
+    with pytest.raises(jsonschema.ValidationError, match="'many' is not of type 'integer'"):
+        jsonschema.validate(bad, schema)
+    checksum = schema["$defs"]["CheckpointConfig"]["properties"]["checksum"]
+    assert checksum["default"] == "xxh3-128" and checksum["description"].startswith("digest of each 4 MiB block of a shard")
