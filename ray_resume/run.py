@@ -109,20 +109,35 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
         with torch.device("meta"):  # check the unit class names without allocating the model
             parallel.fsdp_units(make_model(plugins, cfg), cfg.model.fsdp_units)
     job_id = uuid.uuid4().hex[:12]
+
+    def body():
+        load = preflight(cfg, plugins)
+        # Ray Train keeps train_loop_config in its run state (the dashboard shows it): credentials
+        # stay out of it, and the ranks take the whole config from the controller.
+        loop_config = {"config": redacted(cfg.to_dict()), "load": load, "job_id": job_id, "plugins": plugins, "verbose": verbose}
+        return run_trainer(cfg, address, job_id, train_func, loop_config, verbose=verbose)
+
+    return with_lease(cfg, job_id, body)
+
+
+def with_lease(cfg: Config, job_id: str, body):
+    """`body()` while this job holds (and renews) the writer lease on save_path, when it saves."""
     lease = None
     if cfg.checkpoint.enable_save:  # before anything under save_path is read for writing or moved
         lease = Lease(storage_for(cfg.checkpoint.save_path, cfg.checkpoint.storage), cfg.checkpoint.save_path, job_id, cfg.checkpoint.lease_ttl_s)
         lease.acquire()
         lease.keep_renewed()  # from this moment to the job's end
     try:
-        return _run_with_lease(cfg, address, plugins, job_id, verbose)
+        return body()
     finally:
         if lease:
             lease.release()
 
 
-def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str, verbose: bool) -> RunResult:
-    load = preflight(cfg, plugins)
+def run_trainer(cfg: Config, address: str | None, job_id: str, train_loop, loop_config: dict, *, verbose: bool,
+                summary: bool = True) -> RunResult:
+    """The job's controller and a TorchTrainer running `train_loop(loop_config + controller)` on every
+    rank, to the end (with Ray Train's restarts); what was committed, and why it failed if it did."""
     init_ray(address, cfg)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # On the driver's node: the commit must run where the driver does (it dies with it).
@@ -130,11 +145,8 @@ def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str, verb
         cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid()
     )
     trainer = TorchTrainer(
-        train_func,
-        # Ray Train keeps train_loop_config in its run state (the dashboard shows it): credentials
-        # stay out of it, and the ranks take the whole config from the controller.
-        train_loop_config={"config": redacted(cfg.to_dict()), "controller": controller, "load": load, "job_id": job_id,
-                           "plugins": plugins, "verbose": verbose},
+        train_loop,
+        train_loop_config={**loop_config, "controller": controller},
         scaling_config=scaling_config(cfg.scaling),
         run_config=ray.train.RunConfig(
             name=f"{cfg.name}-{job_id}",
@@ -156,7 +168,8 @@ def _run_with_lease(cfg: Config, address: str | None, plugins, job_id: str, verb
     wall_s = time.monotonic() - started
     outcome = ray.get(controller.result.remote())
     ray.get(controller.release.remote())
-    say_summary(cfg, job_id, outcome["attempts"], wall_s)
+    if summary:
+        say_summary(cfg, job_id, outcome["attempts"], wall_s)
     if outcome["user_error"]:  # what Ray Train's error wraps, in our words (it was not retried)
         error = ConfigError(outcome["user_error"])
     elif error is None and outcome["error"]:
@@ -236,6 +249,27 @@ def preflight(cfg: Config, plugins=None) -> tuple[str, int | None] | None:
     units = scan_units(cfg.data.path, cfg.data.columns or None)
     if cfg.training.eval_every:
         check_eval_set(cfg.data.eval_path, cfg.data.columns or None, cfg.scaling.max_workers * cfg.training.micro_batch_size)
+    load, storage = find_resume(cfg)
+    if not load:
+        return load
+    plugins = plugins or resolve(cfg)
+    if load[1] is None:
+        refuse_misfit_weights(cfg, plugins, export_specs(storage, load[0]), load[0])
+        return load
+    it = open_iteration(storage, *load)  # once, for the refusals below
+    refuse_misfit_weights(cfg, plugins, {s.name: s for s in tensor_specs(it.metadata, paths.MODEL_KIND)},
+                          paths.join(it.path, paths.METADATA))
+    if cfg.checkpoint.enable_save and load[0] == cfg.checkpoint.save_path:
+        refuse_step_rewind(cfg, it)
+    if not cfg.checkpoint.no_load_optim:
+        refuse_data_change(cfg, it, units)
+        refuse_optimizer_change(cfg, it)
+    return load
+
+
+def find_resume(cfg: Config) -> tuple[tuple[str, int | None] | None, object]:
+    """The checkpoint side of the driver's checks (also `ray_resume.fit`'s): what `load_path` names,
+    and its storage; a save_path that would overwrite committed iterations is refused."""
     ckpt = cfg.checkpoint
     if not ckpt.enable_save:
         logger.warning("[%s] checkpoints are off (checkpoint.enable_save: false): nothing will be saved", cfg.name)
@@ -248,27 +282,13 @@ def preflight(cfg: Config, plugins=None) -> tuple[str, int | None] | None:
                 f"checkpoint.save_path {ckpt.save_path!r} already holds committed iteration {existing} of an earlier run; "
                 "set checkpoint.load_path to the same directory to resume it, or choose an empty save_path"
             )
-    if not load:
-        return load
-    storage, plugins = storage_for(load[0], ckpt.storage), plugins or resolve(cfg)
-    if load[1] is None:
-        refuse_misfit_weights(cfg, plugins, export_specs(storage, load[0]), load[0])
-        return load
-    it = open_iteration(storage, *load)  # once, for the refusals below
-    refuse_misfit_weights(cfg, plugins, {s.name: s for s in tensor_specs(it.metadata, paths.MODEL_KIND)},
-                          paths.join(it.path, paths.METADATA))
-    if ckpt.enable_save and load[0] == ckpt.save_path:
-        if ckpt.no_load_optim:
-            raise CheckpointError(
-                f"checkpoint.save_path {ckpt.save_path!r} holds committed iteration {load[1]}, and no_load_optim: true "
-                "starts over at step 0, so this run's saves would overwrite it; set checkpoint.save_path to a new "
-                "directory (checkpoint.load_path stays where it is)"
-            )
-        refuse_step_rewind(cfg, it)
-    if not ckpt.no_load_optim:
-        refuse_data_change(cfg, it, units)
-        refuse_optimizer_change(cfg, it)
-    return load
+    if load and load[1] is not None and ckpt.enable_save and load[0] == ckpt.save_path and ckpt.no_load_optim:
+        raise CheckpointError(
+            f"checkpoint.save_path {ckpt.save_path!r} holds committed iteration {load[1]}, and no_load_optim: true "
+            "starts over at step 0, so this run's saves would overwrite it; set checkpoint.save_path to a new "
+            "directory (checkpoint.load_path stays where it is)"
+        )
+    return load, storage_for(load[0], ckpt.storage) if load else None
 
 
 def refuse_misfit_weights(cfg: Config, plugins, saved: dict, where: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,10 +35,11 @@ class ResumePoint:
     consumed_samples: int = 0
     source: str | None = None  # the iteration dir loaded, None for a fresh start
     bytes_read: int = 0  # bytes this rank read from storage to load it
+    extras: dict[str, str] = field(default_factory=dict)  # the rank's strings from its opt header (see own_loop)
 
 
 class Checkpointer:
-    def __init__(self, cfg, controller, rank: int, world_size: int, attempt: int, faults):
+    def __init__(self, cfg, controller, rank: int, world_size: int, attempt: int, faults, *, own_loop: bool = False):
         self.cfg = cfg
         self.ckpt = cfg.checkpoint
         self.controller = controller  # the job's controller (ray_resume.controller), reached through `call`
@@ -46,6 +47,9 @@ class Checkpointer:
         self.world_size = world_size
         self.attempt = attempt
         self.faults = faults
+        # A train_func of the user's (ray_resume.fit): its steps are its own (no global_batch_size
+        # rescaling), and on another world size every rank reads rank 0's extras (param groups, extra state).
+        self.own_loop = own_loop
         self.snapshots = SnapshotBuffers()  # async: reused host copies of this rank's share
         self.background = BackgroundSave(f"ckpt-writer-{rank}")
         self.last_stall_s: float | None = None  # seconds the last save blocked the training loop
@@ -108,8 +112,10 @@ class Checkpointer:
             if optimizer.scaler:
                 optimizer.scaler.load(it.common)
             if it.common["world_size"] == self.world_size:
-                state.restore_rng(load_rank_extras(loader.reader, self.rank))
+                point.extras = load_rank_extras(loader.reader, self.rank)
+                state.restore_rng(point.extras)
             else:
+                point.extras = load_rank_extras(loader.reader, 0) if self.own_loop else {}
                 logger.warning("world size changed (%d -> %d): RNG streams are reseeded, not restored", it.common["world_size"], self.world_size)
         else:
             # Only reachable on a restart inside a job saved with no_save_optim: keep
@@ -143,7 +149,7 @@ class Checkpointer:
         """
         c = it.common
         saved_gbs, gbs, consumed = c["global_batch_size"], self.cfg.training.global_batch_size, c["consumed_samples"]
-        if saved_gbs == gbs:
+        if saved_gbs == gbs or self.own_loop:
             return ResumePoint(c["global_step"], consumed, it.path)
         step, leftover = divmod(consumed, gbs)
         logger.warning(
@@ -157,7 +163,7 @@ class Checkpointer:
         c = self.ckpt
         return c.enable_save and (step % c.save_interleaved_steps == 0 or step == self.cfg.training.train_steps)
 
-    def maybe_save(self, step: int, model, optimizer, common: dict, *, force: bool = False) -> bool:
+    def maybe_save(self, step: int, model, optimizer, common: dict, *, force: bool = False, extras: dict[str, str] | None = None) -> bool:
         """Save this rank's shards of `step` and report them to the driver. True if it saved.
 
         With `checkpoint.async_save` (default) the share is copied into the
@@ -175,7 +181,7 @@ class Checkpointer:
         states = {paths.MODEL_KIND: state.with_rank0_buffers(model, state.model_tensors(model), collective_device()),
                   paths.OPTIM_KIND: None if self.ckpt.no_save_optim else optimizer.state_tensors()}
         shards = shard_layouts(states, self.rank, self.world_size)
-        rng = state.capture_rng()  # on the training thread: the state at this step
+        rng = {**state.capture_rng(), **(extras or {})}  # on the training thread: the state at this step
         common = dict(common)
         if self.ckpt.async_save:
             shards = [(s, self.snapshots.take(s, states[s.kind])) for s in shards]

@@ -1,0 +1,146 @@
+"""Your own Ray Train train_func with ray_resume's checkpointing: ray_resume.fit and get_checkpointer."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+
+import numpy as np
+import pytest
+import torch
+from ray import cloudpickle
+
+import ray_resume
+from conftest import shard_bytes
+from ray_resume.checkpoint.loader import load_state
+from ray_resume.checkpoint.reader import open_iteration
+from ray_resume.checkpoint.storage import LocalStorage
+from test_elastic import resume_root
+
+STEPS, EVERY, BATCH = 12, 4, 8
+
+
+class Counter:
+    """A stateful object of the user's, per rank: the samples this rank saw and their running sum."""
+
+    def __init__(self, rank: int):
+        self.rank, self.seen, self.total = rank, 0, torch.zeros(6)
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank, "seen": self.seen, "total": self.total.clone(), "shape": (6,)}
+
+    def load_state_dict(self, state: dict) -> None:
+        assert state["shape"] == (6,)  # tuples come back as tuples
+        self.rank, self.seen, self.total = state["rank"], state["seen"], state["total"].clone()
+
+
+def train_func(config: dict) -> None:
+    """A plain Ray Train loop: DDP via prepare_model, SGD with momentum, a cosine schedule, dropout,
+    a global batch that is a pure function of the step, sliced by rank."""
+    import ray.train
+    import ray.train.torch
+
+    ck = ray_resume.get_checkpointer()
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(config["dropout"]), torch.nn.Linear(32, 3))
+    model = ray.train.torch.prepare_model(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=0.01)
+    counter = Counter(rank)
+    start = ck.restore(model, opt, extra={"sched": sched, "counter": counter})
+    if start.source is None:  # each rank's streams (torch's draws the dropout masks); a resume restores them
+        torch.manual_seed(100 + rank)
+        np.random.seed(100 + rank)
+        random.seed(100 + rank)
+    for step in range(start.step + 1, STEPS + 1):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+        xs, ys = x[rank::world], y[rank::world]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xs), ys).backward()
+        opt.step()
+        sched.step()
+        counter.seen += len(xs)
+        counter.total += xs.sum(0)
+        if step == config.get("kill_at") and rank == 1 and not os.path.exists(config["marker"]):
+            open(config["marker"], "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # after the optimizer step, before this step's save
+        ck.maybe_save(step, consumed_samples=step * BATCH, force=step == STEPS)
+
+
+@pytest.fixture
+def by_value():
+    """The workers cannot import tests/: train_func and Counter travel by value."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def fit(root, *, workers: int = 2, load=None, **loop):
+    result = ray_resume.fit(train_func, checkpoint={"save_path": str(root), "load_path": str(load or root), "save_interleaved_steps": EVERY},
+                            scaling={"num_workers": workers}, failure={"max_failures": 2}, train_loop_config=loop)
+    assert result.error is None and result.committed_iteration == STEPS, result.error
+    return result
+
+
+@pytest.mark.usefixtures("ray_cluster", "by_value")
+def test_your_train_func_resumes_byte_identical_after_a_worker_sigkill_and_on_another_world_size(tmp_path):
+    fit(tmp_path / "clean", dropout=0.2)
+    fit(tmp_path / "killed", dropout=0.2, kill_at=6, marker=str(tmp_path / "killed-once"))
+    assert (tmp_path / "killed-once").exists()  # rank 1 was SIGKILLed after step 6 and the group resumed from 4
+    for step in (4, 8, STEPS):  # model, optimizer (momentum, the scheduler's lr in the groups), RNG, counters
+        assert shard_bytes(tmp_path / "killed", step) == shard_bytes(tmp_path / "clean", step), step
+
+    # From iteration 8 on 2 ranks and on 1 (dropout off: 1 rank cannot draw 2 ranks' masks): the same
+    # global batches, so the same weights to float rounding (the gradient mean is summed another way).
+    at8 = resume_root(str(tmp_path / "clean"), 8, tmp_path / "at8")
+    weights = {}
+    for workers in (2, 1):
+        fit(tmp_path / f"on{workers}", workers=workers, load=at8, dropout=0.0)
+        weights[workers] = load_state(LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / f"on{workers}"), STEPS), "model")
+    assert weights[1].keys() == weights[2].keys() == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    for name, tensor in weights[2].items():
+        torch.testing.assert_close(weights[1][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_extra_state_that_json_and_safetensors_cannot_hold_is_refused_by_key_path():
+    from ray_resume.api import dump_extra, load_extra
+    from ray_resume.config import ConfigError
+
+    class Holder:
+        def __init__(self, state):
+            self.state = state
+
+        def state_dict(self):
+            return self.state
+
+        def load_state_dict(self, state):
+            self.state = state
+
+    g = torch.Generator().manual_seed(3)
+    kept = {"h": Holder({"n": 1, "t": torch.arange(3), 2: ["x", None, 1.5, (1, 2)]}), "g": g}
+    text = dump_extra(kept)
+    expected = torch.randn(2, generator=g)
+    back = {"h": Holder(None), "g": torch.Generator().manual_seed(0)}
+    load_extra(back, text, where="it")
+    assert back["h"].state["n"] == 1 and torch.equal(back["h"].state["t"], torch.arange(3))
+    assert back["h"].state[2] == ["x", None, 1.5, (1, 2)]  # int keys and tuples survive JSON
+    assert torch.equal(torch.randn(2, generator=back["g"]), expected)  # the generator's stream goes on
+    with pytest.raises(ConfigError) as err:
+        dump_extra({"h": Holder({"inner": {"when": object()}})})
+    assert str(err.value) == ("extra['h']['inner']['when'] is a object; extra state may hold tensors, numbers, strings, bools, "
+                              "None, and lists, tuples and dicts of them (no pickle)")
+
+
+def test_bad_keys_are_refused_before_ray_starts_and_the_checkpointer_lives_only_in_fit():
+    from ray_resume.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        ray_resume.fit(train_func, checkpoint={"save_pth": "/tmp/x"}, scaling={"num_workers": 2})
+    assert err.value.problems[0] == "ray_resume.fit: checkpoint.save_pth: unknown key; did you mean 'save_path'?"
+    with pytest.raises(RuntimeError, match=r"works inside a train_func run by ray_resume.fit\(\)"):
+        ray_resume.get_checkpointer()
