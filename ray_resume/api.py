@@ -31,7 +31,8 @@ streams (torch, numpy, python, CUDA), and `extra`: objects with
 everything else to JSON, both in the rank's optimizer shard header (so
 keep them small: big state belongs in the model); a value that is neither
 is refused, naming its key path. On another world size every rank gets
-rank 0's param groups and extra state, and its RNG streams are reseeded.
+rank 0's param groups and extra state, and its RNG streams are not restored
+(each rank keeps the ones it has).
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.state import load_optim_tensors, optim_tensors, unwrap
 from .config import Config, ConfigError
 from .faults import FaultInjector
+from .optim import class_path
 
 _INTERNAL = "_ray_resume"  # the key of our part of train_loop_config
+MAX_EXTRA = 16 << 20  # bytes of JSON extra state per rank (it shares a 64 MiB safetensors header with the RNG)
 _current: "RankCheckpointer | None" = None
 
 
@@ -134,17 +137,21 @@ class RankCheckpointer:
         self._checkpointer = Checkpointer(cfg, controller, rank, world, attempt, faults, own_loop=True)
         # A restart within this job resumes its own newest commit; the first start, checkpoint.load_path.
         self._source = (cfg.checkpoint.save_path, resume_step) if resume_step is not None else load
+        self._full = resume_step is not None or not cfg.checkpoint.no_load_optim  # its own commit: always all of it
         self._model = self._optimizer = None
         self._extra: dict[str, Any] = {}
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any] | None = None) -> Start:
         """Load the model, the optimizer and `extra` (in place) from what this job resumes, if anything."""
         self._model, self._optimizer, self._extra = model, OptimizerState(model, optimizer), dict(extra or {})
+        if self._extra and self._cfg.checkpoint.no_save_optim:
+            raise ConfigError("extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out; "
+                              "drop one of them")
         for key, obj in self._extra.items():
             if not (isinstance(obj, torch.Generator) or (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))):
                 raise ConfigError(f"extra[{key!r}]: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
                                   "pass objects that have them, or torch.Generators")
-        full = self._source is not None and self._source[1] is not None and not self._cfg.checkpoint.no_load_optim
+        full = self._full and self._source is not None and self._source[1] is not None  # an export holds weights only
         point = self._checkpointer.restore(model, self._optimizer, self._source, full=full)
         if "param_groups" in point.extras:
             self._optimizer.load_groups(json.loads(point.extras["param_groups"]))
@@ -159,8 +166,11 @@ class RankCheckpointer:
         if not (self._checkpointer.should_save(step) or force):
             return False
         extras = {"param_groups": json.dumps(self._optimizer.groups()), "extra": dump_extra(self._extra)}
+        if len(extras["extra"]) > MAX_EXTRA:
+            raise ConfigError(f"extra state of {len(extras['extra']) >> 20} MiB (keys {sorted(self._extra)}): it rides in a shard "
+                              f"header, which holds {MAX_EXTRA >> 20} MiB; keep big tensors in the model or the optimizer")
         common = {"global_step": step, "global_batch_size": self._cfg.training.global_batch_size, "consumed_samples": consumed_samples,
-                  "epoch_num": 0, "step_num": step, "loss_scale": 1.0}
+                  "epoch_num": 0, "step_num": step, "loss_scale": 1.0, "optimizer": class_path(type(self._optimizer.optimizer))}
         return self._checkpointer.maybe_save(step, self._model, self._optimizer, common, force=force, extras=extras)
 
     @property
@@ -214,7 +224,8 @@ class OptimizerState:
                     continue
                 if torch.is_tensor(value) and value.numel() == 1:
                     value = value.item()
-                if not (value is None or isinstance(value, (bool, int, float, str, list, tuple))):
+                if not (value is None or isinstance(value, (bool, int, float, str))
+                        or (isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value))):
                     raise ConfigError(f"optimizer.param_groups[{i}][{key!r}] is a {type(value).__name__}; only numbers, "
                                       "strings, bools, None and lists of them are checkpointed")
                 values[key] = value

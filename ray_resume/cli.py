@@ -3,7 +3,7 @@
     list    ROOT [--verify] [--json]                  every iteration_* dir, one row each
     verify  ROOT [--iteration N] [--json]             sizes, block digests, extra shards (exit 1 if bad)
     show    ROOT [--iteration N] [--json]             common.json, tensors and their shard pieces
-    export  ROOT OUT_DIR [--iteration N] [--with-optimizer] [--force]
+    export  ROOT OUT_DIR [--iteration N] [--with-optimizer] [--rebuild-model] [--force]
                                                       consolidated plain safetensors files
     plot    ROOT -o loss.png                          loss per step over every attempt of the run
 
@@ -345,7 +345,7 @@ def cmd_export(args) -> int:
         if os.path.exists(os.path.join(out, name)):
             os.unlink(os.path.join(out, name))
     meta = {"format": "pt", "ray_resume_source": it.path, "ray_resume_iteration": str(step)}
-    model, why = rebuilt_model(storage, it)
+    model, why = rebuilt_model(storage, it) if args.rebuild_model else (None, None)
     written = []
     for kind, filename in zip(kinds, ("model.safetensors", "optimizer.safetensors")):
         tensors = load_state(storage, it, kind)
@@ -435,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--iteration", type=int, default=None, metavar="N", help="iteration step (default: the tracker's)")
     p.add_argument("--with-optimizer", action="store_true", help="also write optimizer.safetensors")
+    p.add_argument("--rebuild-model", action="store_true",
+                   help="build the model of the iteration's config.yaml on the meta device (this imports its model.builder: "
+                        "only for checkpoints you trust) to write tied weights under every name and a Hugging Face config.json")
     p.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
     p.set_defaults(func=cmd_export)
 

@@ -44,6 +44,7 @@ class MetricsWriter:
         self.tag = {"job": job, "attempt": attempt, "rank": rank}
         self.pending: list[dict] = []
         self.flushed_at = time.monotonic()
+        self.chunks = 0  # in the name: two chunks flushed within one millisecond must not share it
 
     def due(self) -> bool:
         """A chunk has been open for ROLL_S seconds."""
@@ -55,7 +56,9 @@ class MetricsWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        name = f"{int(self.pending[0]['time'] * 1000):013d}-rank{self.tag['rank']:05d}-{self.tag['job']}-{self.tag['attempt']}.jsonl"
+        name = (f"{int(self.pending[0]['time'] * 1000):013d}-rank{self.tag['rank']:05d}-{self.tag['job']}-{self.tag['attempt']}"
+                f"-{self.chunks:06d}.jsonl")
+        self.chunks += 1
         data = "".join(json.dumps(r) + "\n" for r in self.pending).encode()
         self.storage.write_atomic(paths.join(self.dir, name), data)
         self.pending = []

@@ -96,6 +96,10 @@ def load_optimizer(training) -> type:
     cls = load_callable("training.optimizer", path if ":" in path else ":".join(path.rsplit(".", 1)))
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError(f"training.optimizer: {path!r} is not a torch.optim.Optimizer class")
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ConfigError(f"training.optimizer: {cls.__name__}.step needs a closure, and the built-in loop calls step() "
+                          "without one; use ray_resume.fit with your own loop for it")
     try:
         cls([torch.nn.Parameter(torch.zeros(1))], lr=training.lr, **optimizer_kwargs(cls, training.weight_decay, training.optimizer_args))
     except (TypeError, ValueError) as exc:  # an unknown keyword, or a value it refuses

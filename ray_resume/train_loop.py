@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import parallel
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.loader import collective_device
+from .checkpoint.schema import CheckpointError
 from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
 from .config import Config, ConfigError
 from .calls import call, tell
@@ -66,7 +67,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     try:
         _train(cfg, controller, rank, world, device, plugins=plugins, load=load, job_id=job_id, stream=stream,
                preempted=preempted, attempt=attempt, resume_step=resume_step, ended=ended)
-    except ConfigError as exc:  # said once, never retried (see JobController.user_failed)
+    except (ConfigError, CheckpointError) as exc:  # said once, never retried (see JobController.user_failed)
         call(controller, "user_failed", rank, str(exc))
         raise
 
@@ -142,7 +143,8 @@ def _train(cfg: Config, controller, rank: int, world: int, device, *, plugins, l
 
 def learning_rate(train, consumed: int) -> float:
     """The LR of the step that follows `consumed` samples: a pure function of them, so it needs no
-    checkpoint, and a resume with another global_batch_size continues the curve where it was.
+    checkpoint, and a resume with another global_batch_size continues the curve where it was, as
+    long as train_steps and warmup_steps are scaled with it (they are counted in its samples).
 
     Warmup rises linearly over the first `warmup_steps x global_batch_size` samples (from 0, as
     Megatron's does); then `lr_decay_style` takes the LR from `lr` to `min_lr` by `train_steps x

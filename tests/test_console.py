@@ -127,3 +127,15 @@ def test_evaluation_is_reported_and_changes_nothing_in_training(tmp_path, local_
     [job] = {r["job"] for r in read_metrics(root)}
     curve = tensorboard_scalars(Path(f"{root}-metrics") / "tensorboard" / job)["eval_loss"]
     assert {s: round(v, 4) for s, v in curve.items()} == {s: round(loss, 4) for s, (loss, _) in evals(killed).items()}
+
+
+def test_two_chunks_flushed_within_one_millisecond_are_both_kept(tmp_path, monkeypatch):
+    """A restart record and the next step's record, flushed back to back, once shared a file name."""
+    from ray_resume import metrics
+
+    monkeypatch.setattr(metrics.time, "time", lambda: 1764590000.123)
+    writer = metrics.MetricsWriter(str(tmp_path / "ckpt"), None, job="j", attempt=1, rank=0)
+    for step in (5, 6):
+        writer.add({"step": step})
+        writer.flush()
+    assert sorted(r["step"] for r in read_metrics(str(tmp_path / "ckpt"))) == [5, 6]

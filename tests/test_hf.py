@@ -29,8 +29,12 @@ def test_gpt2_trains_resumes_byte_identical_and_exports_for_from_pretrained(tmp_
         roots[name] = cfg["checkpoint"]["save_path"]
     assert shard_bytes(roots["killed"], 12) == shard_bytes(roots["clean"], 12)
 
+    plain_export = tmp_path / "plain-export"  # without --rebuild-model nothing of the config.yaml is imported
+    assert cli.main(["export", roots["clean"], str(plain_export)]) == 0
+    assert not (plain_export / "config.json").exists()
+    assert "lm_head.weight" not in safetensors.torch.load_file(plain_export / "model.safetensors")
     out = tmp_path / "export"
-    assert cli.main(["export", roots["clean"], str(out)]) == 0
+    assert cli.main(["export", roots["clean"], str(out), "--rebuild-model"]) == 0
     assert (out / "config.json").is_file()
     hf = transformers.AutoModelForCausalLM.from_pretrained(out)
     plain = plugin_models.build_gpt2(tiny_config(tmp_path)["model"])

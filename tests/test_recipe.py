@@ -89,6 +89,8 @@ def test_grad_clip_acts_on_the_unscaled_main_gradients_of_a_low_precision_model(
     ({"optimizer": "torch.optim.SGD", "optimizer_args": {"momentun": 0.9}},
      "training.optimizer_args: SGD refuses {'momentun': 0.9}: SGD.__init__() got an unexpected keyword argument 'momentun'"),
     ({"optimizer": "torch.optim.SGD", "optimizer_args": {"momentum": -1}}, "training.optimizer_args: SGD refuses {'momentum': -1}: Invalid momentum value: -1"),
+    ({"optimizer": "torch.optim.LBFGS"}, "training.optimizer: LBFGS.step needs a closure, and the built-in loop calls step() without "
+                                         "one; use ray_resume.fit with your own loop for it"),
 ])
 def test_a_bad_optimizer_is_refused_on_the_driver_by_key(tmp_path, values, message):
     with pytest.raises(ConfigError) as err:

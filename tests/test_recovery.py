@@ -325,3 +325,23 @@ def test_names_one_module_apart_get_a_hint(tmp_path):
         f"{root}/iteration_00000005/metadata.json: model tensor 'transformer.tok.weight' is missing (the model's names are the "
         "saved ones with 'transformer.' in front: your model holds the saved one as .transformer); the model config differs "
         "from the one that saved it")
+
+
+def test_a_restore_into_another_optimizer_class_is_refused_by_the_ranks_too(tmp_path):
+    """What the driver checks for the built-in job (test_recipe.py) the ranks check for any job
+    (ray_resume.fit's), before a foreign slot is loaded."""
+    write_iteration(tmp_path / "ckpt", world=1)
+    common = tmp_path / "ckpt" / "iteration_00000005" / "common.json"
+    common.write_text(json.dumps({**json.loads(common.read_text()), "optimizer": "torch.optim.sgd:SGD"}))
+    with pytest.raises(CheckpointError, match=r"iteration 5 holds the state of optimizer torch.optim.sgd:SGD, but this job's "
+                                              r"optimizer is torch.optim.adamw:AdamW; set checkpoint.no_load_optim: true"):
+        restore(tmp_path / "ckpt", 5)
+
+
+def test_the_prefix_hint_looks_past_names_outside_the_prefix():
+    from ray_resume.checkpoint.checkpointer import prefix_hint
+
+    saved = {"transformer.wte.weight", "transformer.h.0.attn.weight", "lm_head.weight"}  # lm_head sorts first
+    assert prefix_hint({"wte.weight", "h.0.attn.weight"}, saved) == (
+        " (the saved names are the model's with 'transformer.' in front: they are of a model that holds yours as .transformer)")
+    assert prefix_hint({"wte.weight"}, {"other.weight"}) == ""

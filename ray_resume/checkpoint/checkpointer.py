@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..calls import call
+from ..optim import class_path
 from . import paths, state
 from .fallback import fall_back
 from .loader import StateLoader, collective_device, decided_by_rank0, open_shared
@@ -103,6 +104,11 @@ class Checkpointer:
         if optimizer is None:
             raise CheckpointError(f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only")
         point = self._progress(it)
+        saved, now = it.common.get("optimizer"), class_path(type(optimizer.optimizer))
+        if saved is not None and saved != now:  # torch would load the foreign slots without a word
+            raise CheckpointError(f"{paths.join(it.path, paths.COMMON)}: iteration {it.step} holds the state of optimizer {saved}, "
+                                  f"but this job's optimizer is {now}; set checkpoint.no_load_optim: true to start it from the "
+                                  "weights, or build the optimizer that saved it")
         if it.common["has_optimizer"]:
             specs = {s.name: s for s in tensor_specs(it.metadata, paths.OPTIM_KIND)}
             params = dict(optimizer.named_main())  # a slot is sharded like its parameter
@@ -253,9 +259,7 @@ def prefix_hint(model_names: set[str], saved_names: set[str]) -> str:
         (saved_names, model_names, "the saved names are the model's with {p!r} in front: they are of a model that holds yours as .{m}"),
         (model_names, saved_names, "the model's names are the saved ones with {p!r} in front: your model holds the saved one as .{m}"),
     ):
-        first = min(longer, default="")
-        for cut in range(first.count(".")):
-            prefix = ".".join(first.split(".")[: cut + 1]) + "."
+        for prefix in sorted({n.split(".", 1)[0] + "." for n in longer if "." in n}):  # every leading module's
             if shorter and {n[len(prefix):] for n in longer if n.startswith(prefix)} >= shorter:
                 return " (" + says.format(p=prefix, m=prefix[:-1]) + ")"
     return ""

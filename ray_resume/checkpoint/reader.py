@@ -446,12 +446,19 @@ def export_specs(storage: LocalStorage, path: str) -> dict[str, TensorSpec]:
     """Name, dtype and shape of every tensor of an export, from its safetensors headers alone."""
     specs = {}
     for file in export_files(storage, path)[0]:
+        size = storage.size(file)
+        if size < 8:
+            raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, no room for its header's length)")
         (length,) = struct.unpack("<Q", storage.read_range(file, 0, 8))
-        if length > MAX_HEADER:
-            raise CheckpointError(f"{file}: not a valid safetensors file (a header of {length} bytes)")
+        if not 8 + length <= size or length > MAX_HEADER:
+            raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, a header of {length})")
         header = parse_json(storage.read_range(file, 8, length), file)
         for name, t in header.items():
-            if name != "__metadata__" and isinstance(t, dict):
-                dtype = DTYPES.get(t.get("dtype"))
-                specs[name] = TensorSpec(name, t.get("dtype"), tuple(t.get("shape", ())), dtype.itemsize if dtype else 0)
+            if name == "__metadata__":
+                continue
+            shape = t.get("shape") if isinstance(t, dict) else None
+            if not (isinstance(shape, list) and all(isinstance(n, int) for n in shape)):
+                raise CheckpointError(f"{file}: not a valid safetensors file (tensor {name!r} has no integer shape)")
+            dtype = DTYPES.get(t.get("dtype"))
+            specs[name] = TensorSpec(name, t.get("dtype"), tuple(shape), dtype.itemsize if dtype else 0)
     return specs

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .schema import CheckpointError
+
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside a DDP wrapper (FSDP2 shards the module in place: nothing to unwrap)."""
@@ -92,7 +94,8 @@ def optim_tensors(named_params, optimizer: torch.optim.Optimizer) -> dict[str, t
     for name, param in named_params:
         for slot, value in optimizer.state.get(param, {}).items():
             if isinstance(value, bool) or not isinstance(value, (torch.Tensor, int, float)):
-                raise TypeError(f"optimizer state {name}.{slot} is a {type(value).__name__}; only tensors and numbers are checkpointed")
+                raise CheckpointError(f"optimizer state {name}.{slot} is a {type(value).__name__}; only tensors and numbers are "
+                                      "checkpointed")
             out[f"{name}.{slot}"] = value if torch.is_tensor(value) else torch.tensor(value)
     return out
 
