@@ -48,6 +48,7 @@ import torch
 
 from .calls import call
 from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.schema import CheckpointError
 from .checkpoint.state import load_optim_tensors, optim_tensors, unwrap
 from .config import Config, ConfigError
 from .faults import FaultInjector
@@ -105,7 +106,7 @@ def _rank_main(loop_config: dict) -> None:
     import ray.train
 
     from .checkpoint.loader import collective_device
-    from .train_loop import _agree_on_attempt
+    from .train_loop import agree_on_attempt
 
     global _current
     ours = loop_config[_INTERNAL]
@@ -114,14 +115,14 @@ def _rank_main(loop_config: dict) -> None:
     cfg = Config.from_dict(call(controller, "job_config"))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    attempt, resume_step, ended = _agree_on_attempt(controller, rank, collective_device())
+    attempt, resume_step, ended = agree_on_attempt(controller, rank, collective_device())
     if ended.pop("user_error"):  # the group Ray Train restarted after a user's mistake: nothing to redo
         return
     _current = RankCheckpointer(cfg, controller, rank, world, attempt, resume_step, ours["load"])
     try:
         ours["train_func"](yours)
         _current.finish()
-    except ConfigError as exc:  # said once, never retried (see JobController.user_failed)
+    except (ConfigError, CheckpointError) as exc:  # said once, never retried (see JobController.user_failed)
         call(controller, "user_failed", rank, str(exc))
         raise
     finally:

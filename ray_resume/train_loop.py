@@ -61,7 +61,7 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     if not logging.getLogger().handlers:  # outside Ray Train (which configures the root logger)
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)  # deterministic and fair on small CPU hosts
-    attempt, resume_step, ended = _agree_on_attempt(controller, rank, collective_device())
+    attempt, resume_step, ended = agree_on_attempt(controller, rank, collective_device())
     if ended.pop("user_error"):  # the group Ray Train restarted after a user's mistake: nothing to redo
         return
     try:
@@ -211,7 +211,7 @@ def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[int, boo
     return int(flags[0].item()), bool(flags[1].item())
 
 
-def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, dict]:
+def agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, dict]:
     """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None) and
     `user_error` (a rank found a mistake of the user's: the job is over). Rank 0 also learns how
     the previous attempt ended: `failed_after` (its last finished step) and `lost` (rank -> why)."""
