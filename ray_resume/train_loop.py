@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from . import parallel
+from .calls import call, tell
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.loader import collective_device
 from .checkpoint.schema import CheckpointError
 from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
 from .config import Config, ConfigError
-from .calls import call, tell
 from .controller import STOP_NOW
 from .data import DEFAULT_COLUMNS, SAMPLE_ID, SampleStream, quiet_ray_data, read_eval_set
 from .faults import FaultInjector
