@@ -48,7 +48,6 @@ import torch
 
 from .calls import call
 from .checkpoint.checkpointer import Checkpointer
-from .checkpoint.schema import CheckpointError
 from .checkpoint.state import load_optim_tensors, optim_tensors, unwrap
 from .config import Config, ConfigError
 from .faults import FaultInjector
@@ -105,28 +104,25 @@ def _rank_main(loop_config: dict) -> None:
     """Ray Train's entry point on every rank: our checkpointer around your function."""
     import ray.train
 
-    from .checkpoint.loader import collective_device
-    from .train_loop import agree_on_attempt
+    from .train_loop import run_attempt
 
-    global _current
     ours = loop_config[_INTERNAL]
     controller = loop_config["controller"]
     yours = {k: v for k, v in loop_config.items() if k not in (_INTERNAL, "controller")}
     cfg = Config.from_dict(call(controller, "job_config"))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    attempt, resume_step, ended = agree_on_attempt(controller, rank, collective_device())
-    if ended.pop("user_error"):  # the group Ray Train restarted after a user's mistake: nothing to redo
-        return
-    _current = RankCheckpointer(cfg, controller, rank, world, attempt, resume_step, ours["load"])
-    try:
-        ours["train_func"](yours)
-        _current.finish()
-    except (ConfigError, CheckpointError) as exc:  # said once, never retried (see JobController.user_failed)
-        call(controller, "user_failed", rank, str(exc))
-        raise
-    finally:
-        _current = None
+
+    def body(attempt: int, resume_step: int | None, ended: dict) -> None:
+        global _current
+        _current = RankCheckpointer(cfg, controller, rank, world, attempt, resume_step, ours["load"])
+        try:
+            ours["train_func"](yours)
+            _current.finish()
+        finally:
+            _current = None
+
+    run_attempt(controller, rank, body)
 
 
 class RankCheckpointer:

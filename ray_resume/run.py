@@ -27,7 +27,7 @@ from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .checkpoint import paths, state
-from .checkpoint.checkpointer import check_weights
+from .checkpoint.checkpointer import check_weights, refuse_optimizer_change
 from .checkpoint.fallback import select_iteration
 from .checkpoint.lease import Lease
 from .checkpoint.reader import export_specs, find_committed, is_export, open_iteration
@@ -40,8 +40,7 @@ from .summary import summarize
 from .data import (DEFAULT_COLUMNS, DataError, check_eval_set, data_fingerprint, ensure_dataset, fingerprint_changes,
                    scan_units)
 from . import parallel
-from .optim import class_path
-from .plugins import load_optimizer, make_model, resolve
+from .plugins import make_model, resolve
 from .train_loop import train_func
 
 logger = logging.getLogger("ray_resume")
@@ -263,7 +262,8 @@ def preflight(cfg: Config, plugins=None) -> tuple[str, int | None] | None:
         refuse_step_rewind(cfg, it)
     if not cfg.checkpoint.no_load_optim:
         refuse_data_change(cfg, it, units)
-        refuse_optimizer_change(cfg, it)
+        refuse_optimizer_change(it, plugins.optimizer, "training.optimizer builds {now}", "{now} from its weights",
+                                "set training.optimizer back")
     return load
 
 
@@ -303,18 +303,6 @@ def refuse_misfit_weights(cfg: Config, plugins, saved: dict, where: str) -> None
         logger.debug("[%s] weights not checked on the driver: the model does not build on the meta device (%s)", cfg.name, exc)
         return
     check_weights(state.model_tensors(model), saved, state.tied_aliases(model), where)
-
-
-def refuse_optimizer_change(cfg: Config, it) -> None:
-    """Another optimizer class cannot take the saved state (AdamW's moments are not SGD's momentum):
-    torch would load the foreign slots without a word. Refused; weights alone carry over."""
-    saved, now = it.common.get("optimizer"), class_path(load_optimizer(cfg.training))
-    if saved is not None and saved != now:  # None: written before the class was kept
-        raise CheckpointError(
-            f"{paths.join(it.path, paths.COMMON)}: iteration {it.step} holds the state of optimizer {saved}, but "
-            f"training.optimizer builds {now}; set checkpoint.no_load_optim: true to start {now} from its weights, "
-            "or set training.optimizer back"
-        )
 
 
 def refuse_data_change(cfg: Config, it, units) -> None:

@@ -61,13 +61,21 @@ def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plug
     if not logging.getLogger().handlers:  # outside Ray Train (which configures the root logger)
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)  # deterministic and fair on small CPU hosts
-    attempt, resume_step, ended = agree_on_attempt(controller, rank, collective_device())
-    if ended.pop("user_error"):  # the group Ray Train restarted after a user's mistake: nothing to redo
+    run_attempt(controller, rank, lambda attempt, resume_step, ended: _train(
+        cfg, controller, rank, world, device, plugins=plugins, load=load, job_id=job_id, stream=stream,
+        preempted=preempted, attempt=attempt, resume_step=resume_step, ended=ended))
+
+
+def run_attempt(controller, rank: int, body) -> None:
+    """`body(attempt, resume_step, ended)` for this worker-group start (both loops' ranks). A user's
+    mistake is said once and never retried: its rank reports it, and the group Ray Train restarts
+    for it returns at once (see JobController.user_failed)."""
+    attempt, resume_step, ended = _agree_on_attempt(controller, rank, collective_device())
+    if ended.pop("user_error"):
         return
     try:
-        _train(cfg, controller, rank, world, device, plugins=plugins, load=load, job_id=job_id, stream=stream,
-               preempted=preempted, attempt=attempt, resume_step=resume_step, ended=ended)
-    except (ConfigError, CheckpointError) as exc:  # said once, never retried (see JobController.user_failed)
+        body(attempt, resume_step, ended)
+    except (ConfigError, CheckpointError) as exc:
         call(controller, "user_failed", rank, str(exc))
         raise
 
@@ -211,7 +219,7 @@ def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[int, boo
     return int(flags[0].item()), bool(flags[1].item())
 
 
-def agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, dict]:
+def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, dict]:
     """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None) and
     `user_error` (a rank found a mistake of the user's: the job is over). Rank 0 also learns how
     the previous attempt ended: `failed_after` (its last finished step) and `lost` (rank -> why)."""

@@ -104,11 +104,8 @@ class Checkpointer:
         if optimizer is None:
             raise CheckpointError(f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only")
         point = self._progress(it)
-        saved, now = it.common.get("optimizer"), class_path(type(optimizer.optimizer))
-        if saved is not None and saved != now:  # torch would load the foreign slots without a word
-            raise CheckpointError(f"{paths.join(it.path, paths.COMMON)}: iteration {it.step} holds the state of optimizer {saved}, "
-                                  f"but this job's optimizer is {now}; set checkpoint.no_load_optim: true to start it from the "
-                                  "weights, or build the optimizer that saved it")
+        refuse_optimizer_change(it, type(optimizer.optimizer), "this job's optimizer is {now}", "it from the weights",
+                                "build the optimizer that saved it")
         if it.common["has_optimizer"]:
             specs = {s.name: s for s in tensor_specs(it.metadata, paths.OPTIM_KIND)}
             params = dict(optimizer.named_main())  # a slot is sharded like its parameter
@@ -250,6 +247,17 @@ def check_weights(live: dict[str, torch.Tensor], saved: dict[str, TensorSpec], a
     extra = sorted(set(saved) - set(live) - set(aliases))
     if extra:
         raise CheckpointError(f"{where}: tensor {extra[0]!r} is not a tensor of the model")
+
+
+def refuse_optimizer_change(it, cls: type, ours: str, start: str, back: str) -> None:
+    """Another optimizer class cannot take the saved state (AdamW's moments are not SGD's momentum):
+    torch would load the foreign slots without a word. Refused (the driver says it for the built-in
+    job, the ranks for any), naming both classes; weights alone carry over."""
+    saved, now = it.common.get("optimizer"), class_path(cls)
+    if saved is not None and saved != now:  # None: written before the class was kept
+        raise CheckpointError(
+            f"{paths.join(it.path, paths.COMMON)}: iteration {it.step} holds the state of optimizer {saved}, but "
+            f"{ours.format(now=now)}; set checkpoint.no_load_optim: true to start {start.format(now=now)}, or {back}")
 
 
 def prefix_hint(model_names: set[str], saved_names: set[str]) -> str:
