@@ -45,15 +45,18 @@ from typing import Any, Callable
 
 import safetensors.torch
 import torch
+import torch.distributed as dist
 
 from .calls import call
 from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.loader import collective_device
+from .checkpoint.schema import CheckpointError
 from .checkpoint.state import load_optim_tensors, optim_tensors, unwrap
 from .config import Config, ConfigError
 from .faults import FaultInjector
 from .optim import class_path
 
-_INTERNAL = "_ray_resume"  # the key of our part of train_loop_config
+INTERNAL = "_ray_resume"  # the key of our part of train_loop_config
 MAX_EXTRA = 16 << 20  # bytes of JSON extra state per rank (it shares a 64 MiB safetensors header with the RNG)
 _current: "RankCheckpointer | None" = None
 
@@ -65,15 +68,14 @@ class Start:
     step: int = 0
     consumed_samples: int = 0
     source: str | None = None  # the iteration (or export) loaded; None for a fresh start
+    bytes_read: int = 0  # bytes this rank read from storage for it
 
 
 def fit(train_func: Callable[[dict], None], *, checkpoint: dict, scaling: dict | None = None, failure: dict | None = None,
         train_loop_config: dict | None = None, name: str = "fit", address: str | None = None, verbose: bool = False):
     """Run `train_func(train_loop_config)` on every rank with ray_resume's checkpointing; a RunResult
     (`committed_iteration`, `checkpoint_path`, `error`). Bad keys are refused here, before Ray starts."""
-    import uuid
-
-    from .run import absolute_paths, find_resume, run_trainer, with_lease
+    from .run import absolute_paths, find_resume, launch
 
     workers = (scaling or {}).get("num_workers", 2)
     sizes = range(workers[0], workers[1] + 1) if isinstance(workers, list) and len(workers) == 2 else [workers]
@@ -83,14 +85,8 @@ def fit(train_func: Callable[[dict], None], *, checkpoint: dict, scaling: dict |
         # The built-in loop's keys: your loop has its own batches and steps (a batch size every world size divides).
         "training": {"global_batch_size": whole, "micro_batch_size": 1, "train_steps": 2**62},
     }, source="ray_resume.fit"))
-    job_id = uuid.uuid4().hex[:12]
-
-    def body():
-        load, _ = find_resume(cfg)
-        loop_config = {**(train_loop_config or {}), _INTERNAL: {"train_func": train_func, "load": load}}
-        return run_trainer(cfg, address, job_id, _rank_main, loop_config, verbose=verbose, summary=False)
-
-    return with_lease(cfg, job_id, body)
+    return launch(cfg, train_func, train_loop_config or {}, check=lambda: find_resume(cfg)[0], address=address,
+                  verbose=verbose, summary=False)
 
 
 def get_checkpointer() -> "RankCheckpointer":
@@ -100,47 +96,96 @@ def get_checkpointer() -> "RankCheckpointer":
     return _current
 
 
-def _rank_main(loop_config: dict) -> None:
-    """Ray Train's entry point on every rank: our checkpointer around your function."""
+@dataclass(frozen=True)
+class RankJob:
+    """This rank's part of the job, for this worker-group start (the built-in loop reads it)."""
+
+    cfg: Config
+    controller: Any  # the job's controller (ray_resume.controller), reached through `call`
+    rank: int
+    world: int
+    job_id: str
+    attempt: int  # worker-group starts before this one
+    resume_step: int | None  # this job's newest commit, on a restart
+    ended: dict  # how the previous attempt ended (rank 0 only): failed_after, lost, clock
+    faults: FaultInjector
+
+
+def rank_entry(loop_config: dict) -> None:
+    """Ray Train's entry point on every rank, for every job (`fit`'s and the built-in one)."""
     import ray.train
 
-    from .train_loop import run_attempt
-
-    ours = loop_config[_INTERNAL]
+    ours = loop_config[INTERNAL]
     controller = loop_config["controller"]
-    yours = {k: v for k, v in loop_config.items() if k not in (_INTERNAL, "controller")}
-    cfg = Config.from_dict(call(controller, "job_config"))
+    yours = {k: v for k, v in loop_config.items() if k not in (INTERNAL, "controller")}
+    cfg = Config.from_dict(call(controller, "job_config"))  # the train_loop_config Ray Train shows is redacted
     ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    run_rank(cfg, controller, ctx.get_world_rank(), ctx.get_world_size(), ours["train_func"], yours,
+             load=ours["load"], job_id=ours["job_id"])
 
-    def body(attempt: int, resume_step: int | None, ended: dict) -> None:
-        global _current
-        _current = RankCheckpointer(cfg, controller, rank, world, attempt, resume_step, ours["load"])
-        try:
-            ours["train_func"](yours)
-            _current.finish()
-        finally:
-            _current = None
 
-    run_attempt(controller, rank, body)
+def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callable[[dict], None], config: dict, *,
+             load, job_id: str) -> None:
+    """One rank of a job in an initialised process group: `train_func(config)` with this rank's
+    RankCheckpointer, for this worker-group start. A user's mistake is said once and never retried:
+    its rank reports it, and the group Ray Train restarts for it returns at once (JobController.user_failed)."""
+    global _current
+    attempt, resume_step, ended = _agree_on_attempt(controller, rank, collective_device())
+    if ended.pop("user_error"):
+        return
+    faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
+    _current = RankCheckpointer(RankJob(cfg, controller, rank, world, job_id, attempt, resume_step, ended, faults), load)
+    try:
+        train_func(config)
+        _current.finish()
+    except (ConfigError, CheckpointError) as exc:
+        call(controller, "user_failed", rank, str(exc))
+        raise
+    finally:
+        _current = None
+
+
+def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, dict]:
+    """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None) and
+    `user_error` (a rank found a mistake of the user's: the job is over). Rank 0 also learns how
+    the previous attempt ended: `failed_after` (its last finished step) and `lost` (rank -> why)."""
+    facts = torch.tensor([-1, -1, 0], device=device)
+    ended = {}
+    if rank == 0:
+        reply = call(controller, "start_attempt")
+        ended = {"failed_after": reply["failed_after"], "lost": reply["lost"], "clock": reply["clock"]}
+        facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"],
+                              reply["user_error"] is not None], device=device)
+    dist.broadcast(facts, src=0)
+    attempt, step, user_error = facts.tolist()
+    return attempt, None if step < 0 else step, {**ended, "user_error": bool(user_error)}
 
 
 class RankCheckpointer:
     """`restore` once, then `maybe_save` every step; `finish` waits for the last save (fit calls it)."""
 
-    def __init__(self, cfg: Config, controller, rank: int, world: int, attempt: int, resume_step: int | None, load):
-        self._cfg, self._rank = cfg, rank
-        faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
-        self._checkpointer = Checkpointer(cfg, controller, rank, world, attempt, faults, own_loop=True)
+    def __init__(self, job: RankJob, load):
+        self.job = job
+        cfg = self._cfg = job.cfg
+        self._checkpointer = Checkpointer(cfg, job.controller, job.rank, job.world, job.attempt, job.faults)
         # A restart within this job resumes its own newest commit; the first start, checkpoint.load_path.
-        self._source = (cfg.checkpoint.save_path, resume_step) if resume_step is not None else load
-        self._full = resume_step is not None or not cfg.checkpoint.no_load_optim  # its own commit: always all of it
+        self._source = (cfg.checkpoint.save_path, job.resume_step) if job.resume_step is not None else load
+        self._full = job.resume_step is not None or not cfg.checkpoint.no_load_optim  # its own commit: always all of it
         self._model = self._optimizer = None
         self._extra: dict[str, Any] = {}
 
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any] | None = None) -> Start:
-        """Load the model, the optimizer and `extra` (in place) from what this job resumes, if anything."""
-        self._model, self._optimizer, self._extra = model, OptimizerState(model, optimizer), dict(extra or {})
+    def restore(self, model: torch.nn.Module, optimizer, extra: dict[str, Any] | None = None, *,
+                global_batch_size: int | None = None) -> Start:
+        """Load the model, the optimizer and `extra` (in place) from what this job resumes, if anything.
+
+        With `global_batch_size`, a checkpoint saved with another one resumes at step
+        consumed_samples // global_batch_size (the spec's scenario C; the data cursor stays at the
+        consumed samples); without, at its saved step.
+        """
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = OptimizerState(model, optimizer)
+        # else the built-in mixed-precision optimizer (ray_resume.optim), whose hyperparameters are the config's
+        self._model, self._optimizer, self._extra = model, optimizer, dict(extra or {})
         if self._extra and self._cfg.checkpoint.no_save_optim:
             raise ConfigError("extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out; "
                               "drop one of them")
@@ -149,30 +194,40 @@ class RankCheckpointer:
                 raise ConfigError(f"extra[{key!r}]: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
                                   "pass objects that have them, or torch.Generators")
         full = self._full and self._source is not None and self._source[1] is not None  # an export holds weights only
-        point = self._checkpointer.restore(model, self._optimizer, self._source, full=full)
-        if "param_groups" in point.extras:
-            self._optimizer.load_groups(json.loads(point.extras["param_groups"]))
+        point = self._checkpointer.restore(model, optimizer, self._source, full=full, global_batch_size=global_batch_size,
+                                           rank0_extras=isinstance(optimizer, OptimizerState) or bool(self._extra))
+        if "param_groups" in point.extras and isinstance(optimizer, OptimizerState):
+            optimizer.load_groups(json.loads(point.extras["param_groups"]))
         if "extra" in point.extras:
             load_extra(self._extra, point.extras["extra"], where=point.source)
-        return Start(point.global_step, point.consumed_samples, point.source)
+        return Start(point.global_step, point.consumed_samples, point.source, point.bytes_read)
 
-    def maybe_save(self, step: int, *, consumed_samples: int = 0, force: bool = False) -> bool:
-        """Save at every `checkpoint.save_interleaved_steps` (or now, with `force`); True if it saved."""
+    def maybe_save(self, step: int, *, consumed_samples: int = 0, global_batch_size: int | None = None, force: bool = False,
+                   common: dict | None = None) -> bool:
+        """Save at every `checkpoint.save_interleaved_steps` (or now, with `force`); True if it saved.
+        `common`: more JSON fields for the iteration's common.json (the built-in loop's epoch and data)."""
         if self._model is None:
             raise RuntimeError("call restore(model, optimizer) before maybe_save()")
         if not (self._checkpointer.should_save(step) or force):
             return False
-        extras = {"param_groups": json.dumps(self._optimizer.groups()), "extra": dump_extra(self._extra)}
-        if len(extras["extra"]) > MAX_EXTRA:
-            raise ConfigError(f"extra state of {len(extras['extra']) >> 20} MiB (keys {sorted(self._extra)}): it rides in a shard "
-                              f"header, which holds {MAX_EXTRA >> 20} MiB; keep big tensors in the model or the optimizer")
-        common = {"global_step": step, "global_batch_size": self._cfg.training.global_batch_size, "consumed_samples": consumed_samples,
-                  "epoch_num": 0, "step_num": step, "loss_scale": 1.0, "optimizer": class_path(type(self._optimizer.optimizer))}
-        return self._checkpointer.maybe_save(step, self._model, self._optimizer, common, force=force, extras=extras)
+        optimizer = self._optimizer
+        extras = {}
+        if isinstance(optimizer, OptimizerState):
+            extras["param_groups"] = json.dumps(optimizer.groups())
+        if self._extra:
+            extras["extra"] = dump_extra(self._extra)
+            if len(extras["extra"]) > MAX_EXTRA:
+                raise ConfigError(f"extra state of {len(extras['extra']) >> 20} MiB (keys {sorted(self._extra)}): it rides in "
+                                  f"a shard header, which holds {MAX_EXTRA >> 20} MiB; keep big tensors in the model or the optimizer")
+        common = {"global_step": step, "global_batch_size": global_batch_size or self._cfg.training.global_batch_size,
+                  "consumed_samples": consumed_samples, "epoch_num": 0, "step_num": step,
+                  "optimizer": class_path(type(optimizer.optimizer)),
+                  **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}), **(common or {})}
+        return self._checkpointer.maybe_save(step, self._model, optimizer, common, force=force, extras=extras)
 
     @property
     def last_stall_s(self) -> float | None:
-        """How long the last save blocked this rank."""
+        """How long the last save blocked this rank (None before the first)."""
         return self._checkpointer.last_stall_s
 
     def finish(self) -> float:

@@ -42,6 +42,7 @@ from .data import (DEFAULT_COLUMNS, DataError, check_eval_set, data_fingerprint,
 from . import parallel
 from .plugins import make_model, resolve
 from .train_loop import train_func
+from .api import INTERNAL, rank_entry
 
 logger = logging.getLogger("ray_resume")
 
@@ -107,36 +108,33 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
     if cfg.training.strategy == "fsdp" and cfg.model.fsdp_units:
         with torch.device("meta"):  # check the unit class names without allocating the model
             parallel.fsdp_units(make_model(plugins, cfg), cfg.model.fsdp_units)
+    # Ray Train keeps train_loop_config in its run state (the dashboard shows it): credentials stay
+    # out of it, and the ranks take the whole config from the controller.
+    loop_config = {"config": redacted(cfg.to_dict()), "plugins": plugins, "verbose": verbose}
+    return launch(cfg, train_func, loop_config, check=lambda: preflight(cfg, plugins), address=address, verbose=verbose)
+
+
+def launch(cfg: Config, train_func, train_loop_config: dict, *, check, address: str | None, verbose: bool,
+           summary: bool = True) -> RunResult:
+    """Every job's driver (`ray_resume.fit`'s, and the built-in one's through `run`): while it holds
+    the writer lease, `check()` (the driver's checks; what to load), then the job's controller and a
+    TorchTrainer running `train_func(train_loop_config)` on every rank with its RankCheckpointer, to
+    the end (with Ray Train's restarts); what was committed, and why it failed if it did."""
     job_id = uuid.uuid4().hex[:12]
-
-    def body():
-        load = preflight(cfg, plugins)
-        # Ray Train keeps train_loop_config in its run state (the dashboard shows it): credentials
-        # stay out of it, and the ranks take the whole config from the controller.
-        loop_config = {"config": redacted(cfg.to_dict()), "load": load, "job_id": job_id, "plugins": plugins, "verbose": verbose}
-        return run_trainer(cfg, address, job_id, train_func, loop_config, verbose=verbose)
-
-    return with_lease(cfg, job_id, body)
-
-
-def with_lease(cfg: Config, job_id: str, body):
-    """`body()` while this job holds (and renews) the writer lease on save_path, when it saves."""
     lease = None
     if cfg.checkpoint.enable_save:  # before anything under save_path is read for writing or moved
         lease = Lease(storage_for(cfg.checkpoint.save_path, cfg.checkpoint.storage), cfg.checkpoint.save_path, job_id, cfg.checkpoint.lease_ttl_s)
         lease.acquire()
         lease.keep_renewed()  # from this moment to the job's end
     try:
-        return body()
+        internal = {"train_func": train_func, "load": check(), "job_id": job_id}
+        return _run_trainer(cfg, address, job_id, {**train_loop_config, INTERNAL: internal}, verbose=verbose, summary=summary)
     finally:
         if lease:
             lease.release()
 
 
-def run_trainer(cfg: Config, address: str | None, job_id: str, train_loop, loop_config: dict, *, verbose: bool,
-                summary: bool = True) -> RunResult:
-    """The job's controller and a TorchTrainer running `train_loop(loop_config + controller)` on every
-    rank, to the end (with Ray Train's restarts); what was committed, and why it failed if it did."""
+def _run_trainer(cfg: Config, address: str | None, job_id: str, loop_config: dict, *, verbose: bool, summary: bool) -> RunResult:
     init_ray(address, cfg)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # On the driver's node: the commit must run where the driver does (it dies with it).
@@ -144,7 +142,7 @@ def run_trainer(cfg: Config, address: str | None, job_id: str, train_loop, loop_
         cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid()
     )
     trainer = TorchTrainer(
-        train_loop,
+        rank_entry,
         train_loop_config={**loop_config, "controller": controller},
         scaling_config=scaling_config(cfg.scaling),
         run_config=ray.train.RunConfig(

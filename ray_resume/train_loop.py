@@ -1,10 +1,11 @@
-"""The per-worker training function: restore, loop, maybe save.
+"""The built-in job's training function: restore, loop, maybe save.
 
-Ray Train runs `train_func` on every rank. After a worker loss Ray restarts
-the whole group and this function runs again from the top; what it resumes
-comes from the job's controller on the driver, which remembers what this job has
-committed, so a restart continues from the newest committed iteration even
-when the first start had no `load_path`.
+It is a train_func like any user's (`ray_resume.fit` runs it, with the
+RankCheckpointer every rank gets from `get_checkpointer()`). After a worker
+loss Ray restarts the whole group and this function runs again from the top;
+what it resumes comes from the job's controller on the driver, which
+remembers what this job has committed, so a restart continues from the
+newest committed iteration even when the first start had no `load_path`.
 """
 
 from __future__ import annotations
@@ -13,79 +14,47 @@ import logging
 import math
 import time
 
-import ray
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
 
 from . import parallel
+from .api import get_checkpointer
 from .calls import call, tell
-from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.loader import collective_device
-from .checkpoint.schema import CheckpointError
 from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
-from .config import Config, ConfigError
+from .config import ConfigError
 from .controller import STOP_NOW
 from .data import DEFAULT_COLUMNS, SAMPLE_ID, SampleStream, quiet_ray_data, read_eval_set
-from .faults import FaultInjector
 from .metrics import Curves, MetricsWriter
-from .optim import MainParamsOptimizer, class_path
+from .optim import MainParamsOptimizer
 from .plugins import make_model
 
 logger = logging.getLogger(__name__)
 
 
-def train_func(args: dict) -> None:
-    """Ray Train's entry point on every rank: Ray's context, device and data reader around `train_worker`."""
-    cfg = Config.from_dict(call(args["controller"], "job_config"))  # args["config"] is redacted
-    if not args.get("verbose"):
+def train_func(config: dict) -> None:
+    """The built-in job's train_func, as `ray_resume.fit` runs any: Ray's device and data reader around `train_worker`."""
+    if not config.get("verbose"):
         quiet_ray_data()
-    ctx = ray.train.get_context()
-    train_worker(
-        cfg, args["controller"], ctx.get_world_rank(), ctx.get_world_size(),
-        ray.train.torch.get_device(),  # cuda:N with use_gpu (NCCL), else cpu (gloo)
-        plugins=args["plugins"], load=args.get("load"), job_id=args["job_id"], stream=SampleStream,
-        preempted=lambda: ray.train.get_preemption_info() is not None,
-    )
+    train_worker(get_checkpointer(), ray.train.torch.get_device(),  # cuda:N with use_gpu (NCCL), else cpu (gloo)
+                 config["plugins"], stream=SampleStream, preempted=lambda: ray.train.get_preemption_info() is not None)
 
 
-def train_worker(cfg: Config, controller, rank: int, world: int, device, *, plugins, load, job_id: str,
-                 stream=SampleStream, preempted=lambda: False) -> None:
-    """Restore, loop, maybe save: one rank's whole run, in an initialised process group.
+def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: False) -> None:
+    """Restore, loop, maybe save: one rank's run of the built-in job, through its RankCheckpointer `ck`.
 
-    `controller` is the job's controller (reached through `controller.call`),
     `stream` makes the data stream (SampleStream's signature), `preempted()`
     says whether the platform announced a preemption.
     """
     if not logging.getLogger().handlers:  # outside Ray Train (which configures the root logger)
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)  # deterministic and fair on small CPU hosts
-    run_attempt(controller, rank, lambda attempt, resume_step, ended: _train(
-        cfg, controller, rank, world, device, plugins=plugins, load=load, job_id=job_id, stream=stream,
-        preempted=preempted, attempt=attempt, resume_step=resume_step, ended=ended))
-
-
-def run_attempt(controller, rank: int, body) -> None:
-    """`body(attempt, resume_step, ended)` for this worker-group start (both loops' ranks). A user's
-    mistake is said once and never retried: its rank reports it, and the group Ray Train restarts
-    for it returns at once (see JobController.user_failed)."""
-    attempt, resume_step, ended = _agree_on_attempt(controller, rank, collective_device())
-    if ended.pop("user_error"):
-        return
-    try:
-        body(attempt, resume_step, ended)
-    except (ConfigError, CheckpointError) as exc:
-        call(controller, "user_failed", rank, str(exc))
-        raise
-
-
-def _train(cfg: Config, controller, rank: int, world: int, device, *, plugins, load, job_id: str, stream, preempted,
-           attempt: int, resume_step: int | None, ended: dict) -> None:
+    job = ck.job
+    cfg, controller, rank, world, attempt = job.cfg, job.controller, job.rank, job.world, job.attempt
     train = cfg.training
     began = time.monotonic()
-    faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
-    checkpointer = Checkpointer(cfg, controller, rank, world, attempt, faults)
 
     seed_everything(train.seed)  # identical initial weights on every rank
     model = parallel.wrap(make_model(plugins, cfg).to(device), train.strategy, cfg.model.fsdp_units, device, world)
@@ -94,27 +63,23 @@ def _train(cfg: Config, controller, rank: int, world: int, device, *, plugins, l
                                     optimizer_args=train.optimizer_args, grad_clip=train.grad_clip)
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
 
-    if resume_step is not None:  # a restart within this job: its own newest commit
-        source, full = (cfg.checkpoint.save_path, resume_step), True
-    else:
-        source, full = load, not cfg.checkpoint.no_load_optim
-    resume = checkpointer.restore(model, optimizer, source, full=full)
+    resume = ck.restore(model, optimizer, global_batch_size=train.global_batch_size)
     samples = stream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
                      resume.consumed_samples, columns=cfg.data.columns or None)
-    progress = Progress(cfg, rank, attempt, job_id, controller)
-    progress.resumed(resume, world, attempt, **ended, restore_s=time.monotonic() - began)
+    progress = Progress(cfg, rank, attempt, job.job_id, controller)
+    progress.resumed(resume, world, attempt, **job.ended, restore_s=time.monotonic() - began)
 
     evaluate = Evaluator(cfg, plugins, rank, world, device) if train.eval_every else None
     batches = iter(samples)
     accumulation = train.accumulation_steps(world)
     noticed = False  # a preemption notice was seen and saved for
-    for step in range(resume.global_step + 1, train.train_steps + 1):
+    for step in range(resume.step + 1, train.train_steps + 1):
         lr = learning_rate(train, samples.position)  # of the samples consumed before this step
         batch = next(batches)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world, device)
-        faults.maybe_kill("after_optimizer_step", step)
+        job.faults.maybe_kill("after_optimizer_step", step)
         consumed = samples.position
         stop, notice = 0, False
         if step < train.train_steps:
@@ -122,18 +87,13 @@ def _train(cfg: Config, controller, rank: int, world: int, device, *, plugins, l
             noticed = noticed or notice
         if stop == STOP_NOW:  # the writer lease is lost: no more saves; the driver ends the run with it
             break
-        saved = checkpointer.maybe_save(step, model, optimizer, force=bool(stop) or notice, common={
-            "global_step": step,
-            "global_batch_size": train.global_batch_size,
-            "consumed_samples": consumed,
-            "epoch_num": consumed // samples.num_samples,
-            "step_num": (consumed % samples.num_samples) // train.global_batch_size,
-            "data": samples.fingerprint,
-            "optimizer": class_path(plugins.optimizer),
-            **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
-        })
+        saved = ck.maybe_save(step, consumed_samples=consumed, global_batch_size=train.global_batch_size,
+                              force=bool(stop) or notice, common={
+                                  "epoch_num": consumed // samples.num_samples,
+                                  "step_num": (consumed % samples.num_samples) // train.global_batch_size,
+                                  "data": samples.fingerprint})
         progress.step(step, loss, optimizer.param_groups[0]["lr"], optimizer.grad_norm, batch["sample_id"], saved,
-                      checkpointer.last_stall_s if saved else None)
+                      ck.last_stall_s if saved else None)
         if evaluate and (step % train.eval_every == 0 or step == train.train_steps):
             progress.evaluated(step, *evaluate(model))
         if rank == 0:
@@ -142,8 +102,8 @@ def _train(cfg: Config, controller, rank: int, world: int, device, *, plugins, l
             progress.stopped(step)
             break
     # The last (async) save must be written and reported before this worker returns; raises its error.
-    final_wait = checkpointer.finish()
-    if checkpointer.stalls:
+    final_wait = ck.finish()
+    if ck.last_stall_s is not None:
         progress._record({"event": "save_wait", "step": train.train_steps, "save_stall_s": final_wait}, flush=True)
     if rank == 0:
         call(controller, "finish", progress.last)
@@ -217,22 +177,6 @@ def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[int, boo
     flags = torch.tensor([int(stop), int(notice)], device=collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return int(flags[0].item()), bool(flags[1].item())
-
-
-def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, dict]:
-    """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None) and
-    `user_error` (a rank found a mistake of the user's: the job is over). Rank 0 also learns how
-    the previous attempt ended: `failed_after` (its last finished step) and `lost` (rank -> why)."""
-    facts = torch.tensor([-1, -1, 0], device=device)
-    ended = {}
-    if rank == 0:
-        reply = call(controller, "start_attempt")
-        ended = {"failed_after": reply["failed_after"], "lost": reply["lost"], "clock": reply["clock"]}
-        facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"],
-                              reply["user_error"] is not None], device=device)
-    dist.broadcast(facts, src=0)
-    attempt, step, user_error = facts.tolist()
-    return attempt, None if step < 0 else step, {**ended, "user_error": bool(user_error)}
 
 
 class Evaluator:
@@ -309,30 +253,30 @@ class Progress:
                 clock: dict | None = None, restore_s: float = 0.0) -> None:
         if self.metrics and self.rank == 0:
             self.curves = Curves(self.cfg.checkpoint.save_path, self.cfg.checkpoint.storage, job=self.job_id,
-                                 attempt=attempt, purge_step=resume.global_step + 1)
-            self.curves.add(resume.global_step, {"attempt": attempt})  # a restart is a step in this curve
-        self._record({"event": "start", "step": resume.global_step, "source": resume.source, "world_size": world,
+                                 attempt=attempt, purge_step=resume.step + 1)
+            self.curves.add(resume.step, {"attempt": attempt})  # a restart is a step in this curve
+        self._record({"event": "start", "step": resume.step, "source": resume.source, "world_size": world,
                       "consumed_samples": resume.consumed_samples, "bytes_read": resume.bytes_read}, flush=True)
         if attempt > 0:  # a restart: the previous group was lost (Ray Train's account is in its log files)
             # What it cost, part by part, recorded once this group has redone the lost steps.
-            self.restart = {"event": "restart", "step": resume.global_step, "caught_up": failed_after or resume.global_step,
+            self.restart = {"event": "restart", "step": resume.step, "caught_up": failed_after or resume.step,
                             **(clock or {}), "restore_s": restore_s, "since": time.monotonic()}
             reached = f"after step {failed_after}" if failed_after is not None else "before its first step"
-            redo = f": {failed_after - resume.global_step} steps to redo" if failed_after is not None else ""
+            redo = f": {failed_after - resume.step} steps to redo" if failed_after is not None else ""
             why = "".join(f"; rank {r}: {text}" for r, text in (lost or {}).items())
             self._say(f"worker group lost {reached} (attempt {attempt - 1}{why}); resuming from "
-                      f"{'iteration ' + str(resume.global_step) if resume.source else 'step 0'}{redo}")
+                      f"{'iteration ' + str(resume.step) if resume.source else 'step 0'}{redo}")
         if resume.source is None:
             if not self.cfg.checkpoint.enable_save:
                 self._say("checkpoints are off (checkpoint.enable_save: false): nothing will be saved")
             self._say(f"starting from step 0 (attempt {attempt}, world size {world})")
             return
         self._say(
-            f"resumed from {resume.source} (attempt {attempt}, world size {world}): global_step {resume.global_step}, "
-            f"consumed samples {resume.consumed_samples}; continuing at step {resume.global_step + 1} "
+            f"resumed from {resume.source} (attempt {attempt}, world size {world}): global_step {resume.step}, "
+            f"consumed samples {resume.consumed_samples}; continuing at step {resume.step + 1} "
             f"(rank 0 read {resume.bytes_read} bytes from storage, load_balanced={self.cfg.checkpoint.load_balanced})"
         )
-        if resume.global_step >= self.total:
+        if resume.step >= self.total:
             self._say(f"training already reached train_steps={self.total}: nothing left to do")
 
     def _restarted(self, step: int) -> None:

@@ -4,8 +4,8 @@
 processes: the driver's checks (`preflight`), the lease and the job's
 controller (the real `JobController`, served from a process of its own, as
 the actor is from its own), then W rank processes in a gloo group, each
-running the real `train_worker` -- restore, loop, maybe save, the real
-Checkpointer, writer and commit. Only two parts are swapped:
+running the real `run_rank` and built-in `train_worker` -- restore, loop,
+maybe save, the real RankCheckpointer, writer and commit. Only two parts are swapped:
 
 * Ray Train's restarts: when a rank dies, the others are killed and a new
   group starts (a new attempt), up to `failure.max_failures` times;
@@ -44,6 +44,7 @@ from ray_resume.config import Config
 from ray_resume.data import SAMPLE_ID, SampleStream, _read_unit_batch, plan_epoch_units
 from ray_resume.plugins import resolve
 from ray_resume.run import absolute_paths, preflight
+from ray_resume.api import get_checkpointer, run_rank
 from ray_resume.train_loop import train_worker
 
 CTX = mp.get_context("forkserver")
@@ -150,8 +151,8 @@ def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, plugins,
     if storage_faults:
         storage_faults_module.install(*storage_faults)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    train_worker(Config.from_dict(cfg_dict), controller, rank, world, torch.device("cpu"), plugins=plugins, load=load,
-                 job_id=job_id, stream=LocalStream, preempted=preempted)
+    loop = lambda config: train_worker(get_checkpointer(), torch.device("cpu"), plugins, stream=LocalStream, preempted=preempted)
+    run_rank(Config.from_dict(cfg_dict), controller, rank, world, loop, {}, load=load, job_id=job_id)
     dist.barrier()
     os._exit(0)  # not a teardown of the group under live DDP objects: that sometimes hangs at exit
 

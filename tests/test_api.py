@@ -148,11 +148,12 @@ def test_bad_keys_are_refused_before_ray_starts_and_the_checkpointer_lives_only_
 
 def test_extra_state_with_no_save_optim_is_refused_before_anything_loads(tmp_path):
     """It rides in the optimizer shards: with no_save_optim it would vanish at the first restart, silently."""
-    from ray_resume.api import RankCheckpointer
+    from ray_resume.api import RankCheckpointer, RankJob
     from ray_resume.config import Config, ConfigError
 
     cfg = Config.from_dict({"name": "x", "checkpoint": {"save_path": str(tmp_path), "no_save_optim": True}})
-    ck = RankCheckpointer(cfg, controller=None, rank=0, world=1, attempt=0, resume_step=None, load=None)
+    ck = RankCheckpointer(RankJob(cfg, controller=None, rank=0, world=1, job_id="j", attempt=0, resume_step=None, ended={},
+                                  faults=None), load=None)
     model = torch.nn.Linear(2, 2)
     sched = torch.optim.lr_scheduler.StepLR(opt := torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
     with pytest.raises(ConfigError, match="extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out"):

@@ -36,11 +36,11 @@ class ResumePoint:
     consumed_samples: int = 0
     source: str | None = None  # the iteration dir loaded, None for a fresh start
     bytes_read: int = 0  # bytes this rank read from storage to load it
-    extras: dict[str, str] = field(default_factory=dict)  # the rank's strings from its opt header (see own_loop)
+    extras: dict[str, str] = field(default_factory=dict)  # the rank's strings from its opt header (see rank0_extras)
 
 
 class Checkpointer:
-    def __init__(self, cfg, controller, rank: int, world_size: int, attempt: int, faults, *, own_loop: bool = False):
+    def __init__(self, cfg, controller, rank: int, world_size: int, attempt: int, faults):
         self.cfg = cfg
         self.ckpt = cfg.checkpoint
         self.controller = controller  # the job's controller (ray_resume.controller), reached through `call`
@@ -48,36 +48,38 @@ class Checkpointer:
         self.world_size = world_size
         self.attempt = attempt
         self.faults = faults
-        # A train_func of the user's (ray_resume.fit): its steps are its own (no global_batch_size
-        # rescaling), and on another world size every rank reads rank 0's extras (param groups, extra state).
-        self.own_loop = own_loop
         self.snapshots = SnapshotBuffers()  # async: reused host copies of this rank's share
         self.background = BackgroundSave(f"ckpt-writer-{rank}")
         self.last_stall_s: float | None = None  # seconds the last save blocked the training loop
         self.stalls: list[tuple[int, float]] = []  # (step, stall seconds) of every save, in order
 
-    def restore(self, model, optimizer, source: tuple[str, int | None] | None, *, full: bool) -> ResumePoint:
+    def restore(self, model, optimizer, source: tuple[str, int | None] | None, *, full: bool,
+                global_batch_size: int | None = None, rank0_extras: bool = False) -> ResumePoint:
         """Load `source = (root, step)`, or `(export_dir, None)` for consolidated safetensors weights.
 
         `full` restores optimizer, RNG and progress too (the spec's
         no_load_optim: false); otherwise only weights are taken, training
         starts at step 0, and the fp32 main params are refreshed from them.
+        A `global_batch_size` other than the saved one rescales the step (see _progress).
+        `rank0_extras`: on another world size, every rank takes rank 0's extras (param groups, extra state).
         """
         if source is None:
             return ResumePoint()
         root, step = source
         storage = storage_for(root, self.ckpt.storage)
         try:
-            return self._restore(storage, model, optimizer, root, step, full=full)
+            return self._restore(storage, model, optimizer, root, step, full=full, gbs=global_batch_size, rank0_extras=rank0_extras)
         except DamagedShards as exc:  # every rank gets here (the loader agrees), with the same step
             if step is None:
                 raise
             logger.warning("rank %d: %s", self.rank, exc)
             older = decided_by_rank0(lambda: fall_back(storage, root, step, str(exc), fallback=self.ckpt.fallback),
                                      self.rank, self.world_size, f"fall back from the damaged iteration {step}")
-            return self.restore(model, optimizer, (root, older), full=full)
+            return self.restore(model, optimizer, (root, older), full=full, global_batch_size=global_batch_size,
+                                rank0_extras=rank0_extras)
 
-    def _restore(self, storage, model, optimizer, root: str, step: int | None, *, full: bool) -> ResumePoint:
+    def _restore(self, storage, model, optimizer, root: str, step: int | None, *, full: bool, gbs: int | None,
+                 rank0_extras: bool) -> ResumePoint:
         if step is None:
             weights, read = read_export(storage, root)
             load_weights(model, weights, root, self.rank, self.world_size)
@@ -103,7 +105,7 @@ class Checkpointer:
             return ResumePoint(source=it.path, bytes_read=loader.bytes_read)
         if optimizer is None:
             raise CheckpointError(f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only")
-        point = self._progress(it)
+        point = self._progress(it, gbs)
         refuse_optimizer_change(it, type(optimizer.optimizer), "this job's optimizer is {now}", "it from the weights",
                                 "build the optimizer that saved it")
         if it.common["has_optimizer"]:
@@ -117,8 +119,8 @@ class Checkpointer:
             if it.common["world_size"] == self.world_size:
                 point.extras = load_rank_extras(loader.reader, self.rank)
                 state.restore_rng(point.extras)
-            else:
-                point.extras = load_rank_extras(loader.reader, 0) if self.own_loop else {}
+            else:  # the RNG streams stay as they are
+                point.extras = load_rank_extras(loader.reader, 0) if rank0_extras else {}
                 logger.warning("world size changed (%d -> %d): RNG streams are reseeded, not restored", it.common["world_size"], self.world_size)
         else:
             # Only reachable on a restart inside a job saved with no_save_optim: keep
@@ -142,7 +144,7 @@ class Checkpointer:
                     and DTYPE_TAGS.get(t.dtype) == specs[n].dtype and t.numel() == ranges[n][1]}
         return loader.load(kind, ranges, shared=set(specs) - sharded, into=in_place)
 
-    def _progress(self, it) -> ResumePoint:
+    def _progress(self, it, gbs: int | None) -> ResumePoint:
         """Step and data cursor to continue from, rescaled when global_batch_size changed (spec 1.4).
 
         resume_step = saved_step x saved_gbs / current_gbs keeps the consumed
@@ -151,8 +153,8 @@ class Checkpointer:
         no sample is skipped or repeated.
         """
         c = it.common
-        saved_gbs, gbs, consumed = c["global_batch_size"], self.cfg.training.global_batch_size, c["consumed_samples"]
-        if saved_gbs == gbs or self.own_loop:
+        saved_gbs, consumed = c["global_batch_size"], c["consumed_samples"]
+        if gbs is None or saved_gbs == gbs:
             return ResumePoint(c["global_step"], consumed, it.path)
         step, leftover = divmod(consumed, gbs)
         logger.warning(
