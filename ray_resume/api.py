@@ -17,7 +17,9 @@
 
 `fit` does on the driver what `python -m ray_resume.run` does (the writer lease,
 the checkpoint checks, the job's controller that commits, Ray Train's
-restarts), around your function. `checkpoint`, `scaling` and `failure` take
+restarts), around your function: both go through `run.launch`, and every
+rank of either through `run_rank` (the built-in loop is a train_func too).
+`checkpoint`, `scaling` and `failure` take
 the YAML sections' keys, defaults and checks. A restart resumes from this
 job's newest commit, the first start from `checkpoint.load_path`.
 
