@@ -109,6 +109,7 @@ class RankJob:
     job_id: str
     attempt: int  # worker-group starts before this one
     resume_step: int | None  # this job's newest commit, on a restart
+    memory_step: int | None  # a newer step the memory tier holds for every rank, on a restart
     ended: dict  # how the previous attempt ended (rank 0 only): failed_after, lost, clock
     faults: FaultInjector
 
@@ -132,11 +133,11 @@ def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callabl
     RankCheckpointer, for this worker-group start. A user's mistake is said once and never retried:
     its rank reports it, and the group Ray Train restarts for it returns at once (JobController.user_failed)."""
     global _current
-    attempt, resume_step, ended = _agree_on_attempt(controller, rank, collective_device())
+    attempt, resume_step, memory_step, ended = _agree_on_attempt(controller, rank, world, collective_device())
     if ended.pop("user_error"):
         return
     faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
-    _current = RankCheckpointer(RankJob(cfg, controller, rank, world, job_id, attempt, resume_step, ended, faults), load)
+    _current = RankCheckpointer(RankJob(cfg, controller, rank, world, job_id, attempt, resume_step, memory_step, ended, faults), load)
     try:
         train_func(config)
         _current.finish()
@@ -147,20 +148,21 @@ def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callabl
         _current = None
 
 
-def _agree_on_attempt(controller, rank: int, device) -> tuple[int, int | None, dict]:
-    """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None) and
+def _agree_on_attempt(controller, rank: int, world: int, device) -> tuple[int, int | None, int | None, dict]:
+    """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None, memory
+    snapshot step to resume or None) and
     `user_error` (a rank found a mistake of the user's: the job is over). Rank 0 also learns how
     the previous attempt ended: `failed_after` (its last finished step) and `lost` (rank -> why)."""
-    facts = torch.tensor([-1, -1, 0], device=device)
+    facts = torch.tensor([-1, -1, -1, 0], device=device)
     ended = {}
     if rank == 0:
-        reply = call(controller, "start_attempt")
+        reply = call(controller, "start_attempt", world)
         ended = {"failed_after": reply["failed_after"], "lost": reply["lost"], "clock": reply["clock"]}
-        facts = torch.tensor([reply["attempt"], -1 if reply["resume_step"] is None else reply["resume_step"],
-                              reply["user_error"] is not None], device=device)
+        steps = [-1 if reply[k] is None else reply[k] for k in ("resume_step", "memory_step")]
+        facts = torch.tensor([reply["attempt"], *steps, reply["user_error"] is not None], device=device)
     dist.broadcast(facts, src=0)
-    attempt, step, user_error = facts.tolist()
-    return attempt, None if step < 0 else step, {**ended, "user_error": bool(user_error)}
+    attempt, step, memory_step, user_error = facts.tolist()
+    return attempt, None if step < 0 else step, None if memory_step < 0 else memory_step, {**ended, "user_error": bool(user_error)}
 
 
 class RankCheckpointer:
@@ -175,6 +177,7 @@ class RankCheckpointer:
         self._full = job.resume_step is not None or not cfg.checkpoint.no_load_optim  # its own commit: always all of it
         self._model = self._optimizer = None
         self._extra: dict[str, Any] = {}
+        self.last_snapshot: tuple[int, float] | None = None  # (step, seconds it blocked this rank) of the last memory snapshot
 
     def restore(self, model: torch.nn.Module, optimizer, extra: dict[str, Any] | None = None, *,
                 global_batch_size: int | None = None) -> Start:
@@ -195,9 +198,13 @@ class RankCheckpointer:
             if not (isinstance(obj, torch.Generator) or (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))):
                 raise ConfigError(f"extra[{key!r}]: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
                                   "pass objects that have them, or torch.Generators")
-        full = self._full and self._source is not None and self._source[1] is not None  # an export holds weights only
-        point = self._checkpointer.restore(model, optimizer, self._source, full=full, global_batch_size=global_batch_size,
-                                           rank0_extras=isinstance(optimizer, OptimizerState) or bool(self._extra))
+        point = None
+        if self.job.memory_step is not None:  # newer than the last commit, held for every rank of this world size
+            point = self._checkpointer.restore_snapshot(model, optimizer, self.job.memory_step)
+        if point is None:
+            full = self._full and self._source is not None and self._source[1] is not None  # an export holds weights only
+            point = self._checkpointer.restore(model, optimizer, self._source, full=full, global_batch_size=global_batch_size,
+                                               rank0_extras=isinstance(optimizer, OptimizerState) or bool(self._extra))
         if "param_groups" in point.extras and isinstance(optimizer, OptimizerState):
             optimizer.load_groups(json.loads(point.extras["param_groups"]))
         if "extra" in point.extras:
@@ -207,10 +214,13 @@ class RankCheckpointer:
     def maybe_save(self, step: int, *, consumed_samples: int = 0, global_batch_size: int | None = None, force: bool = False,
                    common: dict | None = None) -> bool:
         """Save at every `checkpoint.save_interleaved_steps` (or now, with `force`); True if it saved.
+        Between saves, snapshot into memory every `checkpoint.memory_interleaved_steps`.
         `common`: more JSON fields for the iteration's common.json (the built-in loop's epoch and data)."""
         if self._model is None:
             raise RuntimeError("call restore(model, optimizer) before maybe_save()")
-        if not (self._checkpointer.should_save(step) or force):
+        checkpointer = self._checkpointer
+        durable = checkpointer.should_save(step) or (force and self._cfg.checkpoint.enable_save)
+        if not (durable or checkpointer.snapshot_due(step)):
             return False
         optimizer = self._optimizer
         extras = {}
@@ -225,7 +235,10 @@ class RankCheckpointer:
                   "consumed_samples": consumed_samples, "epoch_num": 0, "step_num": step,
                   "optimizer": class_path(type(optimizer.optimizer)),
                   **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}), **(common or {})}
-        return self._checkpointer.maybe_save(step, self._model, optimizer, common, force=force, extras=extras)
+        if not durable:
+            self.last_snapshot = (step, checkpointer.snapshot(step, self._model, optimizer, common, extras))
+            return False
+        return checkpointer.maybe_save(step, self._model, optimizer, common, force=force, extras=extras)
 
     @property
     def last_stall_s(self) -> float | None:

@@ -275,6 +275,7 @@ class CheckpointConfig(_Section):
     enable_save: bool = True  # write checkpoints during training
     save_path: str = ""  # checkpoint root: a local/NFS path, file://..., or s3://bucket/prefix
     save_interleaved_steps: int = 1000  # save every N optimizer steps (>= 1)
+    memory_interleaved_steps: int = 0  # between saves, snapshot every rank's state into memory (Ray's object store) every N steps, for restarts (0 = off)
     no_save_optim: bool = False  # skip optimizer state when saving
     save_max: int = 5  # keep at most N checkpoints created by this job (>= 1)
     load_path: str = ""  # directory to resume from ("" = start fresh)
@@ -291,6 +292,7 @@ class CheckpointConfig(_Section):
         p: list[str] = []
         _at_least(p, "checkpoint.save_interleaved_steps", self.save_interleaved_steps, 1)
         _at_least(p, "checkpoint.save_max", self.save_max, 1)
+        _at_least(p, "checkpoint.memory_interleaved_steps", self.memory_interleaved_steps, 0)
         _one_of(p, "checkpoint.checksum", self.checksum, tuple(CHECKSUMS))
         if not _SAFE_NAME.match(self.prefix):
             p.append(f"checkpoint.prefix must be non-empty and use only [A-Za-z0-9._-], got {self.prefix!r}")

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
+from .calls import tell
 from .checkpoint import paths
 from .checkpoint.commit import commit_iteration
 from .checkpoint.lease import Lease, LeaseLost
@@ -49,7 +50,7 @@ class CommitError(RuntimeError):
 
 
 class JobController:
-    def __init__(self, save_path: str, job_id: str, config: dict, driver_pid: int):
+    def __init__(self, save_path: str, job_id: str, config: dict, driver_pid: int, keepers: dict | None = None):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         self.root = save_path
         self.job_id = job_id
@@ -70,6 +71,10 @@ class JobController:
         self.commit_error: str | None = None  # the first failed commit, for the driver's result
         self.user_error: str | None = None  # the first mistake of the user's a rank found: the job ends with it
         self.lease_lost = False  # a commit found another job holding the writer lease
+        # The memory tier (checkpoint.memory): node -> its MemoryKeeper (none: this object keeps them, as
+        # in the in-process harness); step -> (world size, rank -> node) of the snapshots sent for it.
+        self.keepers = keepers or {}
+        self.snapshots: dict[int, tuple[int, dict[int, str]]] = {}
         self.lock = threading.RLock()  # attempts, manifests and commits, one at a time (a commit claims its fault)
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")  # in commit order
         self.lease = None
@@ -81,13 +86,15 @@ class JobController:
         """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
         return self.config
 
-    def start_attempt(self) -> dict:
+    def start_attempt(self, world: int) -> dict:
         """Called once per worker-group start by rank 0: a new attempt id, and what to resume."""
         with self.lock:
-            return self._start_attempt()
+            return self._start_attempt(world)
 
-    def _start_attempt(self) -> dict:
-        """`failed_after`: the last step the previous attempt finished (None on the first)."""
+    def _start_attempt(self, world: int) -> dict:
+        """`failed_after`: the last step the previous attempt finished (None on the first);
+        `memory_step`: a step newer than the last commit that memory holds for every rank of a
+        group of this `world` size (None if there is none)."""
         self.attempt += 1
         self.pending.clear()
         self.pending_common.clear()
@@ -99,8 +106,45 @@ class JobController:
         noticed, self.noticed_at = self.noticed_at, None
         clock = {} if last is None else ({"detect_s": noticed - last, "new_group_s": now - noticed} if noticed else {"new_group_s": now - last})
         self.reached.append({"attempt": self.attempt, "step": None, "time": None})
-        return {"attempt": self.attempt, "resume_step": self.last_committed(), "failed_after": failed_after,
+        return {"attempt": self.attempt, "resume_step": self.last_committed(), "memory_step": self.memory_step(world),
+                "failed_after": failed_after,
                 "lost": {str(rank): why for rank, why in sorted(lost.items())}, "user_error": self.user_error, "clock": clock}
+
+    def memory_step(self, world: int) -> int | None:
+        committed = self.last_committed()
+        complete = [step for step, (size, ranks) in self.snapshots.items()
+                    if size == world and len(ranks) == world and (committed is None or step > committed)]
+        return max(complete, default=None)
+
+    def keeper_for(self, node: str):
+        """The MemoryKeeper of `node` (any node's, if it has none: one that joined after the start;
+        None: this object keeps the snapshots itself)."""
+        return self.keepers.get(node) or next(iter(self.keepers.values()), None)
+
+    def snapshot_keeper(self, step: int, rank: int):
+        """The keeper holding `rank`'s snapshot of `step`."""
+        return self.keeper_for(self.snapshots[step][1][rank])
+
+    def snapshotted(self, step: int, rank: int, world: int, node: str) -> None:
+        """`rank` of a group of `world` ranks sent its snapshot of `step` to the keeper of `node`.
+        Once every rank's is in, older snapshots will never be resumed: every keeper drops them."""
+        with self.lock:
+            size, ranks = self.snapshots.get(step, (world, {}))
+            if size != world:  # the step again, in a group of another size: its snapshots replace the old ones
+                ranks = {}
+            self.snapshots[step] = (world, ranks)
+            ranks[rank] = node
+            if len(ranks) < world:
+                return
+            for older in [s for s in self.snapshots if s < step]:
+                del self.snapshots[older]
+        for keeper in self.keepers.values() or [self]:
+            tell(keeper, "drop_before", step)
+
+    def snapshot_lost(self, step: int) -> None:
+        """A rank could not fetch its snapshot of `step` (its node is gone): never offered again."""
+        with self.lock:
+            self.snapshots.pop(step, None)
 
     def user_failed(self, rank: int, message: str) -> None:
         """A rank hit a mistake of the user's (a loss that is not a scalar...): running it again would

@@ -30,6 +30,7 @@ from .checkpoint import paths, state
 from .checkpoint.checkpointer import check_weights, refuse_optimizer_change
 from .checkpoint.fallback import select_iteration
 from .checkpoint.lease import Lease
+from .checkpoint.memory import MemoryKeeper
 from .checkpoint.reader import export_specs, find_committed, is_export, open_iteration
 from .checkpoint.schema import CheckpointError, tensor_specs
 from .checkpoint.storage import storage_for
@@ -138,8 +139,9 @@ def _run_trainer(cfg: Config, address: str | None, job_id: str, loop_config: dic
     init_ray(address, cfg)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # On the driver's node: the commit must run where the driver does (it dies with it).
+    keepers = start_keepers() if cfg.checkpoint.memory_interleaved_steps else {}
     controller = JobControllerActor.options(scheduling_strategy=here).remote(
-        cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid()
+        cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers
     )
     trainer = TorchTrainer(
         rank_entry,
@@ -165,6 +167,8 @@ def _run_trainer(cfg: Config, address: str | None, job_id: str, loop_config: dic
     wall_s = time.monotonic() - started
     outcome = ray.get(controller.result.remote())
     ray.get(controller.release.remote())
+    for keeper in keepers.values():  # the job's snapshots go with it
+        ray.kill(keeper)
     if summary:
         say_summary(cfg, job_id, outcome["attempts"], wall_s)
     if outcome["user_error"]:  # what Ray Train's error wraps, in our words (it was not retried)
@@ -183,6 +187,15 @@ def _run_trainer(cfg: Config, address: str | None, job_id: str, loop_config: dic
         logger.info("[%s] to continue it: --set checkpoint.load_path=%s; to export its weights: ray-resume export %s OUT_DIR",
                     cfg.name, root, root)
     return RunResult(committed, path, outcome["metrics"], error)
+
+
+def start_keepers() -> dict:
+    """A MemoryKeeper on every live node, owned by this driver: the memory tier's snapshots outlive
+    the worker groups (a node that joins later sends its ranks' to another node's keeper)."""
+    actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(MemoryKeeper)
+    return {node["NodeID"]: actor.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
+        for node in ray.nodes() if node["Alive"]}
 
 
 def say_summary(cfg: Config, job_id: str, attempts: list[dict], wall_s: float) -> None:

@@ -92,8 +92,10 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
                                   "epoch_num": consumed // samples.num_samples,
                                   "step_num": (consumed % samples.num_samples) // train.global_batch_size,
                                   "data": samples.fingerprint})
+        # A memory snapshot flushes the metrics too: a resume from it redoes no step to record again.
+        snapshot = ck.last_snapshot is not None and ck.last_snapshot[0] == step
         progress.step(step, loss, optimizer.param_groups[0]["lr"], optimizer.grad_norm, batch["sample_id"], saved,
-                      ck.last_stall_s if saved else None)
+                      ck.last_stall_s if saved else None, flush=snapshot)
         if evaluate and (step % train.eval_every == 0 or step == train.train_steps):
             progress.evaluated(step, *evaluate(model))
         if rank == 0:
@@ -251,6 +253,7 @@ class Progress:
 
     def resumed(self, resume, world: int, attempt: int, failed_after: int | None = None, lost: dict | None = None,
                 clock: dict | None = None, restore_s: float = 0.0) -> None:
+        from_memory = bool(resume.source) and resume.source.startswith("memory")
         if self.metrics and self.rank == 0:
             self.curves = Curves(self.cfg.checkpoint.save_path, self.cfg.checkpoint.storage, job=self.job_id,
                                  attempt=attempt, purge_step=resume.step + 1)
@@ -264,17 +267,18 @@ class Progress:
             reached = f"after step {failed_after}" if failed_after is not None else "before its first step"
             redo = f": {failed_after - resume.step} steps to redo" if failed_after is not None else ""
             why = "".join(f"; rank {r}: {text}" for r, text in (lost or {}).items())
-            self._say(f"worker group lost {reached} (attempt {attempt - 1}{why}); resuming from "
-                      f"{'iteration ' + str(resume.step) if resume.source else 'step 0'}{redo}")
+            point = "step 0" if not resume.source else resume.source if from_memory else f"iteration {resume.step}"
+            self._say(f"worker group lost {reached} (attempt {attempt - 1}{why}); resuming from {point}{redo}")
         if resume.source is None:
             if not self.cfg.checkpoint.enable_save:
                 self._say("checkpoints are off (checkpoint.enable_save: false): nothing will be saved")
             self._say(f"starting from step 0 (attempt {attempt}, world size {world})")
             return
+        read = ("nothing read from storage" if from_memory else
+                f"rank 0 read {resume.bytes_read} bytes from storage, load_balanced={self.cfg.checkpoint.load_balanced}")
         self._say(
             f"resumed from {resume.source} (attempt {attempt}, world size {world}): global_step {resume.step}, "
-            f"consumed samples {resume.consumed_samples}; continuing at step {resume.step + 1} "
-            f"(rank 0 read {resume.bytes_read} bytes from storage, load_balanced={self.cfg.checkpoint.load_balanced})"
+            f"consumed samples {resume.consumed_samples}; continuing at step {resume.step + 1} ({read})"
         )
         if resume.step >= self.total:
             self._say(f"training already reached train_steps={self.total}: nothing left to do")
@@ -301,7 +305,8 @@ class Progress:
         self._record({"event": "stop", "step": step}, flush=True)
         self._say(f"stop requested: saved step {step} and stopping")
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float, sample_ids, saved: bool, stall: float | None = None) -> None:
+    def step(self, step: int, loss: float, lr: float, grad_norm: float, sample_ids, saved: bool, stall: float | None = None,
+             flush: bool = False) -> None:
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "saved": saved}
         if stall is not None:
             record["save_stall_s"] = round(stall, 6)  # how long this save blocked training
@@ -317,7 +322,7 @@ class Progress:
         if self.rank == 0 and log_now:
             self._progress_line(step, loss)
         if self.every_step:
-            self._record(record, flush=saved or log_now)
+            self._record(record, flush=saved or log_now or flush)
         elif self.metrics:  # another rank: only its save stalls, in a chunk rolled over by time
             if stall is not None:
                 self._record({"step": step, "saved": True, "save_stall_s": record["save_stall_s"]})

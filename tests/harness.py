@@ -39,6 +39,7 @@ import torch.distributed as dist
 import storage_faults as storage_faults_module
 from ray_resume import controller as controller_module
 from ray_resume.checkpoint.lease import LEASE_DIR, Lease
+from ray_resume.checkpoint.memory import MemoryKeeper
 from ray_resume.checkpoint.storage import storage_for
 from ray_resume.config import Config
 from ray_resume.data import SAMPLE_ID, SampleStream, _read_unit_batch, plan_epoch_units
@@ -68,8 +69,9 @@ class LocalStream(SampleStream):
             yield {name: block[name] for name in (SAMPLE_ID, *self.columns)}
 
 
-class DriverSide(controller_module.JobController):
-    """The job's controller with the driver's lease, in one process: the job's driver.
+class DriverSide(controller_module.JobController, MemoryKeeper):
+    """The job's controller with the driver's lease, in one process: the job's driver. It keeps
+    the memory tier's snapshots too (Ray's keepers are one actor per node).
 
     A fault that kills the driver (`commit_before_tracker`, `retention_delete`)
     kills this process, and with it the lease holder, as on a real cluster.
@@ -84,7 +86,8 @@ class DriverSide(controller_module.JobController):
             self.driver_lease = Lease(storage_for(save_path, ckpt["storage"]), save_path, job_id, ckpt["lease_ttl_s"])
             self.driver_lease.acquire()
             self.driver_lease.keep_renewed()
-        super().__init__(save_path, job_id, config, driver_pid=os.getpid())
+        controller_module.JobController.__init__(self, save_path, job_id, config, driver_pid=os.getpid())
+        MemoryKeeper.__init__(self)
 
     def release(self) -> None:
         super().release()
@@ -129,6 +132,13 @@ class StolenLease(DriverSide):
         super()._commit(iteration, manifests, common)
 
 
+class LostSnapshots(DriverSide):
+    """Rank 1's memory snapshots are gone when asked for, as when its node died with its keeper."""
+
+    def snapshot(self, step: int, rank: int):
+        return None if rank == 1 else super().snapshot(step, rank)
+
+
 class Driver(BaseManager):
     pass
 
@@ -136,6 +146,7 @@ class Driver(BaseManager):
 Driver.register("JobController", DriverSide)
 Driver.register("SlowRetention", SlowRetention)
 Driver.register("StolenLease", StolenLease)
+Driver.register("LostSnapshots", LostSnapshots)
 
 
 @dataclass

@@ -152,7 +152,7 @@ def test_extra_state_with_no_save_optim_is_refused_before_anything_loads(tmp_pat
     from ray_resume.config import Config, ConfigError
 
     cfg = Config.from_dict({"name": "x", "checkpoint": {"save_path": str(tmp_path), "no_save_optim": True}})
-    ck = RankCheckpointer(RankJob(cfg, controller=None, rank=0, world=1, job_id="j", attempt=0, resume_step=None, ended={},
+    ck = RankCheckpointer(RankJob(cfg, controller=None, rank=0, world=1, job_id="j", attempt=0, resume_step=None, memory_step=None, ended={},
                                   faults=None), load=None)
     model = torch.nn.Linear(2, 2)
     sched = torch.optim.lr_scheduler.StepLR(opt := torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)

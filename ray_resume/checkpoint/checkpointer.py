@@ -15,7 +15,7 @@ import torch
 
 from ..calls import call
 from ..optim import class_path
-from . import paths, state
+from . import memory, paths, state
 from .fallback import fall_back
 from .loader import StateLoader, collective_device, decided_by_rank0, open_shared
 from .plan import TensorSpec, needed_range
@@ -50,6 +50,8 @@ class Checkpointer:
         self.faults = faults
         self.snapshots = SnapshotBuffers()  # async: reused host copies of this rank's share
         self.background = BackgroundSave(f"ckpt-writer-{rank}")
+        self.memory_sender = BackgroundSave(f"ckpt-memory-{rank}")  # the memory tier's: one snapshot in flight
+        self.keeper = None  # this node's MemoryKeeper, once asked
         self.last_stall_s: float | None = None  # seconds the last save blocked the training loop
         self.stalls: list[tuple[int, float]] = []  # (step, stall seconds) of every save, in order
 
@@ -200,11 +202,65 @@ class Checkpointer:
                     self.rank, step, stall, "async" if self.ckpt.async_save else "sync", waited)
         return True
 
+    def snapshot_due(self, step: int) -> bool:
+        n = self.ckpt.memory_interleaved_steps
+        return bool(n) and step % n == 0
+
+    def snapshot(self, step: int, model, optimizer, common: dict, extras: dict[str, str]) -> float:
+        """Copy this rank's whole state at `step` and send it to its node's MemoryKeeper in the
+        background (see checkpoint.memory); seconds the loop was blocked."""
+        start = time.perf_counter()
+        self.memory_sender.wait()  # at most one snapshot in flight: memory stays bounded
+        snap = {"tensors": {paths.MODEL_KIND: memory.pack(state.model_tensors(model)),
+                            paths.OPTIM_KIND: memory.pack(optimizer.state_tensors())},
+                "rng": state.capture_rng(), "extras": dict(extras), "common": dict(common)}
+        if self.keeper is None:
+            node = memory.node_id()
+            self.keeper = (call(self.controller, "keeper_for", node) or self.controller, node)
+        keeper, node = self.keeper
+
+        def send():
+            try:
+                call(keeper, "keep_snapshot", step, self.rank, snap)
+                call(self.controller, "snapshotted", step, self.rank, self.world_size, node)
+            except Exception as exc:  # the tier is a shortcut: without this snapshot a restart reads storage
+                logger.warning("rank %d: memory snapshot of step %d not kept (%s)", self.rank, step, str(exc).splitlines()[0][:160])
+
+        self.memory_sender.submit(step, send)
+        return time.perf_counter() - start
+
+    def restore_snapshot(self, model, optimizer, step: int) -> ResumePoint | None:
+        """This rank's state from its memory snapshot of `step`; None on every rank if any rank's
+        is gone (a node lost with its keeper): then the group restores from storage."""
+        snap = None
+        try:
+            keeper = call(self.controller, "snapshot_keeper", step, self.rank) or self.controller
+            snap = memory.fetch(keeper, step, self.rank)
+        except Exception as exc:  # the keeper died with its node
+            logger.warning("rank %d: memory snapshot of step %d is gone (%s)", self.rank, step, str(exc).splitlines()[0][:160])
+        have = torch.tensor([int(snap is not None)], device=collective_device())
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
+        if not have.item():
+            if self.rank == 0:
+                call(self.controller, "snapshot_lost", step)
+                logger.warning("the memory snapshot of step %d is not complete any more: restoring from storage", step)
+            return None
+        assign(state.model_tensors(model), memory.unpack(snap["tensors"][paths.MODEL_KIND]))
+        optimizer.load_state_tensors(memory.unpack(snap["tensors"][paths.OPTIM_KIND]))
+        common = snap["common"]
+        if optimizer.scaler:
+            optimizer.scaler.load(common)
+        state.restore_rng(snap["rng"])
+        return ResumePoint(common["global_step"], common["consumed_samples"], memory.MEMORY_SOURCE.format(step=step),
+                           extras=snap["extras"])
+
     def finish(self) -> float:
         """Wait for the save in flight (so its commit happens before the worker returns); seconds blocked.
 
         Raises the error of a failed background save.
         """
+        self.memory_sender.close()
         waited = self.background.close()
         if waited:
             logger.debug("rank %d: waited %.3f s for the last save to finish", self.rank, waited)

@@ -1,0 +1,93 @@
+"""The memory tier: each rank's state every `checkpoint.memory_interleaved_steps`, held where a
+worker's death does not take it.
+
+A snapshot is one rank's whole state at a step, as it stands in that rank (its FSDP shards, its
+own buffers): model and optimizer tensors as raw bytes, the RNG streams and extras as text, and
+the iteration's common fields (step, data cursor, loss scale). It goes to the `MemoryKeeper` of
+the rank's node, an actor the driver starts on every node of the cluster, which puts it in Ray's
+object store under its own ownership: the object outlives the worker that sent it, and the
+worker-group restart, as the job's controller does.
+
+A restarted group of the same world size resumes from the newest step whose snapshots are in for
+every rank, if that is newer than the newest durable commit (the controller decides, see
+`JobController.memory_step`); each rank takes back exactly what it held, so the run continues
+as if nothing happened. Only durable commits are committed: the tracker and the files on disk
+know nothing of this tier. Once a step is complete everywhere, every older snapshot is dropped,
+so a keeper holds at most the complete step and the one being sent, per rank of its node.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from .state import local_tensor
+
+MEMORY_SOURCE = "memory snapshot of step {step}"  # what a resume from it names as its source
+
+
+def _ray():
+    """Ray, where this process runs in one (the checkpoint core itself imports no Ray: scripts/gpu_check.py)."""
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and ray.is_initialized() else None
+
+
+def node_id() -> str:
+    """This process's Ray node ("local" outside Ray: the in-process harness has one keeper)."""
+    ray = _ray()
+    return ray.get_runtime_context().get_node_id() if ray else "local"
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], np.ndarray]]:
+    """Copies of this rank's tensors (its own part of a DTensor) as (dtype, shape, bytes): numpy
+    arrays travel through Ray's object store without a copy, and bfloat16 has no numpy dtype."""
+    out = {}
+    for name, t in tensors.items():
+        local = local_tensor(t).detach()
+        copy = local.to("cpu", copy=True).contiguous()
+        out[name] = (str(copy.dtype).removeprefix("torch."), list(copy.shape), copy.reshape(-1).view(torch.uint8).numpy())
+    return out
+
+
+def fetch(keeper, step: int, rank: int) -> dict | None:
+    """`rank`'s snapshot of `step` from `keeper`, or None if it has none."""
+    from ..calls import call
+
+    held = call(keeper, "snapshot", step, rank)
+    if held is None:
+        return None
+    ray = _ray()
+    return ray.get(held[0]) if ray and isinstance(held[0], ray.ObjectRef) else held[0]
+
+
+def unpack(packed: dict[str, tuple[str, list[int], np.ndarray]]) -> dict[str, torch.Tensor]:
+    """The tensors `pack` copied (the object store's arrays are read-only: copied once more)."""
+    return {name: torch.from_numpy(np.array(data)).view(getattr(torch, dtype)).reshape(shape)
+            for name, (dtype, shape, data) in packed.items()}
+
+
+class MemoryKeeper:
+    """Snapshots of the ranks of one node, in Ray's object store, owned by this actor."""
+
+    def __init__(self):
+        self.held: dict[tuple[int, int], list] = {}  # (step, rank) -> [its ObjectRef] (or the snapshot, outside Ray)
+
+    def keep_snapshot(self, step: int, rank: int, snapshot: dict) -> None:
+        # ray.put here: the sender's copy is owned by the sender and would die with it.
+        ray = _ray()
+        self.held[(step, rank)] = [ray.put(snapshot)] if ray else [snapshot]
+
+    def snapshot(self, step: int, rank: int) -> list | None:
+        """[the ObjectRef] (in a list, so Ray hands the reference over, not a copy), or None."""
+        return self.held.get((step, rank))
+
+    def drop_before(self, step: int) -> None:
+        """A newer step is complete for every rank: older snapshots will never be resumed."""
+        for key in [k for k in self.held if k[0] < step]:
+            del self.held[key]
+
+    def held_steps(self) -> list[tuple[int, int]]:
+        return sorted(self.held)
+

@@ -1,0 +1,111 @@
+"""The memory tier (checkpoint.memory_interleaved_steps): a worker loss resumes from every rank's
+snapshot in memory when it is newer than the last durable commit, byte-identical to the run that
+was never interrupted; otherwise, or when a snapshot is gone, from storage as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import harness
+from conftest import assert_same_as_reference, per_step, read_metrics, run_job, run_on_harness, tiny_config
+from ray_resume.checkpoint.memory import MemoryKeeper, pack, unpack
+from ray_resume.controller import JobController
+
+
+def starts(root) -> list[dict]:
+    return [r for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0]
+
+
+def killed_at(step: int, tmp_path, reference_data: str, **sections) -> dict:
+    cfg = tiny_config(tmp_path, fault={"phase": "after_optimizer_step", "step": step, "rank": 1}, **sections)
+    cfg["data"]["path"] = reference_data
+    cfg["checkpoint"] = {**cfg["checkpoint"], "memory_interleaved_steps": 1, **sections.get("checkpoint", {})}
+    return cfg
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_killed_resumes_from_memory_byte_identical(tmp_path, local_reference, strategy):
+    """Killed after step 7 (iteration 4 committed): the group resumes from the snapshot of step 5
+    or 6 (the one in flight when rank 1 died may not be in), reads nothing from storage, and
+    ends with the uninterrupted run's bytes at every iteration."""
+    twin = local_reference
+    if strategy == "fsdp":
+        clean = tiny_config(tmp_path / "clean", training={"strategy": "fsdp"})
+        clean["data"]["path"] = local_reference["data"]
+        run_on_harness(clean)
+        twin = {"root": clean["checkpoint"]["save_path"], "steps": per_step(read_metrics(clean["checkpoint"]["save_path"]))}
+    cfg = killed_at(7, tmp_path / "faulty", local_reference["data"], training={"strategy": strategy})
+    assert run_on_harness(cfg).attempts == 2
+    root = cfg["checkpoint"]["save_path"]
+    first, again = starts(root)
+    assert again["step"] in (5, 6) and again["source"] == f"memory snapshot of step {again['step']}"
+    assert again["bytes_read"] == 0 and again["consumed_samples"] == again["step"] * 16
+    assert_same_as_reference(root, twin)
+
+
+def test_a_snapshot_older_than_the_last_commit_is_passed_over_for_storage(tmp_path, local_reference):
+    """Snapshots every 3 steps, a synchronous save (so iteration 8 is committed before step 9):
+    killed after step 9, the newest snapshot is of step 6, older than 8: storage it is."""
+    cfg = killed_at(9, tmp_path, local_reference["data"], checkpoint={"memory_interleaved_steps": 3, "async_save": False})
+    run_on_harness(cfg)
+    root = cfg["checkpoint"]["save_path"]
+    assert starts(root)[1]["source"].endswith("iteration_00000008")
+    assert_same_as_reference(root, local_reference)
+
+
+def test_a_lost_snapshot_sends_every_rank_to_storage(tmp_path, local_reference):
+    """One rank's snapshot is gone (as when its node died with its keeper): no rank resumes from
+    memory, all from the last commit, and the run still ends byte-identical."""
+    cfg = killed_at(7, tmp_path, local_reference["data"])
+    assert harness.run_job(cfg, controller="LostSnapshots").error is None
+    root = cfg["checkpoint"]["save_path"]
+    assert starts(root)[1]["source"].endswith("iteration_00000004")
+    assert_same_as_reference(root, local_reference)
+
+
+class Keeping(JobController, MemoryKeeper):
+    def __init__(self):
+        JobController.__init__(self, "", "job", {"checkpoint": {"storage": {}, "enable_save": False}}, driver_pid=0)
+        MemoryKeeper.__init__(self)
+
+
+def test_only_a_step_complete_for_every_rank_of_this_world_size_and_newer_than_the_commit_is_offered():
+    keeper = Keeping()
+    for rank in (0, 1):
+        keeper.keep_snapshot(6, rank, {"rank": rank})
+        keeper.snapshotted(6, rank, 2, "local")
+    keeper.keep_snapshot(8, 0, {"rank": 0})
+    keeper.snapshotted(8, 0, 2, "local")  # rank 1's is still on its way
+    assert keeper.memory_step(2) == 6 and keeper.memory_step(3) is None
+    keeper.keep_snapshot(8, 1, {"rank": 1})
+    keeper.snapshotted(8, 1, 2, "local")
+    assert keeper.memory_step(2) == 8
+    assert keeper.held_steps() == [(8, 0), (8, 1)]  # once 8 is complete, 6 will never be resumed
+    keeper.committed_by_job.append(8)
+    assert keeper.memory_step(2) is None  # storage holds it already
+    keeper.snapshot_lost(8)
+    assert keeper.snapshots == {}
+
+
+def test_a_snapshot_keeps_every_dtype_and_shape_bit_for_bit():
+    tensors = {"w": torch.randn(3, 5).to(torch.bfloat16), "step": torch.tensor(7.0), "h": torch.randn(4).half(),
+               "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+    back = unpack(pack(tensors))
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape
+        assert torch.equal(back[name].view(torch.uint8) if t.dim() else back[name], t.view(torch.uint8) if t.dim() else t)
+    tensors["w"].zero_()  # a copy, not a view of the live tensor
+    assert back["w"].abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_on_ray_train_a_worker_sigkill_resumes_from_the_keepers(tmp_path, reference):
+    """The real tier: a MemoryKeeper actor per node holds the snapshots in Ray's object store
+    while Ray Train restarts the group."""
+    cfg = killed_at(7, tmp_path, reference["data"])
+    run_job(cfg)
+    root = cfg["checkpoint"]["save_path"]
+    again = starts(root)[1]
+    assert again["step"] in (5, 6) and again["source"] == f"memory snapshot of step {again['step']}"
+    assert_same_as_reference(root, reference)
