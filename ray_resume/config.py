@@ -338,6 +338,7 @@ _WANTS = {"int_type": "an integer", "float_type": "a number", "bool_type": "a bo
           "dict_type": "a mapping", "model_type": "a mapping", "list_type": "a list"}
 _KIND = {int: "int_type", str: "string_type"}  # the required keys' types, for "is required (an integer)"
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+_UNKNOWN = ("extra_forbidden", "invalid_key")  # invalid_key: one that is not a string
 
 
 def _section_of(tp: Any) -> Optional[type]:
@@ -364,7 +365,11 @@ def _got(value: Any, key: str = "") -> str:
 
 
 def _problems(errors: list[dict], at: str = "") -> list[str]:
-    """One line per problem from pydantic's errors, each naming its full dotted key (``at`` + loc)."""
+    """One line per problem from pydantic's errors, each naming its full dotted key (``at`` + loc).
+
+    Unknown keys first (pydantic puts them last): a typo explains what follows from it, as
+    save_pth does "save_path must be set"."""
+    errors = sorted(errors, key=lambda err: err["type"] not in _UNKNOWN)
     return [p for err in errors for p in _say(err, at)]
 
 
@@ -374,7 +379,7 @@ def _say(err: dict, at: str) -> list[str]:
         return ctx["error"].problems
     where = at + "".join(f"{part}." for part in loc[:-1])
     key = where + str(loc[-1])
-    if kind in ("extra_forbidden", "invalid_key"):  # invalid_key: not a string
+    if kind in _UNKNOWN:
         known = list(_SECTIONS[where].model_fields)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         return [f"{key}: unknown key" + (f"; did you mean {close[0]!r}?" if close else f" (known keys: {', '.join(known)})")]
