@@ -11,7 +11,6 @@ any worker starts, so a typo fails in a second with the key that holds it.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 from collections.abc import Callable
@@ -108,7 +107,7 @@ def load_optimizer(training) -> type:
 
 
 def make_model(plugins: Plugins, cfg: Config) -> torch.nn.Module:
-    model = plugins.build_model(dataclasses.asdict(cfg.model))
+    model = plugins.build_model(cfg.model.model_dump())
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model.builder returned {type(model).__name__}, not a torch.nn.Module")
     return model.to(DTYPES[cfg.model.dtype])

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import ray
 import ray.train
@@ -248,8 +248,9 @@ def absolute_paths(cfg: Config) -> Config:
     def fix(path: str) -> str:
         return os.path.abspath(path) if path and "://" not in path else path
 
-    ckpt = replace(cfg.checkpoint, save_path=fix(cfg.checkpoint.save_path), load_path=fix(cfg.checkpoint.load_path))
-    return replace(cfg, data=replace(cfg.data, path=fix(cfg.data.path), eval_path=fix(cfg.data.eval_path)), checkpoint=ckpt)
+    ckpt = cfg.checkpoint.model_copy(update={"save_path": fix(cfg.checkpoint.save_path), "load_path": fix(cfg.checkpoint.load_path)})
+    data = cfg.data.model_copy(update={"path": fix(cfg.data.path), "eval_path": fix(cfg.data.eval_path)})
+    return cfg.model_copy(update={"data": data, "checkpoint": ckpt})
 
 
 def preflight(cfg: Config, plugins=None) -> tuple[str, int | None] | None:

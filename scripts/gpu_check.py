@@ -19,7 +19,7 @@ prints one line per part:
   `torch.use_deterministic_algorithms(True)`; also what determinism costs;
 - fsdp: the same with the model under FSDP2 `fully_shard`.
 
-Needs torch, safetensors, pyarrow, pyyaml, numpy and xxhash; not Ray.
+Needs torch, safetensors, pyarrow, pyyaml, pydantic, numpy and xxhash; not Ray.
 """
 
 from __future__ import annotations

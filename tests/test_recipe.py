@@ -102,11 +102,11 @@ def test_bad_recipe_values_are_refused_by_key(tmp_path):
     with pytest.raises(ConfigError) as err:
         Config.from_dict(tiny_config(tmp_path, training={"lr_decay_style": "exp", "min_lr": 1.0, "grad_clip": -1, "optimizer": "SGD"}),
                          source="x.yaml")
-    assert err.value.problems == [
-        "x.yaml: training.grad_clip must be >= 0, got -1.0",
+    assert err.value.problems == [  # in the section's key order; a value as written (-1, not -1.0)
         "x.yaml: training.lr_decay_style must be one of constant, linear, cosine, wsd; got 'exp'",
         "x.yaml: training.min_lr must be between 0 and training.lr (0.001), got 1.0",
         "x.yaml: training.optimizer must look like 'torch.optim.SGD' or 'package.module:Class', got 'SGD'",
+        "x.yaml: training.grad_clip must be >= 0, got -1",
     ]
 
 
