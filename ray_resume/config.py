@@ -213,6 +213,7 @@ class ScalingConfig(_Section):
 
 class FailureConfig(_Section):
     max_failures: int = Field(3, ge=-1)  # worker-group restarts Ray allows; -1 = unlimited
+    health_check_interval_s: Number = Field(0.5, gt=0)  # how often Ray Train polls the workers, so how soon a lost one is noticed (Ray's default: 2)
 
 
 class StorageConfig(_Section):
