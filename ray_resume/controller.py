@@ -72,9 +72,11 @@ class JobController:
         self.user_error: str | None = None  # the first mistake of the user's a rank found: the job ends with it
         self.lease_lost = False  # a commit found another job holding the writer lease
         # The memory tier (checkpoint.memory): node -> its MemoryKeeper (none: this object keeps them, as
-        # in the in-process harness); step -> (world size, rank -> node) of the snapshots sent for it.
+        # in the in-process harness); step -> (world size, rank -> node) of the snapshots sent for it,
+        # and (step, rank) -> the node of its replica.
         self.keepers = keepers or {}
         self.snapshots: dict[int, tuple[int, dict[int, str]]] = {}
+        self.replicas: dict[tuple[int, int], str] = {}
         self.lock = threading.RLock()  # attempts, manifests and commits, one at a time (a commit claims its fault)
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")  # in commit order
         self.lease = None
@@ -121,9 +123,15 @@ class JobController:
         None: this object keeps the snapshots itself)."""
         return self.keepers.get(node) or next(iter(self.keepers.values()), None)
 
-    def snapshot_keeper(self, step: int, rank: int):
-        """The keeper holding `rank`'s snapshot of `step`."""
-        return self.keeper_for(self.snapshots[step][1][rank])
+    def snapshot_keepers(self, step: int, rank: int) -> list:
+        """The keepers holding `rank`'s snapshot of `step`: its node's, then the replica's, if any."""
+        nodes = [self.snapshots[step][1][rank], self.replicas.get((step, rank))]
+        return [self.keeper_for(node) for node in nodes if node]
+
+    def replicated(self, step: int, rank: int, node: str) -> None:
+        with self.lock:
+            if step in self.snapshots:
+                self.replicas[(step, rank)] = node
 
     def snapshotted(self, step: int, rank: int, world: int, node: str) -> None:
         """`rank` of a group of `world` ranks sent its snapshot of `step` to the keeper of `node`.
@@ -138,6 +146,7 @@ class JobController:
                 return
             for older in [s for s in self.snapshots if s < step]:
                 del self.snapshots[older]
+            self.replicas = {key: node for key, node in self.replicas.items() if key[0] >= step}
         for keeper in self.keepers.values() or [self]:
             tell(keeper, "drop_before", step)
 

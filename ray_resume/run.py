@@ -143,6 +143,9 @@ def _run_trainer(cfg: Config, address: str | None, job_id: str, loop_config: dic
     controller = JobControllerActor.options(scheduling_strategy=here).remote(
         cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers
     )
+    ring = list(keepers.values())
+    ray.get([keeper.attach.remote(controller, ring[(i + 1) % len(ring)] if len(ring) > 1 else None)
+             for i, keeper in enumerate(ring)])
     trainer = TorchTrainer(
         rank_entry,
         train_loop_config={**loop_config, "controller": controller},
@@ -194,7 +197,8 @@ def _run_trainer(cfg: Config, address: str | None, job_id: str, loop_config: dic
 
 def start_keepers() -> dict:
     """A MemoryKeeper on every live node, owned by this driver: the memory tier's snapshots outlive
-    the worker groups (a node that joins later sends its ranks' to another node's keeper)."""
+    the worker groups (a node that joins later sends its ranks' to another node's keeper). Each
+    replicates its snapshots to the next one (attach, below)."""
     actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(MemoryKeeper)
     return {node["NodeID"]: actor.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()

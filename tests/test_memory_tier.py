@@ -109,3 +109,89 @@ def test_on_ray_train_a_worker_sigkill_resumes_from_the_keepers(tmp_path, refere
     again = starts(root)[1]
     assert again["step"] in (5, 6) and again["source"] == f"memory snapshot of step {again['step']}"
     assert_same_as_reference(root, reference)
+
+
+NODE_LOSS_DRIVER = r'''
+import json, os, sys, threading, time
+from pathlib import Path
+import ray
+from ray.cluster_utils import Cluster
+from ray_resume.config import Config
+from ray_resume.plugins import next_token_loss
+from ray_resume.run import run
+
+cfg = json.loads(Path(sys.argv[1]).read_text())
+marks = Path(sys.argv[2])
+marks.mkdir(exist_ok=True)
+tracker = Path(cfg["checkpoint"]["save_path"]) / "latest_checkpointed_iteration.txt"
+node = {"object_store_memory": 100 * 1024**2}
+cluster = Cluster(initialize_head=True, head_node_args={**node, "num_cpus": 0, "include_dashboard": False,
+                  "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}})
+nodes = [cluster.add_node(num_cpus=3, **node) for _ in range(2)]
+ray.init(address=cluster.address)
+
+def marked_loss(model, batch):  # the built-in loss; each rank leaves a file naming its rank and node
+    import torch.distributed as dist
+    (marks / f"{dist.get_rank()}-{ray.get_runtime_context().get_node_id()}").touch()
+    time.sleep(0.25)
+    return next_token_loss(model, batch)
+
+result = {}
+def job():
+    try:
+        r = run(Config.from_dict(cfg), loss=marked_loss)
+        result.update(committed=r.committed_iteration, error=None if r.error is None else repr(r.error))
+    except BaseException as exc:
+        result.update(committed=None, error=repr(exc))
+
+thread = threading.Thread(target=job, daemon=True)
+thread.start()
+deadline = time.time() + 300
+while not tracker.exists() and time.time() < deadline:
+    time.sleep(0.05)
+time.sleep(1.5)  # a few steps past the commit of 4: snapshots of them are in memory
+rank1_node = next(p.name.split("-", 1)[1] for p in marks.iterdir() if p.name.startswith("1-"))
+victim = next(n for n in nodes if n.node_id == rank1_node)
+cluster.remove_node(victim, allow_graceful=False)  # rank 1 and its keeper go with it
+cluster.add_node(num_cpus=3, **node)
+thread.join(timeout=400)
+result["finished"] = not thread.is_alive()
+print("RESULT " + json.dumps(result), flush=True)
+ray.shutdown()
+cluster.shutdown()
+'''
+
+
+@pytest.mark.slow
+def test_a_node_lost_with_a_ranks_snapshot_resumes_from_its_replica(tmp_path, reference):
+    """Two nodes, one rank on each: the node of rank 1 is removed a few steps after the commit of
+    iteration 4. Rank 1's snapshot died with that node's keeper; its replica on another node's
+    keeper brings the group back from memory, and the run still ends byte-identical."""
+    import subprocess
+    import sys
+
+    from conftest import env_for_subprocess
+    from test_whole_job import end_group
+
+    cfg = tiny_config(tmp_path, scaling={"num_workers": 2, "resources_per_worker": {"CPU": 2}},
+                      checkpoint={"memory_interleaved_steps": 1})
+    cfg["data"]["path"] = reference["data"]
+    (tmp_path / "job.json").write_text(__import__("json").dumps(cfg))
+    driver = tmp_path / "driver.py"
+    driver.write_text(NODE_LOSS_DRIVER)
+    proc = subprocess.Popen([sys.executable, str(driver), str(tmp_path / "job.json"), str(tmp_path / "marks")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                            start_new_session=True, env=env_for_subprocess())
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        end_group(proc)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, out[-5000:]
+    result = __import__("json").loads(lines[-1][len("RESULT "):])
+    assert result["error"] is None and result["committed"] == 12, (result, out[-5000:])
+    root = cfg["checkpoint"]["save_path"]
+    again = starts(root)[1]
+    assert again["source"] == f"memory snapshot of step {again['step']}" and again["step"] > 4, again
+    assert "restoring step" in out and "from the replica of its memory snapshot" in out, out[-5000:]
+    assert_same_as_reference(root, reference)

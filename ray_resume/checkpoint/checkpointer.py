@@ -233,11 +233,17 @@ class Checkpointer:
         """This rank's state from its memory snapshot of `step`; None on every rank if any rank's
         is gone (a node lost with its keeper): then the group restores from storage."""
         snap = None
-        try:
-            keeper = call(self.controller, "snapshot_keeper", step, self.rank) or self.controller
-            snap = memory.fetch(keeper, step, self.rank)
-        except Exception as exc:  # the keeper died with its node
-            logger.warning("rank %d: memory snapshot of step %d is gone (%s)", self.rank, step, str(exc).splitlines()[0][:160])
+        for i, keeper in enumerate(call(self.controller, "snapshot_keepers", step, self.rank)):
+            try:
+                snap = memory.fetch(keeper or self.controller, step, self.rank)
+            except Exception as exc:  # the keeper died with its node: the replica, if there is one
+                logger.warning("rank %d: the %s of its memory snapshot of step %d is gone (%s)", self.rank,
+                               "replica" if i else "copy on its node", step, str(exc).splitlines()[0][:160])
+                continue
+            if snap is not None:
+                if i:
+                    logger.warning("rank %d: restoring step %d from the replica of its memory snapshot", self.rank, step)
+                break
         have = torch.tensor([int(snap is not None)], device=collective_device())
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)

@@ -6,7 +6,8 @@ own buffers): model and optimizer tensors as raw bytes, the RNG streams and extr
 the iteration's common fields (step, data cursor, loss scale). It goes to the `MemoryKeeper` of
 the rank's node, an actor the driver starts on every node of the cluster, which puts it in Ray's
 object store under its own ownership: the object outlives the worker that sent it, and the
-worker-group restart, as the job's controller does.
+worker-group restart, as the job's controller does. With more than one node, each keeper
+replicates what it holds to the next node's keeper, for a node lost with its keeper.
 
 A restarted group of the same world size resumes from the newest step whose snapshots are in for
 every rank, if that is newer than the newest durable commit (the controller decides, see
@@ -51,15 +52,17 @@ def pack(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], np
     return out
 
 
-def fetch(keeper, step: int, rank: int) -> dict | None:
-    """`rank`'s snapshot of `step` from `keeper`, or None if it has none."""
-    from ..calls import call
+FETCH_TIMEOUT_S = 60.0  # a keeper on a node that is going: Ray declares it dead within its health checks
 
-    held = call(keeper, "snapshot", step, rank)
-    if held is None:
-        return None
+
+def fetch(keeper, step: int, rank: int) -> dict | None:
+    """`rank`'s snapshot of `step` from `keeper`, or None if it has none; raises if the keeper is gone."""
     ray = _ray()
-    return ray.get(held[0]) if ray and isinstance(held[0], ray.ObjectRef) else held[0]
+    if ray is None or not isinstance(keeper, ray.actor.ActorHandle):
+        held = keeper.snapshot(step, rank)
+        return None if held is None else held[0]
+    held = ray.get(keeper.snapshot.remote(step, rank), timeout=FETCH_TIMEOUT_S)
+    return None if held is None else ray.get(held[0], timeout=FETCH_TIMEOUT_S)
 
 
 def unpack(packed: dict[str, tuple[str, list[int], np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -69,15 +72,27 @@ def unpack(packed: dict[str, tuple[str, list[int], np.ndarray]]) -> dict[str, to
 
 
 class MemoryKeeper:
-    """Snapshots of the ranks of one node, in Ray's object store, owned by this actor."""
+    """Snapshots of the ranks of one node, in Ray's object store, owned by this actor; and a
+    replica of those of the node before it (its `peer` holds this one's), for a node loss."""
 
     def __init__(self):
         self.held: dict[tuple[int, int], list] = {}  # (step, rank) -> [its ObjectRef] (or the snapshot, outside Ray)
+        self.controller = self.peer = None
 
-    def keep_snapshot(self, step: int, rank: int, snapshot: dict) -> None:
+    def attach(self, controller, peer) -> None:
+        """The job's controller, told of each replica, and the keeper that replicates this one's."""
+        self.controller, self.peer = controller, peer
+
+    def keep_snapshot(self, step: int, rank: int, snapshot: dict, replica: bool = False) -> None:
         # ray.put here: the sender's copy is owned by the sender and would die with it.
         ray = _ray()
-        self.held[(step, rank)] = [ray.put(snapshot)] if ray else [snapshot]
+        held = self.held[(step, rank)] = [ray.put(snapshot)] if ray else [snapshot]
+        if replica:
+            from ..calls import tell
+
+            tell(self.controller, "replicated", step, rank, node_id())
+        elif self.peer is not None:  # the ref, resolved on the peer's node: the object travels there, off every rank's path
+            self.peer.keep_snapshot.remote(step, rank, held[0], True)
 
     def snapshot(self, step: int, rank: int) -> list | None:
         """[the ObjectRef] (in a list, so Ray hands the reference over, not a copy), or None."""
