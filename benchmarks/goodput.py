@@ -1,23 +1,25 @@
 """Goodput under failures: the same job with a training worker SIGKILLed every `--every` seconds.
 
-    python -m benchmarks.goodput                          # kills every 30 s and every 120 s, ~20 min
-    python -m benchmarks.goodput --every 30 --steps 600   # one interval
+    python -m benchmarks.goodput                 # kills every 30 s (600 steps) and every 120 s (2000 steps), ~20 min
+    python -m benchmarks.goodput --every 30      # one interval
 
-Three contenders on the same 2-worker job (the quickstart's GPT, global batch 32, DDP on CPU):
+Three contenders on the same 2-worker job (the quickstart's GPT and data, global batch 32, DDP on CPU):
 
 * ours with the memory tier: durable saves every `--save-every` steps, snapshots every 5;
 * ours with durable saves only;
 * Ray Train without us: the pattern its docs teach, a `torch.save` of the model and optimizer
   every `--save-every` steps handed to `ray.train.report(checkpoint=...)`, and
-  `ray.train.get_checkpoint()` + `torch.load` on a restart (batches drawn from a seeded
-  generator per step, so no data loader is timed).
+  `ray.train.get_checkpoint()` + `torch.load` on a restart; its batches come from the same
+  `ray_resume.SampleStream`, restarted at the checkpoint's step, so only checkpointing differs.
 
-A killer thread picks a live `RayTrainWorker` every `--every` seconds (from the first step on) and
-SIGKILLs it. Effective training time ratio (ETTR) = the steps that count x the contender's own
-median step time / the wall time of `fit()`: 1.0 would be a job that never lost a second, not even
-to start. The time lost per failure is split into restart (from the kill to the new group's
-train function), reload (to the resumed state) and redone steps (steps run again, at the median
-step time), from each contender's own timestamps.
+Each contender first runs 600 steps without a kill: its mean step time (saves included). Then, per
+interval, a killer thread SIGKILLs a live `RayTrainWorker` every `--every` seconds from the first
+step on. Effective training time ratio (ETTR) = steps x the clean mean step time / the wall time of
+`fit()`. The time lost per failure is (wall - the run's own startup, fit() to its first step -
+steps x the clean step time) / failures, all included, and its parts
+from the contender's own timestamps: restart (from the kill to the new group's train function; for
+ours, Ray Train noticing it and the new group), reload (to the resumed state) and redone steps (the
+steps run again, at the clean step time).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import ray
 
 QUICKSTART = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_layers": 2, "n_heads": 4}
 BATCH = 32
+CLEAN_STEPS = 600
 
 
 def live_workers() -> list[int]:
@@ -47,9 +50,11 @@ def live_workers() -> list[int]:
 class Killer(threading.Thread):
     """SIGKILLs one live training worker every `every` seconds, once `started()` is true."""
 
-    def __init__(self, every: float, started):
+    def __init__(self, every: float | None, started):
         super().__init__(daemon=True)
         self.every, self.started, self.kills, self.done = every, started, [], threading.Event()
+        if every:  # None: a clean run
+            self.start()
 
     def run(self) -> None:
         while not self.done.is_set() and not self.started():
@@ -61,7 +66,7 @@ class Killer(threading.Thread):
                 self.kills.append(time.time())
 
 
-def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float, data: str) -> dict:
+def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float | None, data: str) -> dict:
     from ray_resume.config import Config
     from ray_resume.metrics import read_metrics
     from ray_resume.run import run
@@ -74,18 +79,15 @@ def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float
         "scaling": {"num_workers": 2}, "failure": {"max_failures": -1},
         "checkpoint": {"save_path": str(root), "save_interleaved_steps": save_every, "memory_interleaved_steps": memory_every},
     })
-    started = lambda: any(root.parent.glob(f"{root.name}-metrics/*.jsonl"))
-    killer = Killer(every, started)
-    killer.start()
+    killer = Killer(every, lambda: any(root.parent.glob(f"{root.name}-metrics/*.jsonl")))
     began = time.time()
     result = run(cfg)
-    wall = time.time() - began
     killer.done.set()
     assert result.error is None, result.error
     records = read_metrics(str(root))
-    step_times = _step_times([r for r in records if r.get("rank") == 0 and "loss" in r])
+    steps_run = [r for r in records if r.get("rank") == 0 and "loss" in r]
     restarts = [r for r in records if r.get("event") == "restart"]
-    return _summary(steps, wall, step_times, killer.kills, [
+    return _measured(began, time.time(), steps_run, killer.kills, [
         {"restart": r.get("detect_s", 0) + r.get("new_group_s", 0), "reload": r["restore_s"], "redone": r["caught_up"] - r["step"]}
         for r in restarts])
 
@@ -96,7 +98,11 @@ def plain_train_func(config: dict) -> None:
     import ray.train.torch
     import torch
 
+    from ray_resume import SampleStream
+    from ray_resume.data import quiet_ray_data
     from ray_resume.model import GPT
+
+    quiet_ray_data()  # no progress bars, as in ours
 
     entered = time.time()
     ctx = ray.train.get_context()
@@ -112,13 +118,12 @@ def plain_train_func(config: dict) -> None:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
+    batches = iter(SampleStream(config["data"], 1234, True, BATCH, rank, world, start * BATCH))
     log = open(config["log"], "a")
     if rank == 0:
         log.write(json.dumps({"event": "start", "entered": entered, "loaded": time.time(), "step": start}) + "\n")
     for step in range(start + 1, config["steps"] + 1):
-        began = time.time()
-        g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, QUICKSTART["vocab_size"], (BATCH, QUICKSTART["seq_len"] + 1), generator=g)[rank::world]
+        tokens = torch.as_tensor(next(batches)["input_ids"]).long()
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
         opt.zero_grad()
@@ -130,74 +135,87 @@ def plain_train_func(config: dict) -> None:
                     torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, os.path.join(d, "state.pt"))
                 ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
         if rank == 0:
-            log.write(json.dumps({"step": step, "time": time.time(), "step_s": time.time() - began}) + "\n")
+            log.write(json.dumps({"step": step, "time": time.time()}) + "\n")
             log.flush()
 
 
-def plain(tmp: Path, steps: int, save_every: int, every: float) -> dict:
+def plain(tmp: Path, steps: int, save_every: int, every: float | None, data: str) -> dict:
     from ray.train.torch import TorchTrainer
 
     log = tmp / "plain.jsonl"
     killer = Killer(every, lambda: log.exists() and log.stat().st_size > 0)
-    killer.start()
-    trainer = TorchTrainer(plain_train_func, train_loop_config={"steps": steps, "save_every": save_every, "log": str(log)},
+    trainer = TorchTrainer(plain_train_func, train_loop_config={"steps": steps, "save_every": save_every, "log": str(log), "data": data},
                            scaling_config=ray.train.ScalingConfig(num_workers=2),
                            run_config=ray.train.RunConfig(name=f"plain-{time.time_ns()}", storage_path=str(tmp / "plain"),
                                                           failure_config=ray.train.FailureConfig(max_failures=-1)))
     began = time.time()
     trainer.fit()
-    wall = time.time() - began
     killer.done.set()
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    step_times = _step_times([r for r in records if "step_s" in r])
-    losses, reached = [], 0
+    attempt, steps_run, losses, reached = -1, [], [], 0
     for r in records:
-        if r.get("event") == "start" and reached:
-            losses.append({"restart": r["entered"] - next(k for k in reversed(killer.kills) if k < r["entered"]),
-                           "reload": r["loaded"] - r["entered"], "redone": reached - r["step"]})
-        reached = r.get("step", reached) if "step_s" in r else reached
-    return _summary(steps, wall, step_times, killer.kills, losses)
+        if r.get("event") == "start":
+            attempt += 1
+            if reached:
+                losses.append({"restart": r["entered"] - max([k for k in killer.kills if k < r["entered"]], default=r["entered"]),
+                               "reload": r["loaded"] - r["entered"], "redone": reached - r["step"]})
+        else:
+            steps_run.append({**r, "attempt": attempt})
+            reached = r["step"]
+    return _measured(began, time.time(), steps_run, killer.kills, losses)
 
 
-def _step_times(records: list[dict]) -> list[float]:
-    """Each step's duration: its own `step_s`, or the gap between consecutive records of one attempt."""
-    if records and "step_s" in records[0]:
-        return [r["step_s"] for r in records]
-    gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:])
-            if b["step"] == a["step"] + 1 and b.get("attempt") == a.get("attempt") and not b.get("saved")]
-    return gaps
+def _measured(began: float, ended: float, steps_run: list[dict], kills: list[float], losses: list[dict]) -> dict:
+    """A run's wall time, startup (to its first step), mean step time within attempts, and failures."""
+    steps_run = sorted(steps_run, key=lambda r: r["time"])
+    gaps = [b["time"] - a["time"] for a, b in zip(steps_run, steps_run[1:])
+            if b["step"] == a["step"] + 1 and b["attempt"] == a["attempt"]]
+    return {"wall_s": ended - began, "startup_s": steps_run[0]["time"] - began, "step_s": statistics.mean(gaps),
+            "kills": len(kills), "losses": losses}
 
 
-def _summary(steps: int, wall: float, step_times: list[float], kills: list[float], losses: list[dict]) -> dict:
-    step_s = statistics.median(step_times)
-    restart = statistics.mean([x["restart"] for x in losses]) if losses else 0.0
-    reload = statistics.mean([x["reload"] for x in losses]) if losses else 0.0
-    redone = statistics.mean([x["redone"] for x in losses]) * step_s if losses else 0.0
-    return {"steps": steps, "wall_s": round(wall, 1), "kills": len(kills), "restarts": len(losses), "median_step_s": round(step_s, 4),
-            "ettr": round(steps * step_s / wall, 3), "lost_per_failure_s": round(restart + reload + redone, 1),
-            "restart_s": round(restart, 1), "reload_s": round(reload, 2), "redone_s": round(redone, 1)}
+def _row(steps: int, run: dict, clean: dict) -> dict:
+    """ETTR and the time lost per failure: the run's wall time less its own startup and its steps at
+    the clean run's step time."""
+    step_s, losses = clean["step_s"], run["losses"]
+    part = lambda key: statistics.mean([x[key] for x in losses]) if losses else 0.0
+    lost = run["wall_s"] - run["startup_s"] - steps * step_s
+    return {"steps": steps, "wall_s": round(run["wall_s"], 1), "kills": run["kills"], "failures": len(losses),
+            "startup_s": round(run["startup_s"], 1), "clean_step_s": round(step_s, 4), "ettr": round(steps * step_s / run["wall_s"], 3),
+            "lost_per_failure_s": round(lost / max(1, len(losses)), 1), "restart_s": round(part("restart"), 1),
+            "reload_s": round(part("reload"), 2), "redone_s": round(part("redone") * step_s, 1)}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=float, nargs="+", default=[30, 120], help="seconds between kills")
-    parser.add_argument("--steps", type=int, default=0, help="steps per run (default: 12 x --every, at least 600)")
+    parser.add_argument("--steps", type=int, default=0, help="steps per run with kills (default: 600 for 30 s, 2000 for 120 s)")
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--out", default="benchmarks/goodput_results.json")
     args = parser.parse_args(argv)
+    from ray_resume.config import SyntheticDataConfig
+    from ray_resume.data import ensure_dataset
     from ray_resume.run import init_local_ray
 
     init_local_ray(num_cpus=4)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
+        # Written once, before any run is timed (the first would count it as its startup).
+        ensure_dataset(data, SyntheticDataConfig(samples=4096, files=4, row_groups_per_file=4), QUICKSTART["seq_len"],
+                       QUICKSTART["vocab_size"])
+        contenders = {"ours, memory tier": lambda t, n, every: ours(t, n, args.save_every, 5, every, data),
+                      "ours, durable only": lambda t, n, every: ours(t, n, args.save_every, 0, every, data),
+                      "Ray Train + torch.save": lambda t, n, every: plain(t, n, args.save_every, every, data)}
+        clean = {}
+        for name, runner in contenders.items():
+            clean[name] = runner(Path(tempfile.mkdtemp(dir=tmp)), CLEAN_STEPS, None)
+            print(f"no kills | {name}: startup {clean[name]['startup_s']:.1f} s, {clean[name]['step_s']:.4f} s per step", flush=True)
         for every in args.every:
-            steps = args.steps or max(600, int(12 * every))
-            for name, runner in (("ours, memory tier", lambda t: ours(t, steps, args.save_every, 5, every, data)),
-                                 ("ours, durable only", lambda t: ours(t, steps, args.save_every, 0, every, data)),
-                                 ("Ray Train + torch.save", lambda t: plain(t, steps, args.save_every, every))):
-                run_dir = Path(tempfile.mkdtemp(dir=tmp))
-                results[f"every {every:g} s: {name}"] = row = runner(run_dir)
+            steps = args.steps or (600 if every <= 60 else 2000)
+            for name, runner in contenders.items():
+                row = _row(steps, runner(Path(tempfile.mkdtemp(dir=tmp)), steps, every), clean[name])
+                results[f"every {every:g} s: {name}"] = row
                 print(f"kill every {every:g} s | {name}: {row}", flush=True)
     print()
     print("| kill every | contender | ETTR | lost per failure | restart | reload | redone | kills |")

@@ -149,10 +149,10 @@ def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callabl
 
 
 def _agree_on_attempt(controller, rank: int, world: int, device) -> tuple[int, int | None, int | None, dict]:
-    """Rank 0 asks the driver; every rank gets the same (attempt, step to resume or None, memory
-    snapshot step to resume or None) and
-    `user_error` (a rank found a mistake of the user's: the job is over). Rank 0 also learns how
-    the previous attempt ended: `failed_after` (its last finished step) and `lost` (rank -> why)."""
+    """Rank 0 asks the driver; every rank gets the same attempt, step to resume (None: none), memory
+    snapshot step to resume (None: none) and `user_error` (a rank found a mistake of the user's: the
+    job is over). Rank 0 also learns how the previous attempt ended: `failed_after` (its last
+    finished step) and `lost` (rank -> why)."""
     facts = torch.tensor([-1, -1, -1, 0], device=device)
     ended = {}
     if rank == 0:

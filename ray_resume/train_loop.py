@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import parallel
 from .api import get_checkpointer
+from .checkpoint import memory
 from .calls import call, tell
 from .checkpoint.loader import collective_device
 from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
@@ -253,7 +254,7 @@ class Progress:
 
     def resumed(self, resume, world: int, attempt: int, failed_after: int | None = None, lost: dict | None = None,
                 clock: dict | None = None, restore_s: float = 0.0) -> None:
-        from_memory = bool(resume.source) and resume.source.startswith("memory")
+        from_memory = memory.is_memory_source(resume.source)
         if self.metrics and self.rank == 0:
             self.curves = Curves(self.cfg.checkpoint.save_path, self.cfg.checkpoint.storage, job=self.job_id,
                                  attempt=attempt, purge_step=resume.step + 1)
@@ -320,7 +321,7 @@ class Progress:
         if self.restart and self.rank == 0:
             self._restarted(step)
         if self.rank == 0 and log_now:
-            self._progress_line(step, loss)
+            self._progress_line(step, loss, lr, grad_norm)
         if self.every_step:
             self._record(record, flush=saved or log_now or flush)
         elif self.metrics:  # another rank: only its save stalls, in a chunk rolled over by time
@@ -329,7 +330,7 @@ class Progress:
             if self.metrics.due():
                 self.metrics.flush()
 
-    def _progress_line(self, step: int, loss: float) -> None:
+    def _progress_line(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
         elapsed = max(time.monotonic() - self.window_start, 1e-9)
         rate = self.window_steps / elapsed
         committed = call(self.controller, "last_committed")
@@ -337,7 +338,7 @@ class Progress:
         if self.curves:
             self.curves.add(step, {"samples_per_s": rate * self.gbs})
         self._say(
-            f"step {step}/{self.total} | loss {loss:.4f} | {rate * self.gbs:.0f} samples/s | "
+            f"step {step}/{self.total} | loss {loss:.4f} | lr {lr:.3g} | grad norm {grad_norm:.3g} | {rate * self.gbs:.0f} samples/s | "
             f"last committed iteration {committed if committed is not None else '-'} | ETA {_clock(eta)}"
         )
         self.window_start, self.window_steps = time.monotonic(), 0

@@ -29,6 +29,10 @@ from .state import local_tensor
 MEMORY_SOURCE = "memory snapshot of step {step}"  # what a resume from it names as its source
 
 
+def is_memory_source(source: str | None) -> bool:
+    return bool(source) and source.startswith(MEMORY_SOURCE.split("{")[0])
+
+
 def _ray():
     """Ray, where this process runs in one (the checkpoint core itself imports no Ray: scripts/gpu_check.py)."""
     ray = sys.modules.get("ray")
