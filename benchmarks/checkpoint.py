@@ -337,7 +337,7 @@ def _controller(cfg, job_id: str):
     lease.acquire()
     lease.keep_renewed()
     controller = JobControllerActor.remote(cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid())
-    ray.get(controller.start_attempt.remote())  # attempt 0
+    ray.get(controller.start_attempt.remote(cfg.scaling.max_workers))  # attempt 0
     return controller, lease
 
 
