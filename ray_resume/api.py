@@ -34,7 +34,9 @@ everything else to JSON, both in the rank's optimizer shard header (so
 keep them small: big state belongs in the model); a value that is neither
 is refused, naming its key path. On another world size every rank gets
 rank 0's param groups and extra state, and its RNG streams are not restored
-(each rank keeps the ones it has).
+(each rank keeps the ones it has). With `checkpoint.memory_interleaved_steps`,
+`maybe_save` also snapshots all of it into memory between saves, and a restart
+of the same size resumes from there (ray_resume.checkpoint.memory).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class JobController:
         self.commit_error: str | None = None  # the first failed commit, for the driver's result
         self.user_error: str | None = None  # the first mistake of the user's a rank found: the job ends with it
         self.lease_lost = False  # a commit found another job holding the writer lease
-        # The memory tier (checkpoint.memory): node -> its MemoryKeeper (none: this object keeps them, as
+        # The memory tier (checkpoint.memory_interleaved_steps): node -> its MemoryKeeper (none: this object keeps them, as
         # in the in-process harness); step -> (world size, rank -> node) of the snapshots sent for it,
         # and (step, rank) -> the node of its replica.
         self.keepers = keepers or {}

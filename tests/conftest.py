@@ -113,6 +113,27 @@ def env_for_subprocess() -> dict:
     return env
 
 
+def run_driver(tmp: Path, script: str, *args: str, timeout: float = 600) -> tuple[dict, str]:
+    """Run `script`, a driver program of its own (a multi-node Cluster wants the main thread), in a
+    process group of its own that is ended after it; its last `RESULT {json}` line, and its output."""
+    import subprocess
+    import sys
+
+    from test_whole_job import end_group
+
+    driver = tmp / "driver.py"
+    driver.write_text(script)
+    proc = subprocess.Popen([sys.executable, str(driver), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp, start_new_session=True, env=env_for_subprocess())
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        end_group(proc)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, out[-5000:]
+    return json.loads(lines[-1][len("RESULT "):]), out
+
+
 def run_job(cfg: dict):
     """Run a job in this process (on the `ray_cluster` Ray) and check it committed its last step."""
     result = run(Config.from_dict(cfg))

@@ -16,8 +16,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,12 +24,11 @@ import pytest
 import ray
 import ray._private.state
 
-from conftest import FINAL, assert_same_as_reference, env_for_subprocess, tiny_config
+from conftest import FINAL, assert_same_as_reference, run_driver, tiny_config
 from ray_resume.checkpoint import paths
 from ray_resume.config import Config
 from ray_resume.plugins import next_token_loss
 from ray_resume.run import run
-from test_whole_job import end_group
 
 
 MICRO_BATCHES = 2  # tiny_config: global batch 16 = 2 workers x micro batch 4 x 2 accumulation steps
@@ -236,18 +233,7 @@ def test_node_holding_the_workers_removed_mid_run(tmp_path, reference):
     cfg["data"]["path"] = reference["data"]
     root = cfg["checkpoint"]["save_path"]
     (tmp_path / "job.json").write_text(json.dumps(cfg))
-    driver = tmp_path / "node_loss_driver.py"
-    driver.write_text(NODE_LOSS_DRIVER)
-    proc = subprocess.Popen([sys.executable, str(driver), str(tmp_path / "job.json"), "0.25"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                            start_new_session=True, env=env_for_subprocess())
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        end_group(proc)
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, out[-5000:]
-    res = json.loads(lines[-1][len("RESULT "):])
+    res, out = run_driver(tmp_path, NODE_LOSS_DRIVER, str(tmp_path / "job.json"), "0.25")
     assert res["error"] is None and res["committed"] == FINAL, (res, out[-5000:])
 
     # Both workers were on the removed node, and were alive and training when it went.

@@ -4,11 +4,13 @@ was never interrupted; otherwise, or when a snapshot is gone, from storage as be
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import harness
-from conftest import assert_same_as_reference, per_step, read_metrics, run_job, run_on_harness, tiny_config
+from conftest import assert_same_as_reference, per_step, read_metrics, run_driver, run_job, run_on_harness, tiny_config
 from ray_resume.checkpoint.memory import MemoryKeeper, pack, unpack
 from ray_resume.controller import JobController
 
@@ -167,28 +169,11 @@ def test_a_node_lost_with_a_ranks_snapshot_resumes_from_its_replica(tmp_path, re
     """Two nodes, one rank on each: the node of rank 1 is removed a few steps after the commit of
     iteration 4. Rank 1's snapshot died with that node's keeper; its replica on another node's
     keeper brings the group back from memory, and the run still ends byte-identical."""
-    import subprocess
-    import sys
-
-    from conftest import env_for_subprocess
-    from test_whole_job import end_group
-
     cfg = tiny_config(tmp_path, scaling={"num_workers": 2, "resources_per_worker": {"CPU": 2}},
                       checkpoint={"memory_interleaved_steps": 1})
     cfg["data"]["path"] = reference["data"]
-    (tmp_path / "job.json").write_text(__import__("json").dumps(cfg))
-    driver = tmp_path / "driver.py"
-    driver.write_text(NODE_LOSS_DRIVER)
-    proc = subprocess.Popen([sys.executable, str(driver), str(tmp_path / "job.json"), str(tmp_path / "marks")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                            start_new_session=True, env=env_for_subprocess())
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        end_group(proc)
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, out[-5000:]
-    result = __import__("json").loads(lines[-1][len("RESULT "):])
+    (tmp_path / "job.json").write_text(json.dumps(cfg))
+    result, out = run_driver(tmp_path, NODE_LOSS_DRIVER, str(tmp_path / "job.json"), str(tmp_path / "marks"))
     assert result["error"] is None and result["committed"] == 12, (result, out[-5000:])
     root = cfg["checkpoint"]["save_path"]
     again = starts(root)[1]
