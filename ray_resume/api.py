@@ -179,7 +179,7 @@ class RankCheckpointer:
         self._full = job.resume_step is not None or not cfg.checkpoint.no_load_optim  # its own commit: always all of it
         self._model = self._optimizer = None
         self._extra: dict[str, Any] = {}
-        self.last_snapshot: tuple[int, float] | None = None  # (step, seconds it blocked this rank) of the last memory snapshot
+        self.last_snapshot_step: int | None = None  # the step of the last memory snapshot
 
     def restore(self, model: torch.nn.Module, optimizer, extra: dict[str, Any] | None = None, *,
                 global_batch_size: int | None = None) -> Start:
@@ -238,7 +238,8 @@ class RankCheckpointer:
                   "optimizer": class_path(type(optimizer.optimizer)),
                   **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}), **(common or {})}
         if not durable:
-            self.last_snapshot = (step, checkpointer.snapshot(step, self._model, optimizer, common, extras))
+            checkpointer.snapshot(step, self._model, optimizer, common, extras)
+            self.last_snapshot_step = step
             return False
         return checkpointer.maybe_save(step, self._model, optimizer, common, force=force, extras=extras)
 

@@ -94,7 +94,7 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
                                   "step_num": (consumed % samples.num_samples) // train.global_batch_size,
                                   "data": samples.fingerprint})
         # A memory snapshot flushes the metrics too: a resume from it redoes no step to record again.
-        snapshot = ck.last_snapshot is not None and ck.last_snapshot[0] == step
+        snapshot = ck.last_snapshot_step == step
         progress.step(step, loss, optimizer.param_groups[0]["lr"], optimizer.grad_norm, batch["sample_id"], saved,
                       ck.last_stall_s if saved else None, flush=snapshot)
         if evaluate and (step % train.eval_every == 0 or step == train.train_steps):

@@ -206,9 +206,9 @@ class Checkpointer:
         n = self.ckpt.memory_interleaved_steps
         return bool(n) and step % n == 0
 
-    def snapshot(self, step: int, model, optimizer, common: dict, extras: dict[str, str]) -> float:
+    def snapshot(self, step: int, model, optimizer, common: dict, extras: dict[str, str]) -> None:
         """Copy this rank's whole state at `step` and send it to its node's MemoryKeeper in the
-        background (see checkpoint.memory); seconds the loop was blocked."""
+        background (see checkpoint.memory)."""
         start = time.perf_counter()
         self.memory_sender.wait()  # at most one snapshot in flight: memory stays bounded
         snap = {"tensors": {paths.MODEL_KIND: memory.pack(state.model_tensors(model)),
@@ -227,7 +227,7 @@ class Checkpointer:
                 logger.warning("rank %d: memory snapshot of step %d not kept (%s)", self.rank, step, str(exc).splitlines()[0][:160])
 
         self.memory_sender.submit(step, send)
-        return time.perf_counter() - start
+        logger.debug("rank %d: memory snapshot of step %d blocked training %.3f s", self.rank, step, time.perf_counter() - start)
 
     def restore_snapshot(self, model, optimizer, step: int) -> ResumePoint | None:
         """This rank's state from its memory snapshot of `step`; None on every rank if any rank's
