@@ -77,6 +77,7 @@ class JobController:
         self.keepers = keepers or {}
         self.snapshots: dict[int, tuple[int, dict[int, str]]] = {}
         self.replicas: dict[tuple[int, int], str] = {}
+        self.settled: int | None = None
         self.lock = threading.RLock()  # attempts, manifests and commits, one at a time (a commit claims its fault)
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")  # in commit order
         self.lease = None
@@ -113,10 +114,28 @@ class JobController:
                 "lost": {str(rank): why for rank, why in sorted(lost.items())}, "user_error": self.user_error, "clock": clock}
 
     def memory_step(self, world: int) -> int | None:
+        """The newest step newer than the last commit whose snapshot every rank of a group of
+        `world` ranks can take back: on a node that is alive, its own or its replica."""
         committed = self.last_committed()
-        complete = [step for step, (size, ranks) in self.snapshots.items()
-                    if size == world and len(ranks) == world and (committed is None or step > committed)]
-        return max(complete, default=None)
+        alive = self._alive_nodes()
+        for step in sorted(self.snapshots, reverse=True):
+            size, ranks = self.snapshots[step]
+            if size != world or len(ranks) < world or (committed is not None and step <= committed):
+                continue
+            if alive is None or all({ranks[r], self.replicas.get((step, r))} & alive for r in ranks):
+                return step
+        return None
+
+    def _alive_nodes(self) -> set | None:
+        """The nodes alive now (None: no keeper is a Ray actor, so none can be lost)."""
+        if not any(isinstance(k, ray.actor.ActorHandle) for k in self.keepers.values()):
+            return None
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+    def settled_step(self) -> int | None:
+        """The newest snapshot that outlives the loss of any one node: complete for every rank and,
+        with more than one keeper, replicated for every rank (older ones are dropped then)."""
+        return self.settled
 
     def keeper_for(self, node: str):
         """The MemoryKeeper of `node` (any node's, if it has none: one that joined after the start;
@@ -130,30 +149,43 @@ class JobController:
 
     def replicated(self, step: int, rank: int, node: str) -> None:
         with self.lock:
-            if step in self.snapshots:
-                self.replicas[(step, rank)] = node
+            if step not in self.snapshots:
+                return
+            self.replicas[(step, rank)] = node
+        self._settle(step)
 
     def snapshotted(self, step: int, rank: int, world: int, node: str) -> None:
-        """`rank` of a group of `world` ranks sent its snapshot of `step` to the keeper of `node`.
-        Once every rank's is in, older snapshots will never be resumed: every keeper drops them."""
+        """`rank` of a group of `world` ranks sent its snapshot of `step` to the keeper of `node`."""
         with self.lock:
             size, ranks = self.snapshots.get(step, (world, {}))
             if size != world:  # the step again, in a group of another size: its snapshots replace the old ones
                 ranks = {}
             self.snapshots[step] = (world, ranks)
             ranks[rank] = node
-            if len(ranks) < world:
+        self._settle(step)
+
+    def _settle(self, step: int) -> None:
+        """Once `step` is complete, only it and the newest settled step (see `settled_step`) can
+        still be resumed; once it is settled too, only it: every keeper drops the others. A node
+        lost before a complete step's replicas are in leaves the settled one to resume from."""
+        with self.lock:
+            size, ranks = self.snapshots.get(step, (0, {}))
+            if len(ranks) < size or size == 0 or step < (self.settled or 0):
                 return
-            for older in [s for s in self.snapshots if s < step]:
+            if len(self.keepers) < 2 or all((step, r) in self.replicas for r in ranks):
+                self.settled = max(step, self.settled or step)
+            for older in [s for s in self.snapshots if s < step and s != self.settled]:
                 del self.snapshots[older]
-            self.replicas = {key: node for key, node in self.replicas.items() if key[0] >= step}
+            self.replicas = {key: node for key, node in self.replicas.items() if key[0] in self.snapshots}
         for keeper in self.keepers.values() or [self]:
-            tell(keeper, "drop_before", step)
+            tell(keeper, "drop_before", step, self.settled)
 
     def snapshot_lost(self, step: int) -> None:
         """A rank could not fetch its snapshot of `step` (its node is gone): never offered again."""
         with self.lock:
             self.snapshots.pop(step, None)
+            if self.settled == step:
+                self.settled = None
 
     def user_failed(self, rank: int, message: str) -> None:
         """A rank hit a mistake of the user's (a loss that is not a scalar...): running it again would

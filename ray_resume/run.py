@@ -140,7 +140,8 @@ def _run_trainer(cfg: Config, address: str | None, job_id: str, loop_config: dic
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # On the driver's node: the commit must run where the driver does (it dies with it).
     keepers = start_keepers() if cfg.checkpoint.memory_interleaved_steps else {}
-    controller = JobControllerActor.options(scheduling_strategy=here).remote(
+    # Named for whoever wants to ask it about the job (ray.util.list_named_actors()).
+    controller = JobControllerActor.options(scheduling_strategy=here, name=f"{CONTROLLER_NAME}{job_id}").remote(
         cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers
     )
     ring = list(keepers.values())
@@ -193,6 +194,9 @@ def _run_trainer(cfg: Config, address: str | None, job_id: str, loop_config: dic
         logger.info("[%s] to continue it: --set checkpoint.load_path=%s; to export its weights: ray-resume export %s OUT_DIR",
                     cfg.name, root, root)
     return RunResult(committed, path, outcome["metrics"], error)
+
+
+CONTROLLER_NAME = "ray_resume.controller."
 
 
 def start_keepers() -> dict:

@@ -90,6 +90,26 @@ def test_only_a_step_complete_for_every_rank_of_this_world_size_and_newer_than_t
     assert keeper.snapshots == {}
 
 
+def test_with_replicas_the_newest_snapshot_that_survives_a_node_loss_is_kept_until_a_newer_one_does():
+    """Two nodes: step 8 is complete but rank 1's replica is not in yet. While node b lives, 8 is
+    offered; once b is gone, 6 is (rank 1's replica of it is on a); 6 is dropped only when 8 settles."""
+    keeper = Keeping()
+    keeper.keepers, alive = {"a": keeper, "b": keeper}, {"a", "b"}
+    keeper._alive_nodes = lambda: alive
+    for step, replicas in ((6, (0, 1)), (8, (0,))):
+        for rank, node in ((0, "a"), (1, "b")):
+            keeper.keep_snapshot(step, rank, {"rank": rank})
+            keeper.snapshotted(step, rank, 2, node)
+        for rank in replicas:
+            keeper.replicated(step, rank, "b" if rank == 0 else "a")
+    assert keeper.settled_step() == 6 and keeper.held_steps() == [(6, 0), (6, 1), (8, 0), (8, 1)]
+    assert keeper.memory_step(2) == 8
+    alive.discard("b")
+    assert keeper.memory_step(2) == 6
+    keeper.replicated(8, 1, "a")
+    assert keeper.settled_step() == 8 and keeper.held_steps() == [(8, 0), (8, 1)] and keeper.memory_step(2) == 8
+
+
 def test_a_snapshot_keeps_every_dtype_and_shape_bit_for_bit():
     tensors = {"w": torch.randn(3, 5).to(torch.bfloat16), "step": torch.tensor(7.0), "h": torch.randn(4).half(),
                "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
@@ -120,7 +140,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray_resume.config import Config
 from ray_resume.plugins import next_token_loss
-from ray_resume.run import run
+from ray_resume.run import CONTROLLER_NAME, run
 
 cfg = json.loads(Path(sys.argv[1]).read_text())
 marks = Path(sys.argv[2])
@@ -151,7 +171,9 @@ thread.start()
 deadline = time.time() + 300
 while not tracker.exists() and time.time() < deadline:
     time.sleep(0.05)
-time.sleep(1.5)  # a few steps past the commit of 4: snapshots of them are in memory
+controller = ray.get_actor(next(n for n in ray.util.list_named_actors() if n.startswith(CONTROLLER_NAME)))
+while (ray.get(controller.settled_step.remote()) or 0) <= 4 and time.time() < deadline:
+    time.sleep(0.05)  # until a snapshot past the commit of 4 has its replicas in
 rank1_node = next(p.name.split("-", 1)[1] for p in marks.iterdir() if p.name.startswith("1-"))
 victim = next(n for n in nodes if n.node_id == rank1_node)
 cluster.remove_node(victim, allow_graceful=False)  # rank 1 and its keeper go with it

@@ -13,8 +13,9 @@ A restarted group of the same world size resumes from the newest step whose snap
 every rank, if that is newer than the newest durable commit (the controller decides, see
 `JobController.memory_step`); each rank takes back exactly what it held, so the run continues
 as if nothing happened. Only durable commits are committed: the tracker and the files on disk
-know nothing of this tier. Once a step is complete everywhere, every older snapshot is dropped,
-so a keeper holds at most the complete step and the one being sent, per rank of its node.
+know nothing of this tier. Once a step is complete everywhere, every older snapshot is dropped
+but the newest one whose replicas are all in: a keeper holds at most three per rank of its node
+(that one, the newest complete step, the one being sent) and as many replicas.
 """
 
 from __future__ import annotations
@@ -102,9 +103,9 @@ class MemoryKeeper:
         """[the ObjectRef] (in a list, so Ray hands the reference over, not a copy), or None."""
         return self.held.get((step, rank))
 
-    def drop_before(self, step: int) -> None:
-        """A newer step is complete for every rank: older snapshots will never be resumed."""
-        for key in [k for k in self.held if k[0] < step]:
+    def drop_before(self, step: int, keep: int | None = None) -> None:
+        """`step` is complete for every rank: older snapshots but `keep` will never be resumed."""
+        for key in [k for k in self.held if k[0] < step and k[0] != keep]:
             del self.held[key]
 
     def held_steps(self) -> list[tuple[int, int]]:
