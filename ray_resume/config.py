@@ -126,6 +126,7 @@ class DataConfig(_Section):
     collate: ImportPath = ""  # "pkg.module:fn" turning a dict of numpy arrays into the batch your loss takes
     allow_change: bool = False  # resume although data.seed/shuffle/columns or the dataset differ from the checkpoint's
     eval_path: str = ""  # a held-out dataset (same columns) for the eval loss every training.eval_every steps
+    lanes: int = Field(0, ge=0)  # parts each epoch's order is cut in, read by the ranks they go to (0: the checkpoint's, else gcd(global_batch_size, 8)); docs/data.md
 
     @field_validator("columns")
     @classmethod
@@ -301,6 +302,9 @@ class Config(_Section):
                      f"training.micro_batch_size for world sizes {bad} of elastic scaling.num_workers="
                      f"{s.num_workers} ({detail}); choose a global_batch_size that is a multiple of {lcm} "
                      f"(gradient accumulation makes up the rest)")
+        if self.data.lanes and gbs % self.data.lanes:
+            p.append(f"training.global_batch_size={gbs} is not a multiple of data.lanes={self.data.lanes}: every global batch "
+                     "takes as many samples from each lane; choose a multiple, or data.lanes: 0 (gcd(global_batch_size, 8))")
         if t.eval_every and not self.data.eval_path:
             p.append(f"training.eval_every={t.eval_every} needs data.eval_path (a held-out dataset); set it, or eval_every: 0")
         if self.fault is not None and self.fault.rank >= s.max_workers:

@@ -93,7 +93,8 @@ __all__ = [
 SAMPLE_ID = "sample_id"
 INPUT_IDS = "input_ids"
 DEFAULT_COLUMNS = {INPUT_IDS: "int32"}  # the built-in GPT's batch; data.columns replaces it
-_UNIT_COL = "__unit_index"  # internal column used to verify block order
+DEFAULT_LANES = 8  # data.lanes: 0 takes gcd(global_batch_size, 8): every world size up to 8 that divides it reads once
+_SEGMENT_COL = "__segment"  # internal column: which planned read a row comes from (the order is checked)
 
 
 class DataError(ValueError):
@@ -107,6 +108,7 @@ class ReadUnit:
     file: str
     row_group: int
     num_rows: int
+    nbytes: int = 0  # what reading it takes from storage: the compressed column chunks of the read columns
 
 
 # --------------------------------------------------------------------------
@@ -300,10 +302,13 @@ def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] 
             raise DataError(f"{fs}: cannot read parquet footer: {e}") from e
         _check_schema(fs, pf.schema_arrow, columns or DEFAULT_COLUMNS)
         md = pf.metadata
+        read = {SAMPLE_ID, *(columns or DEFAULT_COLUMNS)}
         for rg in range(md.num_row_groups):
-            n = md.row_group(rg).num_rows
-            if n > 0:
-                units.append(ReadUnit(fs, rg, int(n)))
+            group = md.row_group(rg)
+            if group.num_rows > 0:
+                nbytes = sum(group.column(c).total_compressed_size for c in range(group.num_columns)
+                             if group.column(c).path_in_schema.split(".")[0] in read)
+                units.append(ReadUnit(fs, rg, int(group.num_rows), int(nbytes)))
     if not units:
         raise DataError(f"dataset {str(p)!r} is empty (no non-empty row groups in *.parquet files)")
     return units
@@ -336,25 +341,34 @@ def epoch_order(units: Sequence[ReadUnit], seed: int, epoch: int, shuffle: bool)
     return np.concatenate(parts, axis=0)
 
 
-def plan_epoch_units(units: Sequence[ReadUnit], seed: int, epoch: int, shuffle: bool,
-                     start_in_epoch: int = 0) -> List[Tuple[int, int]]:
-    """Units to read for ``epoch`` starting at in-epoch position ``start_in_epoch``.
+def lane_length(num_samples: int, lanes: int) -> int:
+    """Samples per lane per epoch: the epoch's order cut in `lanes` equal parts (the last
+    ``num_samples % lanes`` samples of each epoch's order are not used in that epoch)."""
+    return num_samples // lanes
 
-    Returns ``[(unit_index, row_start), ...]`` in the epoch's unit order; units
-    lying wholly before the offset are excluded and the first unit is sliced at
-    ``row_start`` (a position in that unit's permuted row order).
+
+def plan_lane(units: Sequence[ReadUnit], seed: int, epoch: int, shuffle: bool, lanes: int, lane: int,
+              start_in_lane: int = 0) -> List[Tuple[int, int, int]]:
+    """What `lane` of `lanes` reads in ``epoch`` from its position ``start_in_lane`` on.
+
+    A lane is the contiguous part ``[lane*L, (lane+1)*L)`` of the epoch's order (``L`` =
+    `lane_length`). Returns ``[(unit_index, row_start, row_end), ...]`` in that order, the rows
+    being positions in the unit's permuted row order: no unit lying wholly outside the lane's
+    part, or before the offset, is planned.
     """
-    n = dataset_size(units)
-    if not 0 <= start_in_epoch < n:
-        raise ValueError(f"start_in_epoch={start_in_epoch} outside [0, {n})")
-    plan: List[Tuple[int, int]] = []
+    length = lane_length(dataset_size(units), lanes)
+    if not 0 <= start_in_lane < length:
+        raise ValueError(f"start_in_lane={start_in_lane} outside [0, {length})")
+    lo, hi = lane * length + start_in_lane, (lane + 1) * length
+    plan: List[Tuple[int, int, int]] = []
     cum = 0
     for ui in epoch_unit_order(len(units), seed, epoch, shuffle):
-        ui = int(ui)
-        rows = units[ui].num_rows
-        if cum + rows > start_in_epoch:
-            plan.append((ui, max(0, start_in_epoch - cum)))
+        rows = units[int(ui)].num_rows
+        if cum + rows > lo and cum < hi:
+            plan.append((int(ui), max(lo, cum) - cum, min(hi, cum + rows) - cum))
         cum += rows
+        if cum >= hi:
+            break
     return plan
 
 
@@ -378,25 +392,32 @@ def _column_array(table: pa.Table, name: str, dtype: str, where: str) -> np.ndar
 
 def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shuffle: bool,
                      columns: Dict[str, str]) -> Dict[str, np.ndarray]:
-    """map_batches UDF: read the one row group described by ``batch`` (batch_size=1)."""
+    """map_batches UDF: read the row groups described by ``batch`` (one per row, batch_size=1),
+    keep the positions ``[row_start, row_end)`` of each one's permuted row order, tagged with
+    the item's ``segment`` so the stream can check the order it gets them in."""
     outs: List[Dict[str, np.ndarray]] = []
     for i in range(len(batch["unit_index"])):
         file = str(batch["file"][i])
         rg = int(batch["row_group"][i])
         ui = int(batch["unit_index"][i])
-        row_start = int(batch["row_start"][i])
         num_rows = int(batch["num_rows"][i])
         table = pq.ParquetFile(file).read_row_group(rg, columns=[SAMPLE_ID, *columns])
         where = f"{file} row group {rg}"
         if table.num_rows != num_rows:
             raise DataError(f"{where}: has {table.num_rows} rows, footer scan said {num_rows}")
-        idx = unit_row_order(num_rows, seed, epoch, ui, shuffle)[row_start:]
+        idx = unit_row_order(num_rows, seed, epoch, ui, shuffle)[int(batch["row_start"][i]):int(batch["row_end"][i])]
         arrays = {SAMPLE_ID: table.column(SAMPLE_ID).to_numpy()}
         arrays.update({name: _column_array(table, name, dtype, where) for name, dtype in columns.items()})
         out = {name: a[idx] for name, a in arrays.items()}
-        out[_UNIT_COL] = np.full(len(idx), ui, dtype=np.int64)
+        out[_SEGMENT_COL] = np.full(len(idx), int(batch["segment"][i]), dtype=np.int64)
         outs.append(out)
     return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
+
+
+def _items(units: Sequence[ReadUnit], plan: Sequence[Tuple[int, int, int]]) -> List[Dict[str, Any]]:
+    """`plan`'s (unit_index, row_start, row_end) as the read function's input rows, `segment` = the position in it."""
+    return [{"file": units[ui].file, "row_group": units[ui].row_group, "unit_index": ui, "row_start": rs, "row_end": re,
+             "num_rows": units[ui].num_rows, "segment": k} for k, (ui, rs, re) in enumerate(plan)]
 
 
 def check_eval_set(path: str, columns: Optional[Dict[str, str]], least: int) -> None:
@@ -411,10 +432,8 @@ def check_eval_set(path: str, columns: Optional[Dict[str, str]], least: int) -> 
 def read_eval_set(path: str, columns: Dict[str, str]) -> Dict[str, np.ndarray]:
     """The held-out dataset whole, in file order (no shuffle): every evaluation sees the same samples."""
     units = scan_units(path, columns)
-    items = {"file": np.array([u.file for u in units]), "row_group": np.array([u.row_group for u in units]),
-             "unit_index": np.arange(len(units)), "row_start": np.zeros(len(units), dtype=np.int64),
-             "num_rows": np.array([u.num_rows for u in units])}
-    block = _read_unit_batch(items, seed=0, epoch=0, shuffle=False, columns=columns)
+    items = _items(units, [(i, 0, u.num_rows) for i, u in enumerate(units)])
+    block = _read_unit_batch({k: np.array([item[k] for item in items]) for k in items[0]}, seed=0, epoch=0, shuffle=False, columns=columns)
     return {name: block[name] for name in (SAMPLE_ID, *columns)}
 
 
@@ -431,7 +450,7 @@ def quiet_ray_data() -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "Progress bars disabled", once per process
 
 
-def data_fingerprint(units: Sequence[ReadUnit], seed: int, shuffle: bool, columns: Dict[str, str]) -> Dict[str, Any]:
+def data_fingerprint(units: Sequence[ReadUnit], seed: int, shuffle: bool, columns: Dict[str, str], lanes: int = 1) -> Dict[str, Any]:
     """What the sample order and the batches depend on, for common.json: a resume that differs
     in any of it would continue with another order (see `fingerprint_changes`).
 
@@ -439,15 +458,16 @@ def data_fingerprint(units: Sequence[ReadUnit], seed: int, shuffle: bool, column
     counts): a copy of it moved elsewhere is the same dataset.
     """
     groups = [[Path(u.file).name, u.row_group, u.num_rows] for u in units]
-    return {"seed": int(seed), "shuffle": bool(shuffle), "columns": dict(sorted(columns.items())),
+    return {"seed": int(seed), "shuffle": bool(shuffle), "columns": dict(sorted(columns.items())), "lanes": int(lanes),
             "samples": dataset_size(units), "row_groups": len(units),
             "row_groups_sha256": hashlib.sha256(json.dumps(groups).encode()).hexdigest()}
 
 
 def fingerprint_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
     """What differs between two `data_fingerprint`s, in config terms (e.g. "data.seed 7 -> 8")."""
+    saved = {"lanes": 1, **saved}  # written before there were lanes: one
     changes = [f"data.{key} {json.dumps(saved.get(key))} -> {json.dumps(now[key])}"
-               for key in ("seed", "shuffle", "columns") if saved.get(key) != now[key]]
+               for key in ("seed", "shuffle", "columns", "lanes") if saved.get(key) != now[key]]
     if any(saved.get(key) != now[key] for key in ("samples", "row_groups", "row_groups_sha256")):
         changes.append(f"the dataset at data.path: {saved.get('samples')} samples in {saved.get('row_groups')} row groups -> "
                        f"{now['samples']} in {now['row_groups']}" + (" (other files or row groups)" if saved.get("samples") == now["samples"] else ""))
@@ -458,18 +478,24 @@ class SampleStream:
     """Infinite stream of this rank's slice of each global batch.
 
     ``SampleStream(source, seed, shuffle, global_batch_size, rank=0,
-    world_size=1, start_sample=0, columns=None)`` where ``source`` is a dataset
+    world_size=1, start_sample=0, columns=None, lanes=1)`` where ``source`` is a dataset
     path or a list of :class:`ReadUnit`. Iterating yields, per global step,
     ``{"sample_id": int64[b], column: array[b, ...] for each column}`` with
     ``b = global_batch_size // world_size`` (default column: ``input_ids``
     int32 [b, L+1]). :attr:`position` is the global
     position (samples consumed) after the last yielded step -- store it in a
     checkpoint and pass it back as ``start_sample`` to resume exactly.
+    :attr:`bytes_read` is what this rank has read from storage so far.
+
+    ``lanes`` (a divisor of every global batch size the run uses) cuts each epoch's order in
+    that many parts; a global batch takes ``global_batch_size // lanes`` samples from each, in
+    lane order, and a rank reads only the lanes its slice takes from: with the world size
+    dividing ``lanes``, every sample is read by one rank (see docs/data.md).
     """
 
     def __init__(self, source: Union[str, os.PathLike, Sequence[ReadUnit]], seed: int, shuffle: bool,
                  global_batch_size: int, rank: int = 0, world_size: int = 1, start_sample: int = 0,
-                 columns: Optional[Dict[str, str]] = None,
+                 columns: Optional[Dict[str, str]] = None, lanes: int = 1,
                  *, prefetch_batches: int = 2, read_num_cpus: float = 0.25):
         self.columns = dict(columns or DEFAULT_COLUMNS)
         if isinstance(source, (str, os.PathLike)):
@@ -484,6 +510,8 @@ class SampleStream:
             raise ValueError(f"global_batch_size {global_batch_size} not divisible by world_size {world_size}")
         if start_sample < 0:
             raise ValueError(f"start_sample must be >= 0, got {start_sample}")
+        self.num_samples = dataset_size(self.units)
+        check_lanes(lanes, global_batch_size, self.num_samples, start_sample)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.global_batch_size = int(global_batch_size)
@@ -492,24 +520,19 @@ class SampleStream:
         self.local_batch_size = self.global_batch_size // self.world_size
         self.start_sample = int(start_sample)
         self.position = self.start_sample
-        self.num_samples = dataset_size(self.units)
-        self.fingerprint = data_fingerprint(self.units, self.seed, self.shuffle, self.columns)
+        self.lanes = int(lanes)
+        self.bytes_read = 0
+        self.fingerprint = data_fingerprint(self.units, self.seed, self.shuffle, self.columns, self.lanes)
         self.prefetch_batches = int(prefetch_batches)
         self.read_num_cpus = float(read_num_cpus)
 
-    # -- one epoch through Ray Data -------------------------------------
-    def _epoch_blocks(self, epoch: int, start_in_epoch: int) -> Iterator[Dict[str, np.ndarray]]:
+    def _execute(self, epoch: int, items: List[Dict[str, Any]]) -> Iterator[Dict[str, np.ndarray]]:
+        """The planned reads of `epoch`, in order, through Ray Data (the harness runs them in-process)."""
         import ray
         import ray.data
 
         if not ray.is_initialized():
             raise RuntimeError("SampleStream needs Ray to be initialised by the caller (ray.init())")
-        plan = plan_epoch_units(self.units, self.seed, epoch, self.shuffle, start_in_epoch)
-        items = [
-            {"file": self.units[ui].file, "row_group": self.units[ui].row_group, "unit_index": ui,
-             "row_start": rs, "num_rows": self.units[ui].num_rows}
-            for ui, rs in plan
-        ]
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
         ds = ray.data.from_items(items, override_num_blocks=len(items))
@@ -518,53 +541,75 @@ class SampleStream:
             fn_kwargs={"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle, "columns": self.columns},
             num_cpus=self.read_num_cpus,
         )
-        # Verify that rows arrive exactly in plan order (guards determinism).
-        expected = [(ui, self.units[ui].num_rows - rs) for ui, rs in plan]
-        k = 0
-        left = expected[0][1]
-        for batch in ds.iter_batches(batch_size=None, batch_format="numpy",
-                                     prefetch_batches=self.prefetch_batches):
-            units_col = batch[_UNIT_COL]
-            pos = 0
-            while pos < len(units_col):
-                if k >= len(expected):
-                    raise DataError(f"epoch {epoch}: more rows than planned")
-                take = min(left, len(units_col) - pos)
-                if not np.all(units_col[pos: pos + take] == expected[k][0]):
-                    raise DataError(f"epoch {epoch}: Ray Data delivered rows out of plan order")
-                pos += take
-                left -= take
-                if left == 0:
-                    k += 1
-                    left = expected[k][1] if k < len(expected) else 0
-            yield {name: batch[name] for name in (SAMPLE_ID, *self.columns)}
-        if k != len(expected):
-            raise DataError(f"epoch {epoch}: fewer rows than planned ({k}/{len(expected)} units complete)")
+        yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=self.prefetch_batches)
 
-    def _global_blocks(self) -> Iterator[Dict[str, np.ndarray]]:
-        epoch, start_in_epoch = divmod(self.start_sample, self.num_samples)
+    def _pieces(self, lanes: Sequence[int]) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
+        """(lane, rows) for `lanes`, from the start offset on, forever; each epoch's reads ordered
+        by where in its lane they start, so the lane that needs rows next has them first."""
+        length = lane_length(self.num_samples, self.lanes)
+        epoch, start = divmod(self.start_sample // self.lanes, length)
         while True:
-            yield from self._epoch_blocks(epoch, start_in_epoch)
-            epoch += 1
-            start_in_epoch = 0
+            plan = []
+            for lane in lanes:
+                at = start
+                for ui, rs, re in plan_lane(self.units, self.seed, epoch, self.shuffle, self.lanes, lane, start):
+                    plan.append((at, lane, (ui, rs, re)))
+                    at += re - rs
+            plan.sort(key=lambda p: p[:2])
+            k, left = 0, None  # the read being received, and its rows still to come
+            for batch in self._execute(epoch, _items(self.units, [p[2] for p in plan])):
+                segments = batch[_SEGMENT_COL]
+                cuts = np.flatnonzero(np.diff(segments)) + 1
+                for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(segments)]):
+                    if left == 0:
+                        k, left = k + 1, None
+                    if left is None and k < len(plan):
+                        ui, rs, re = plan[k][2]
+                        left = re - rs
+                        self.bytes_read += self.units[ui].nbytes
+                    if k >= len(plan) or int(segments[lo]) != k or hi - lo > left:
+                        raise DataError(f"epoch {epoch}: Ray Data delivered rows out of plan order")
+                    left -= hi - lo
+                    yield plan[k][1], {name: batch[name][lo:hi] for name in (SAMPLE_ID, *self.columns)}
+            if k + (left == 0) != len(plan):
+                raise DataError(f"epoch {epoch}: fewer rows than planned ({k + (left == 0)}/{len(plan)} reads complete)")
+            epoch, start = epoch + 1, 0
 
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
-        gbs = self.global_batch_size
+        per_lane = self.global_batch_size // self.lanes
         lo = self.rank * self.local_batch_size
         hi = lo + self.local_batch_size
-        pending: List[Dict[str, np.ndarray]] = []
-        have = 0
+        lanes = range(lo // per_lane, (hi - 1) // per_lane + 1)  # this rank's slice takes from these
+        pending: Dict[int, List[Dict[str, np.ndarray]]] = {lane: [] for lane in lanes}
+        have = dict.fromkeys(lanes, 0)
+        pieces = self._pieces(list(lanes))
         self.position = self.start_sample
-        for block in self._global_blocks():
-            pending.append(block)
-            have += len(block[SAMPLE_ID])
-            while have >= gbs:
-                joined = {k: np.concatenate([b[k] for b in pending]) if len(pending) > 1 else pending[0][k] for k in block}
-                out = {k: np.ascontiguousarray(v[lo:hi]) for k, v in joined.items()}
-                pending = [{k: v[gbs:] for k, v in joined.items()}]
-                have -= gbs
-                self.position += gbs
-                yield out
+        while True:
+            parts = []
+            for lane in lanes:
+                while have[lane] < per_lane:
+                    got, rows = next(pieces)
+                    pending[got].append(rows)
+                    have[got] += len(rows[SAMPLE_ID])
+                joined = {k: np.concatenate([b[k] for b in pending[lane]]) for k in pending[lane][0]}
+                pending[lane] = [{k: v[per_lane:] for k, v in joined.items()}]
+                have[lane] -= per_lane
+                first = lane * per_lane  # this lane's first slot in the global batch
+                parts.append({k: v[max(lo, first) - first: min(hi, first + per_lane) - first] for k, v in joined.items()})
+            self.position += self.global_batch_size
+            yield {k: np.ascontiguousarray(np.concatenate([p[k] for p in parts])) for k in parts[0]}
+
+
+def check_lanes(lanes: int, global_batch_size: int, num_samples: int, start_sample: int = 0) -> None:
+    """`lanes` fits the batch size, the dataset and the cursor (a multiple of it: every batch size was)."""
+    if lanes < 1 or global_batch_size % lanes:
+        raise DataError(f"global_batch_size {global_batch_size} is not a multiple of the {lanes} data lanes "
+                        "(data.lanes): every global batch takes the same number of samples from each lane")
+    if num_samples < lanes:
+        raise DataError(f"the dataset holds {num_samples} samples, fewer than its {lanes} data lanes (data.lanes)")
+    if start_sample % lanes:
+        raise DataError(f"the data cursor {start_sample} is not a multiple of the {lanes} data lanes (data.lanes): "
+                        "it was saved with other lanes")
 
 
 # --------------------------------------------------------------------------

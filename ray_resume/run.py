@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -38,8 +39,8 @@ from .config import Config, ConfigError, load_config, redacted
 from .controller import CommitError, JobControllerActor
 from .metrics import read_metrics
 from .summary import summarize
-from .data import (DEFAULT_COLUMNS, DataError, check_eval_set, data_fingerprint, ensure_dataset, fingerprint_changes,
-                   scan_units)
+from .data import (DEFAULT_COLUMNS, DEFAULT_LANES, DataError, check_eval_set, check_lanes, data_fingerprint, dataset_size,
+                   ensure_dataset, fingerprint_changes, scan_units)
 from . import parallel
 from .plugins import make_model, resolve
 from .train_loop import train_func
@@ -104,7 +105,7 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
     failures' tracebacks, banners, progress bars); otherwise they go to
     Ray's log files only and the console shows ours.
     """
-    cfg = absolute_paths(cfg)
+    cfg = with_lanes(absolute_paths(cfg))
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
     if cfg.training.strategy == "fsdp" and cfg.model.fsdp_units:
         with torch.device("meta"):  # check the unit class names without allocating the model
@@ -264,6 +265,19 @@ def absolute_paths(cfg: Config) -> Config:
     return cfg.model_copy(update={"data": data, "checkpoint": ckpt})
 
 
+def with_lanes(cfg: Config) -> Config:
+    """`data.lanes: 0` made definite: the lanes of the checkpoint a full resume continues (1 if it has
+    none: its order was made before there were lanes), else gcd(global_batch_size, DEFAULT_LANES)."""
+    if cfg.data.lanes:
+        return cfg
+    lanes = math.gcd(cfg.training.global_batch_size, DEFAULT_LANES)
+    ckpt = cfg.checkpoint
+    load = find_load_source(ckpt) if ckpt.load_path and not ckpt.no_load_optim else None
+    if load and load[1] is not None:
+        lanes = open_iteration(storage_for(load[0], ckpt.storage), *load).common.get("data", {}).get("lanes", 1)
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"lanes": lanes})})
+
+
 def preflight(cfg: Config, plugins=None) -> tuple[str, int | None] | None:
     """Check data, checkpoints and that they fit the model (`plugins`', the config's by default), on
     the driver; return what to load: (root, step), (export_dir, None) or None."""
@@ -285,6 +299,7 @@ def preflight(cfg: Config, plugins=None) -> tuple[str, int | None] | None:
         refuse_step_rewind(cfg, it)
     if not cfg.checkpoint.no_load_optim:
         refuse_data_change(cfg, it, units)
+        check_lanes(cfg.data.lanes, cfg.training.global_batch_size, dataset_size(units), it.common["consumed_samples"])
         refuse_optimizer_change(it, plugins.optimizer, "training.optimizer builds {now}", "{now} from its weights",
                                 "set training.optimizer back")
     return load
@@ -336,7 +351,7 @@ def refuse_data_change(cfg: Config, it, units) -> None:
     if saved is None:  # written before the fingerprint was kept
         return
     columns = cfg.data.columns or DEFAULT_COLUMNS
-    changes = fingerprint_changes(saved, data_fingerprint(units, cfg.data.seed, cfg.data.shuffle, columns))
+    changes = fingerprint_changes(saved, data_fingerprint(units, cfg.data.seed, cfg.data.shuffle, columns, cfg.data.lanes))
     if not changes:
         return
     what = "; ".join(changes)

@@ -66,7 +66,7 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
 
     resume = ck.restore(model, optimizer, global_batch_size=train.global_batch_size)
     samples = stream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
-                     resume.consumed_samples, columns=cfg.data.columns or None)
+                     resume.consumed_samples, columns=cfg.data.columns or None, lanes=cfg.data.lanes)
     progress = Progress(cfg, rank, attempt, job.job_id, controller)
     progress.resumed(resume, world, attempt, **job.ended, restore_s=time.monotonic() - began)
 
@@ -96,7 +96,7 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
         # A memory snapshot flushes the metrics too: a resume from it redoes no step to record again.
         snapshot = ck.last_snapshot_step == step
         progress.step(step, loss, optimizer.param_groups[0]["lr"], optimizer.grad_norm, batch["sample_id"], saved,
-                      ck.last_stall_s if saved else None, flush=snapshot)
+                      ck.last_stall_s if saved else None, flush=snapshot, data_bytes=samples.bytes_read)
         if evaluate and (step % train.eval_every == 0 or step == train.train_steps):
             progress.evaluated(step, *evaluate(model))
         if rank == 0:
@@ -307,8 +307,9 @@ class Progress:
         self._say(f"stop requested: saved step {step} and stopping")
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float, sample_ids, saved: bool, stall: float | None = None,
-             flush: bool = False) -> None:
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "saved": saved}
+             flush: bool = False, data_bytes: int = 0) -> None:
+        """`data_bytes`: what this rank's data stream has read from storage in this attempt."""
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "saved": saved, "data_bytes_read": data_bytes}
         if stall is not None:
             record["save_stall_s"] = round(stall, 6)  # how long this save blocked training
         self.last = dict(record)
@@ -326,7 +327,7 @@ class Progress:
             self._record(record, flush=saved or log_now or flush)
         elif self.metrics:  # another rank: only its save stalls, in a chunk rolled over by time
             if stall is not None:
-                self._record({"step": step, "saved": True, "save_stall_s": record["save_stall_s"]})
+                self._record({"step": step, "saved": True, "save_stall_s": record["save_stall_s"], "data_bytes_read": data_bytes})
             if self.metrics.due():
                 self.metrics.flush()
 

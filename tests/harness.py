@@ -42,9 +42,9 @@ from ray_resume.checkpoint.lease import LEASE_DIR, Lease
 from ray_resume.checkpoint.memory import MemoryKeeper
 from ray_resume.checkpoint.storage import storage_for
 from ray_resume.config import Config
-from ray_resume.data import SAMPLE_ID, SampleStream, _read_unit_batch, plan_epoch_units
+from ray_resume.data import SampleStream, _read_unit_batch
 from ray_resume.plugins import resolve
-from ray_resume.run import absolute_paths, preflight
+from ray_resume.run import absolute_paths, preflight, with_lanes
 from ray_resume.api import get_checkpointer, run_rank
 from ray_resume.train_loop import train_worker
 
@@ -60,13 +60,10 @@ def spawn(fn, args: tuple, nprocs: int) -> None:
 class LocalStream(SampleStream):
     """SampleStream's plan and read function, run in this process instead of by Ray Data."""
 
-    def _epoch_blocks(self, epoch: int, start_in_epoch: int):
-        for ui, row_start in plan_epoch_units(self.units, self.seed, epoch, self.shuffle, start_in_epoch):
-            unit = self.units[ui]
-            item = {"file": np.array([unit.file]), "row_group": np.array([unit.row_group]), "unit_index": np.array([ui]),
-                    "row_start": np.array([row_start]), "num_rows": np.array([unit.num_rows])}
-            block = _read_unit_batch(item, seed=self.seed, epoch=epoch, shuffle=self.shuffle, columns=self.columns)
-            yield {name: block[name] for name in (SAMPLE_ID, *self.columns)}
+    def _execute(self, epoch: int, items):
+        for item in items:
+            yield _read_unit_batch({k: np.array([v]) for k, v in item.items()}, seed=self.seed, epoch=epoch,
+                                   shuffle=self.shuffle, columns=self.columns)
 
 
 class DriverSide(controller_module.JobController, MemoryKeeper):
@@ -208,7 +205,7 @@ def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preemp
     (faults, record file), are injected into the ranks' and the controller's storage
     (tests/storage_faults.py), not into the driver's checks before the job.
     """
-    cfg = absolute_paths(Config.from_dict(cfg_dict))
+    cfg = with_lanes(absolute_paths(Config.from_dict(cfg_dict)))
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
     load = preflight(cfg, plugins)
     tmp = Path(tempfile.gettempdir())  # the groups' rendezvous files

@@ -22,7 +22,7 @@ from ray_resume.data import (
     dataset_size,
     ensure_dataset,
     epoch_order,
-    plan_epoch_units,
+    plan_lane,
     scan_units,
     write_synthetic,
 )
@@ -194,30 +194,35 @@ def test_plan_excludes_units_before_offset(ds_path):
     seed, epoch = 9, 2
     order = epoch_order(units, seed, epoch, True)
     unit_seq = [int(u) for u in dict.fromkeys(order[:, 0].tolist())]
-    assert plan_epoch_units(units, seed, epoch, True, 0) == [(u, 0) for u in unit_seq]
+    assert plan_lane(units, seed, epoch, True, 1, 0) == [(u, 0, units[u].num_rows) for u in unit_seq]
     for off in (0, 1, 6, 7, 37, 50, 99):
-        plan = plan_epoch_units(units, seed, epoch, True, off)
-        first_unit, row_start = plan[0]
+        plan = plan_lane(units, seed, epoch, True, 1, 0, off)
+        first_unit, row_start, _ = plan[0]
         # the unit holding position `off` comes first, sliced at the right row
         assert first_unit == order[off, 0]
         before = np.sum(order[:off, 0] == first_unit)
         assert row_start == before
-        assert all(rs == 0 for _, rs in plan[1:])
+        assert all(rs == 0 and re == units[u].num_rows for u, rs, re in plan[1:])
         # no unit whose rows all lie before the offset is planned
         wholly_before = set(order[:off, 0].tolist()) - {first_unit}
-        assert not wholly_before & {u for u, _ in plan}
-        assert [u for u, _ in plan] == unit_seq[unit_seq.index(first_unit):]
-        assert sum(units[u].num_rows - rs for u, rs in plan) == N - off
+        assert not wholly_before & {u for u, _, _ in plan}
+        assert [u for u, _, _ in plan] == unit_seq[unit_seq.index(first_unit):]
+        assert sum(re - rs for _, rs, re in plan) == N - off
     with pytest.raises(ValueError):
-        plan_epoch_units(units, seed, epoch, True, N)
+        plan_lane(units, seed, epoch, True, 1, 0, N)
 
 
 def test_plan_with_fake_units():
     units = [ReadUnit("a", 0, 5), ReadUnit("a", 1, 3), ReadUnit("b", 0, 4)]
-    assert plan_epoch_units(units, 0, 0, False, 0) == [(0, 0), (1, 0), (2, 0)]
-    assert plan_epoch_units(units, 0, 0, False, 5) == [(1, 0), (2, 0)]
-    assert plan_epoch_units(units, 0, 0, False, 6) == [(1, 1), (2, 0)]
-    assert plan_epoch_units(units, 0, 0, False, 11) == [(2, 3)]
+    assert plan_lane(units, 0, 0, False, 1, 0) == [(0, 0, 5), (1, 0, 3), (2, 0, 4)]
+    assert plan_lane(units, 0, 0, False, 1, 0, 5) == [(1, 0, 3), (2, 0, 4)]
+    assert plan_lane(units, 0, 0, False, 1, 0, 6) == [(1, 1, 3), (2, 0, 4)]
+    assert plan_lane(units, 0, 0, False, 1, 0, 11) == [(2, 3, 4)]
+    # 12 samples in 3 lanes of 4: each lane reads only the row groups its part of the order lies in
+    assert [plan_lane(units, 0, 0, False, 3, lane) for lane in range(3)] == [[(0, 0, 4)], [(0, 4, 5), (1, 0, 3)], [(2, 0, 4)]]
+    assert plan_lane(units, 0, 0, False, 3, 1, 2) == [(1, 1, 3)]
+    # 5 lanes of 2: the epoch's last 12 % 5 = 2 samples wait for the next epoch's order
+    assert plan_lane(units, 0, 0, False, 5, 4) == [(2, 0, 2)]
 
 
 # ---------------------------------------------------------------- errors
@@ -295,3 +300,85 @@ def test_ensure_dataset_concurrent(tmp_path):
     assert all(pr.wait(timeout=60) == 0 for pr in procs)
     assert dataset_size(scan_units(p)) == 400
     assert sorted(x.name for x in tmp_path.iterdir()) == ["race"]
+
+
+# ---------------------------------------------------------------- lanes
+
+
+def local(*args, **kwargs):
+    from harness import LocalStream  # the stream's own plan and read function, without Ray Data
+
+    return LocalStream(*args, **kwargs)
+
+
+def test_lanes_give_every_world_size_the_same_batches(ds_path):
+    """8 lanes of 100 // 8 = 12 samples per epoch: a batch of 16 takes 2 from each, in lane order,
+    whatever the world size (3 ranks at gbs 24 included); an epoch is 96 distinct samples."""
+    units = scan_units(ds_path)
+    order = ids_of(units, epoch_order(units, 3, 0, True))
+    ref = take(local(units, 3, True, 16, 0, 1, 0, lanes=8), 9)
+    for s, b in enumerate(ref[:6]):
+        assert b["sample_id"].tolist() == [order[lane * 12 + 2 * s + j] for lane in range(8) for j in range(2)]
+    epoch0 = np.concatenate([b["sample_id"] for b in ref[:6]])
+    assert len(set(epoch0.tolist())) == 96 and len(set(np.concatenate([b["sample_id"] for b in ref[6:]]).tolist())) == 48
+    for gbs, worlds in ((16, (2, 4, 8)), (24, (3,))):
+        whole = take(local(units, 3, True, gbs, 0, 1, 0, lanes=8), 9)
+        for w in worlds:
+            per_rank = [take(local(units, 3, True, gbs, r, w, 0, lanes=8), 9) for r in range(w)]
+            for s in range(9):
+                for key in ("sample_id", "input_ids"):
+                    np.testing.assert_array_equal(np.concatenate([per_rank[r][s][key] for r in range(w)]), whole[s][key])
+
+
+def test_lanes_resume_exactly_and_on_another_batch_size_take_the_same_samples(ds_path):
+    units = scan_units(ds_path)
+    full = take(local(units, 5, True, 16, 0, 1, 0, lanes=8), 12)
+    resumed = take(local(units, 5, True, 16, 1, 2, 64, lanes=8), 8)  # rank 1 of 2, from sample 64
+    for a, b in zip(full[4:], resumed):
+        np.testing.assert_array_equal(a["sample_id"][8:], b["sample_id"])
+    # scenario C: 128 samples at 16, then 2 steps of 24 = the next 3 steps of 16, as a multiset
+    rescaled = take(local(units, 5, True, 24, 0, 1, 128, lanes=8), 2)
+    assert sorted(np.concatenate([b["sample_id"] for b in rescaled]).tolist()) == \
+        sorted(np.concatenate([b["sample_id"] for b in full[8:11]]).tolist())
+    with pytest.raises(DataError, match="not a multiple of the 8 data lanes"):
+        local(units, 5, True, 12, 0, 1, 0, lanes=8)
+    with pytest.raises(DataError, match="data cursor 36 is not a multiple"):
+        local(units, 5, True, 16, 0, 1, 36, lanes=8)
+
+
+@pytest.fixture(scope="module")
+def many_groups(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("data") / "many"
+    write_synthetic(p, 2000, 16, 50, seed=3, files=4, row_groups_per_file=8)  # 32 row groups of 62 or 63 rows
+    return p
+
+
+@pytest.mark.parametrize("lanes, low, high", [(4, 1.0, 1.1), (1, 4.0, 4.0)])
+def test_four_ranks_read_what_one_does_with_lanes_and_four_times_it_without(many_groups, lanes, low, high):
+    """The bytes 4 ranks read for 150 steps of 16 samples (an epoch and a fifth), against what one
+    rank reads for them in the order without lanes: with 4 lanes each row group is read by the
+    rank its lane goes to (those cut by a lane's end twice); with one lane, by all four."""
+    units = scan_units(many_groups)
+
+    def read(world, lanes):
+        streams = [local(units, 1, True, 16, r, world, 0, lanes=lanes) for r in range(world)]
+        for stream in streams:
+            take(stream, 150)
+        return sum(stream.bytes_read for stream in streams)
+
+    one = read(1, 1)
+    assert one > sum(u.nbytes for u in units) > 0
+    assert low <= read(4, lanes) / one <= high
+
+
+def test_each_ranks_metrics_record_the_data_bytes_it_read(tmp_path):
+    from conftest import read_metrics, run_on_harness, tiny_config
+
+    cfg = tiny_config(tmp_path)
+    run_on_harness(cfg)
+    units = scan_units(cfg["data"]["path"])
+    for rank in (0, 1):
+        stream = local(units, 7, True, 16, rank, 2, 0, lanes=8)  # data.lanes: 0 -> gcd(16, 8)
+        take(stream, 12)
+        recorded = [r["data_bytes_read"] for r in read_metrics(cfg["checkpoint"]["save_path"]) if r["rank"] == rank and "data_bytes_read" in r]
+        assert recorded[-1] == stream.bytes_read > 0

@@ -240,7 +240,7 @@ def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_refer
 def test_a_resume_on_other_data_is_refused_naming_the_change(tmp_path, local_reference, change, message):
     """The data order depends on the seed, shuffle, columns and dataset; common.json records them, and a
     full resume that would continue another order is refused before Ray starts, unless it is meant."""
-    from ray_resume.run import absolute_paths, preflight
+    from ray_resume.run import absolute_paths, preflight, with_lanes
 
     root = tmp_path / "ckpt"
     shutil.copytree(local_reference["root"], root)
@@ -248,20 +248,20 @@ def test_a_resume_on_other_data_is_refused_naming_the_change(tmp_path, local_ref
     cfg = tiny_config(tmp_path, checkpoint={"load_path": str(root)})
     cfg["data"] = {**cfg["data"], "path": local_reference["data"], **change}
     with pytest.raises(CheckpointError) as err:
-        preflight(absolute_paths(Config.from_dict(cfg)))
+        preflight(with_lanes(absolute_paths(Config.from_dict(cfg))))
     assert message in str(err.value) and "iteration 12 was trained on other data" in str(err.value)
     assert "set data.allow_change: true" in str(err.value) and str(root / "iteration_00000012" / "common.json") in str(err.value)
     assert tree(root) == before
     cfg["data"]["allow_change"] = True
-    assert preflight(absolute_paths(Config.from_dict(cfg))) == (str(root), 12)
+    assert preflight(with_lanes(absolute_paths(Config.from_dict(cfg)))) == (str(root), 12)
     del cfg["data"]["allow_change"]
     cfg["checkpoint"]["no_load_optim"] = True  # weights only: starts at sample 0, nothing to continue
     cfg["checkpoint"]["save_path"] = str(tmp_path / "fresh")
-    assert preflight(absolute_paths(Config.from_dict(cfg))) == (str(root), 12)
+    assert preflight(with_lanes(absolute_paths(Config.from_dict(cfg)))) == (str(root), 12)
 
 
 def test_another_dataset_is_refused_but_a_moved_copy_is_not(tmp_path, local_reference):
-    from ray_resume.run import absolute_paths, preflight
+    from ray_resume.run import absolute_paths, preflight, with_lanes
 
     root = tmp_path / "ckpt"
     shutil.copytree(local_reference["root"], root)
@@ -269,10 +269,10 @@ def test_another_dataset_is_refused_but_a_moved_copy_is_not(tmp_path, local_refe
     shutil.copytree(local_reference["data"], moved)
     cfg = tiny_config(tmp_path, checkpoint={"load_path": str(root)})
     cfg["data"]["path"] = str(moved)
-    assert preflight(absolute_paths(Config.from_dict(cfg))) == (str(root), 12)
+    assert preflight(with_lanes(absolute_paths(Config.from_dict(cfg)))) == (str(root), 12)
     sorted(moved.glob("*.parquet"))[-1].unlink()
     with pytest.raises(CheckpointError, match=r"the dataset at data.path: \d+ samples in \d+ row groups -> \d+ in \d+"):
-        preflight(absolute_paths(Config.from_dict(cfg)))
+        preflight(with_lanes(absolute_paths(Config.from_dict(cfg))))
 
 
 def test_fingerprint_changes_name_each_setting():

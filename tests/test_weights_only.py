@@ -93,7 +93,7 @@ def test_export_with_a_mismatched_tensor_is_refused_by_name(tmp_path):
 
 def test_weights_only_onto_its_own_committed_root_is_refused_naming_save_path(tmp_path):
     """Step 0 again, saving into the root whose committed iterations it loads, would overwrite them."""
-    from ray_resume.run import absolute_paths, preflight
+    from ray_resume.run import absolute_paths, preflight, with_lanes
 
     write_iteration(tmp_path / "ckpt", world=2)
     root = str(tmp_path / "ckpt")
@@ -101,12 +101,12 @@ def test_weights_only_onto_its_own_committed_root_is_refused_naming_save_path(tm
     saved_model = {"vocab_size": 32, "seq_len": 8, "d_model": 16, "n_layers": 1, "n_heads": 2}  # make_state's
     cfg = tiny_config(tmp_path, model=saved_model, checkpoint={"save_path": root, "load_path": root, "no_load_optim": True})
     with pytest.raises(CheckpointError) as err:
-        preflight(absolute_paths(Config.from_dict(cfg)))
+        preflight(with_lanes(absolute_paths(Config.from_dict(cfg))))
     assert f"checkpoint.save_path {root!r} holds committed iteration 5" in str(err.value)
     assert "set checkpoint.save_path to a new directory" in str(err.value)
     assert tree(tmp_path / "ckpt") == before
     fresh = tiny_config(tmp_path, model=saved_model, checkpoint={"save_path": str(tmp_path / "new"), "load_path": root, "no_load_optim": True})
-    assert preflight(absolute_paths(Config.from_dict(fresh))) == (root, 5)  # scenario B: a new root
+    assert preflight(with_lanes(absolute_paths(Config.from_dict(fresh)))) == (root, 5)  # scenario B: a new root
 
 
 def test_export_then_load_as_weights_round_trips_bitwise(tmp_path):
