@@ -14,7 +14,7 @@ row groups of the ``*.parquet`` files sorted by file name, reading only the
 parquet footers; the position of a unit in that list is its ``unit_index``.
 
 The order in which samples are consumed is a **pure function of
-(dataset units, seed, epoch, shuffle)**:
+(dataset units, seed, epoch, shuffle, lanes)**:
 
 * per epoch ``e`` the units are visited in the order
   ``np.random.default_rng([seed, e]).permutation(n_units)``;
@@ -22,39 +22,39 @@ The order in which samples are consumed is a **pure function of
   ``np.random.default_rng([seed, e, i]).permutation(num_rows_i)``;
 * ``shuffle=False`` makes both orders the identity.
 
-Concatenating the epochs gives an infinite sequence of *global positions*
-``p = 0, 1, 2, ...`` (``epoch = p // N`` with ``N`` the dataset size).  Global
-step ``k`` of a stream started at ``start_sample`` consumes positions
-``[start_sample + k*gbs, start_sample + (k+1)*gbs)``, crossing epoch
-boundaries seamlessly, and rank ``r`` of ``W`` keeps the contiguous slice
-``[r*gbs/W, (r+1)*gbs/W)`` of that global batch.
+Lanes (``data.lanes`` = C, see docs/data.md) cut each epoch's order in C
+contiguous parts of ``L = N // C`` samples (:func:`plan_lane`); the last
+``N % C`` samples of an epoch's order are not served in that epoch. Each
+lane is an endless sequence, epoch after epoch. A global batch of ``G``
+samples (a multiple of C) takes the next ``G / C`` samples of every lane,
+lane 0 first, and rank ``r`` of ``W`` keeps the contiguous slots
+``[r*G/W, (r+1)*G/W)`` of it. ``lanes=1`` is a plain walk through the
+epochs' orders, where every rank needs every row group.
 
 Why: nothing about the order depends on wall-clock, worker count, task
 scheduling or on how far a previous run got.  A checkpoint therefore only has
-to store the number of samples consumed; a stream restarted with
-``start_sample=o`` yields exactly what an uninterrupted stream yields after
-``o`` samples (``o`` need not be a multiple of the batch size), and with the
-global batch size unchanged every step sees the same samples whatever the
-world size.
+to store the number of samples consumed ``P``: every lane has served
+``P / C`` samples, so a stream restarted with ``start_sample=P`` yields
+exactly what an uninterrupted stream yields after ``P`` samples, and with
+the global batch size unchanged every step sees the same samples whatever
+the world size.
 
 Reading through Ray Data
 ------------------------
-:class:`SampleStream` executes, for each epoch, the plan returned by the pure
-function :func:`plan_epoch_units` -- the units of that epoch's order starting
-at the unit that holds the start offset, the first one sliced at the right
-row; no row group lying wholly before the resume offset is read.  The plan is
-turned into ``ray.data.from_items(plan).map_batches(read_fn, batch_size=1)``
-where ``read_fn`` reads one row group with pyarrow, applies the within-unit
-permutation and the slice.  ``preserve_order`` is switched on and the stream
-verifies that blocks arrive in plan order.  Blocks are re-chunked in Python
-into exact global batches.  Ray Data is the only reader (there is no silent
-pure-pyarrow fallback); Ray must already be initialised by the caller (inside
-Ray Train workers it is).  The read tasks request a fraction of a CPU so they
-can be scheduled while training workers hold whole CPUs.
-
-Cost note: every rank reads every global batch and keeps only its slice, so
-reading costs ``W``× the data.  A rank-aware read (each rank only reading the
-row ranges of its slices) is future work.
+A rank reads only the lanes its slots come from: with ``W`` dividing C, no
+row group is read by two ranks (but one cut by a lane's end, by both
+lanes).  Per epoch, :class:`SampleStream` plans the reads of its lanes
+(:func:`plan_lane`: from the start offset, the first row group sliced at
+the right row; none lying wholly before it), orders them by where they
+start in their lane, and executes them as
+``ray.data.from_items(plan).map_batches(read_fn, batch_size=1)``, where
+``read_fn`` reads one row group with pyarrow and applies the within-unit
+permutation and the slice.  ``preserve_order`` is on, and the stream
+checks that every row arrives in plan order (each carries its read's
+index).  Ray Data is the only reader (there is no silent pure-pyarrow
+fallback); Ray must already be initialised by the caller (inside Ray Train
+workers it is).  The read tasks request a fraction of a CPU so they can be
+scheduled while training workers hold whole CPUs.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ __all__ = [
     "epoch_unit_order",
     "unit_row_order",
     "epoch_order",
-    "plan_epoch_units",
+    "lane_length",
+    "plan_lane",
+    "check_lanes",
     "SampleStream",
     "main",
 ]
@@ -521,6 +523,7 @@ class SampleStream:
         self.start_sample = int(start_sample)
         self.position = self.start_sample
         self.lanes = int(lanes)
+        self.epoch_size = self.lanes * lane_length(self.num_samples, self.lanes)  # samples an epoch's order serves
         self.bytes_read = 0
         self.fingerprint = data_fingerprint(self.units, self.seed, self.shuffle, self.columns, self.lanes)
         self.prefetch_batches = int(prefetch_batches)

@@ -90,8 +90,8 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
             break
         saved = ck.maybe_save(step, consumed_samples=consumed, global_batch_size=train.global_batch_size,
                               force=bool(stop) or notice, common={
-                                  "epoch_num": consumed // samples.num_samples,
-                                  "step_num": (consumed % samples.num_samples) // train.global_batch_size,
+                                  "epoch_num": consumed // samples.epoch_size,
+                                  "step_num": (consumed % samples.epoch_size) // train.global_batch_size,
                                   "data": samples.fingerprint})
         # A memory snapshot flushes the metrics too: a resume from it redoes no step to record again.
         snapshot = ck.last_snapshot_step == step
