@@ -1,6 +1,7 @@
 """What the data stream reads: bytes read per consumed byte and samples/s per rank at 1, 2 and 4
 ranks, with data lanes (`data.lanes`) and without (one lane: every rank reads every row group of
-every global batch and keeps its slice), and the plan's cost at 1,024 to 16,384 ranks.
+every global batch and keeps its slice), from local disk and from a moto S3 server on loopback,
+and the plan's cost at 1,024 to 16,384 ranks.
 
     python -m benchmarks.data [--out benchmarks/data_results.json]
 
@@ -31,9 +32,9 @@ GBS, STEPS = 32, 120  # 3840 samples: an epoch and a half of the dataset below
 SAMPLES, SEQ_LEN, FILES, GROUPS_PER_FILE = 2560, 256, 4, 16  # 64 row groups of 40 rows, 1 KiB a sample
 
 
-def stream_run(units, lanes: int, rank: int, world: int) -> tuple[int, float, float]:
+def stream_run(units, lanes: int, rank: int, world: int, storage) -> tuple[int, float, float]:
     """Bytes read, samples/s, and the mean number of row groups a batch of this rank mixes."""
-    stream = SampleStream(units, 1, True, GBS, rank, world, 0, lanes=lanes)
+    stream = SampleStream(units, 1, True, GBS, rank, world, 0, lanes=lanes, storage=storage)
     batches = iter(stream)
     first = [next(batches)]  # the pipeline's start is not a rate
     started = time.perf_counter()
@@ -44,20 +45,42 @@ def stream_run(units, lanes: int, rank: int, world: int) -> tuple[int, float, fl
     return stream.bytes_read, rate, float(mixed)
 
 
-def streams(units) -> list[dict]:
+def streams(units, where: str, storage=None) -> list[dict]:
     per_sample = sum(u.nbytes for u in units) / dataset_size(units)
     consumed = STEPS * GBS * per_sample
     rows = []
     for lanes in (1, 8):
         for world in (1, 2, 4):
-            runs = [stream_run(units, lanes, r, world) for r in range(world)]
-            rows.append({"lanes": lanes, "world": world, "read_over_consumed": sum(r[0] for r in runs) / consumed,
+            runs = [stream_run(units, lanes, r, world, storage) for r in range(world)]
+            rows.append({"storage": where, "lanes": lanes, "world": world, "read_over_consumed": sum(r[0] for r in runs) / consumed,
                          "samples_per_s_per_rank": float(np.mean([r[1] for r in runs])),
                          "row_groups_per_global_batch": runs[0][2] if world == 1 else None})
             mixed = f" | {runs[0][2]:.1f} row groups in a global batch" if world == 1 else ""
-            print(f"lanes {lanes:>2} | {world} ranks | read/consumed {rows[-1]['read_over_consumed']:.2f} | "
+            print(f"{where:>5} | lanes {lanes:>2} | {world} ranks | read/consumed {rows[-1]['read_over_consumed']:.2f} | "
                   f"{rows[-1]['samples_per_s_per_rank']:.0f} samples/s per rank{mixed}", flush=True)
     return rows
+
+
+def on_moto(local: Path):
+    """A moto S3 server on loopback holding a copy of the dataset: (its s3:// path, checkpoint.storage options, server)."""
+    import socket
+
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "region": "us-east-1", "access_key_id": "bench", "secret_access_key": "bench"}
+    fs = pafs.S3FileSystem(endpoint_override=options["endpoint_url"], scheme="http", region="us-east-1",
+                           access_key="bench", secret_key="bench", allow_bucket_creation=True)
+    fs.create_dir("data")
+    for f in sorted(local.glob("*.parquet")):
+        with fs.open_output_stream(f"data/bench/{f.name}") as out:
+            out.write(f.read_bytes())
+    return "s3://data/bench", options, server
 
 
 def plans() -> list[dict]:
@@ -83,12 +106,17 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     quiet_ray_data()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "data"
         write_synthetic(path, SAMPLES, SEQ_LEN, 1000, seed=0, files=FILES, row_groups_per_file=GROUPS_PER_FILE)
-        results = {"streams": streams(scan_units(path)), "plans": plans()}
+        remote, options, server = on_moto(path)
+        try:
+            rows = streams(scan_units(path), "local") + streams(scan_units(remote, storage=options), "moto", options)
+        finally:
+            server.stop()
+        results = {"streams": rows, "plans": plans()}
     ray.shutdown()
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -57,6 +57,7 @@ from .checkpoint.loader import collective_device
 from .checkpoint.schema import CheckpointError
 from .checkpoint.state import load_optim_tensors, optim_tensors, unwrap
 from .config import Config, ConfigError
+from .data import DataError
 from .faults import FaultInjector
 from .optim import class_path
 
@@ -143,7 +144,7 @@ def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callabl
     try:
         train_func(config)
         _current.finish()
-    except (ConfigError, CheckpointError) as exc:
+    except (ConfigError, CheckpointError, DataError) as exc:
         call(controller, "user_failed", rank, str(exc))
         raise
     finally:

@@ -115,6 +115,8 @@ class SyntheticDataConfig(_Section):
     files: Count = 4  # parquet files to split them into (>= 1)
     row_groups_per_file: Count = 4  # row groups per file (>= 1)
     seed: int = 0  # RNG seed of the generated tokens
+    min_doc_len: int = Field(0, ge=0)  # with max_doc_len: documents of min..max tokens instead of seq_len + 1 (for data.pack)
+    max_doc_len: int = Field(0, ge=0)
 
 
 class DataConfig(_Section):
@@ -124,8 +126,10 @@ class DataConfig(_Section):
     synthetic: Optional[SyntheticDataConfig] = None  # if set, generate the dataset at `path` when missing
     columns: dict[str, str] = {}  # parquet column -> numpy dtype for the batch, cast without loss ({} = input_ids: int32)
     collate: ImportPath = ""  # "pkg.module:fn" turning a dict of numpy arrays into the batch your loss takes
+    map: ImportPath = ""  # "pkg.module:fn" preprocessing rows in Ray Data's read tasks: dict of numpy arrays -> the same rows, deterministic
     allow_change: bool = False  # resume although data.seed/shuffle/columns or the dataset differ from the checkpoint's
     eval_path: str = ""  # a held-out dataset (same columns) for the eval loss every training.eval_every steps
+    pack: bool = False  # rows of input_ids are documents of any length, concatenated in the sample order and cut in seq_len + 1 token windows (docs/data.md)
     lanes: int = Field(0, ge=0)  # parts each epoch's order is cut in, read by the ranks they go to (0: the checkpoint's, else gcd(global_batch_size, 8)); docs/data.md
 
     @field_validator("columns")
@@ -305,12 +309,21 @@ class Config(_Section):
         if self.data.lanes and gbs % self.data.lanes:
             p.append(f"training.global_batch_size={gbs} is not a multiple of data.lanes={self.data.lanes}: every global batch "
                      "takes as many samples from each lane; choose a multiple, or data.lanes: 0 (gcd(global_batch_size, 8))")
+        if self.data.pack and set(self.data.columns or {"input_ids": ""}) != {"input_ids"}:
+            p.append(f"data.pack packs one column, input_ids; data.columns names {sorted(self.data.columns)}")
+        syn = self.data.synthetic
+        if syn is not None and (syn.min_doc_len or syn.max_doc_len) and not 1 <= syn.min_doc_len <= syn.max_doc_len:
+            p.append(f"data.synthetic needs 1 <= min_doc_len <= max_doc_len, got {syn.min_doc_len} and {syn.max_doc_len}")
         if t.eval_every and not self.data.eval_path:
             p.append(f"training.eval_every={t.eval_every} needs data.eval_path (a held-out dataset); set it, or eval_every: 0")
         if self.fault is not None and self.fault.rank >= s.max_workers:
             p.append(f"fault.rank={self.fault.rank} must be < the largest world size "
                      f"scaling.num_workers ({s.max_workers})")
         return p
+
+    def pack_tokens(self) -> int:
+        """Tokens per packed window with data.pack (seq_len + 1: the inputs and the shifted targets), else 0."""
+        return self.model.seq_len + 1 if self.data.pack else 0
 
     @model_validator(mode="after")
     def _check_across(self) -> "Config":

@@ -73,6 +73,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 __all__ = [
@@ -111,6 +112,7 @@ class ReadUnit:
     row_group: int
     num_rows: int
     nbytes: int = 0  # what reading it takes from storage: the compressed column chunks of the read columns
+    first: int = 0  # packed data: the id of its first window (the windows of the row groups before it, in file order)
 
 
 # --------------------------------------------------------------------------
@@ -128,13 +130,25 @@ def _synthetic_rows(rng: np.random.Generator, n: int, seq_len: int, vocab: int) 
     return seq.astype(np.int32)
 
 
+def _synthetic_documents(rng: np.random.Generator, n: int, lengths: Tuple[int, int], vocab: int) -> Tuple[np.ndarray, np.ndarray]:
+    """`n` noisy arithmetic sequences of lengths in [lo, hi]: (offsets, tokens) of a list column."""
+    sizes = rng.integers(lengths[0], lengths[1] + 1, size=n)
+    offsets = np.r_[0, np.cumsum(sizes)].astype(np.int32)
+    at = np.arange(offsets[-1]) - np.repeat(offsets[:-1], sizes)  # each token's position in its document
+    start, step = (np.repeat(rng.integers(lo, hi, size=n), sizes) for lo, hi in ((0, vocab), (1, min(8, max(vocab, 2)))))
+    seq = (start + step * at) % vocab
+    noise = rng.random(len(seq)) < 0.05
+    return offsets, np.where(noise, rng.integers(0, vocab, size=len(seq)), seq).astype(np.int32)
+
+
 def _schema() -> pa.Schema:
     return pa.schema([(SAMPLE_ID, pa.int64()), (INPUT_IDS, pa.list_(pa.int32()))])
 
 
 def _write_files(out_dir: Path, samples: int, seq_len: int, vocab: int, seed: int,
-                 files: int, row_groups_per_file: int) -> None:
-    """Write the parquet files into an existing directory, each file atomically."""
+                 files: int, row_groups_per_file: int, doc_lens: Optional[Tuple[int, int]] = None) -> None:
+    """Write the parquet files into an existing directory, each file atomically; with `doc_lens`
+    (min, max), each row is a document of that many tokens instead of `seq_len + 1`."""
     n_groups = files * row_groups_per_file
     sizes = np.full(n_groups, samples // n_groups, dtype=np.int64)
     sizes[: samples % n_groups] += 1
@@ -154,9 +168,12 @@ def _write_files(out_dir: Path, samples: int, seq_len: int, vocab: int, seed: in
                         continue
                     ids = np.arange(next_id, next_id + n, dtype=np.int64)
                     next_id += n
-                    toks = _synthetic_rows(rng, n, seq_len, vocab)
-                    offsets = np.arange(0, (n + 1) * (seq_len + 1), seq_len + 1, dtype=np.int32)
-                    lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(toks.reshape(-1)))
+                    if doc_lens:
+                        offsets, toks = _synthetic_documents(rng, n, doc_lens, vocab)
+                    else:
+                        toks = _synthetic_rows(rng, n, seq_len, vocab).reshape(-1)
+                        offsets = np.arange(0, (n + 1) * (seq_len + 1), seq_len + 1, dtype=np.int32)
+                    lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(toks))
                     writer.write_table(pa.Table.from_arrays([pa.array(ids), lists], schema=schema))
             os.replace(tmp, final)
         finally:
@@ -190,7 +207,8 @@ def _publish(tmp: Path, final: Path) -> bool:
 
 
 def write_synthetic(out_dir: Union[str, os.PathLike], samples: int, seq_len: int, vocab: int,
-                    seed: int, files: int = 4, row_groups_per_file: int = 4) -> None:
+                    seed: int, files: int = 4, row_groups_per_file: int = 4,
+                    doc_lens: Optional[Tuple[int, int]] = None) -> None:
     """Write a synthetic dataset of ``files`` parquet files × ``row_groups_per_file`` row groups.
 
     Rows are spread as evenly as possible (``sample_id`` 0..N-1 in file order);
@@ -202,19 +220,21 @@ def write_synthetic(out_dir: Union[str, os.PathLike], samples: int, seq_len: int
     each file is then written under a temporary name and ``os.replace``-d.
     """
     _check_synth_args(samples, seq_len, vocab, files, row_groups_per_file)
+    if doc_lens and not 1 <= doc_lens[0] <= doc_lens[1]:
+        raise DataError(f"need 1 <= --min-doc-len <= --max-doc-len, got {doc_lens[0]} and {doc_lens[1]}")
     out = Path(out_dir)
     if out.exists():
         if not out.is_dir():
             raise DataError(f"{out} exists and is not a directory")
         if any(out.glob("*.parquet")):
             raise DataError(f"{out} already contains *.parquet files; remove them or choose another --out")
-        _write_files(out, samples, seq_len, vocab, seed, files, row_groups_per_file)
+        _write_files(out, samples, seq_len, vocab, seed, files, row_groups_per_file, doc_lens)
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(out)
     tmp.mkdir()
     try:
-        _write_files(tmp, samples, seq_len, vocab, seed, files, row_groups_per_file)
+        _write_files(tmp, samples, seq_len, vocab, seed, files, row_groups_per_file, doc_lens)
         if not _publish(tmp, out):
             raise DataError(f"{out} was created concurrently by another process")
     finally:
@@ -231,6 +251,8 @@ def ensure_dataset(path: Union[str, os.PathLike], synthetic: Any, seq_len: int, 
     process wins that race, ours is discarded. Missing without ``synthetic`` →
     :class:`DataError`.
     """
+    if _on_object_storage(str(path)):  # read as it is: scan_units says what is wrong with it
+        return str(path)
     p = Path(path)
     if p.exists():
         return str(p)
@@ -243,12 +265,13 @@ def ensure_dataset(path: Union[str, os.PathLike], synthetic: Any, seq_len: int, 
     files = int(getattr(synthetic, "files", 4))
     rgs = int(getattr(synthetic, "row_groups_per_file", 4))
     seed = int(synthetic.seed)
+    lo, hi = getattr(synthetic, "min_doc_len", 0), getattr(synthetic, "max_doc_len", 0)
     _check_synth_args(samples, seq_len, vocab, files, rgs)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(p)
     tmp.mkdir()
     try:
-        _write_files(tmp, samples, seq_len, vocab, seed, files, rgs)
+        _write_files(tmp, samples, seq_len, vocab, seed, files, rgs, (lo, hi) if hi else None)
         _publish(tmp, p)  # losing the race is fine: the winner's data is used
     finally:
         if tmp.exists():
@@ -260,7 +283,7 @@ def ensure_dataset(path: Union[str, os.PathLike], synthetic: Any, seq_len: int, 
 # Units and order (pure functions)
 # --------------------------------------------------------------------------
 
-def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str]) -> None:
+def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str], ids: bool = True) -> None:
     """`sample_id` int64 (sample exactness is audited by it) and every configured column.
 
     A column (or each element of a list column: one fixed-length vector per
@@ -268,9 +291,9 @@ def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str]) -> None
     int32, int64 ones are refused, since a cast could change them.
     """
     names = schema.names
-    if SAMPLE_ID not in names:
+    if ids and SAMPLE_ID not in names:
         raise DataError(f"{file}: missing column {SAMPLE_ID!r} (expected int64)")
-    t = schema.field(SAMPLE_ID).type
+    t = schema.field(SAMPLE_ID).type if ids else pa.int64()
     if t != pa.int64():
         raise DataError(f"{file}: column {SAMPLE_ID!r} has type {t}, expected int64")
     for name, dtype in columns.items():
@@ -289,30 +312,72 @@ def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str]) -> None
                             f"{want} or list<{want}> or a narrower type (data.columns.{name}: {dtype}; set it to the column's type)")
 
 
-def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] = None) -> List[ReadUnit]:
-    """One :class:`ReadUnit` per (non-empty) row group, files sorted by name; footers only."""
-    p = Path(path)
-    if not p.is_dir():
-        raise DataError(f"dataset path {str(p)!r} is not a directory")
-    files = sorted(p.glob("*.parquet"), key=lambda f: f.name)
+def _on_object_storage(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _parquet(file: str, storage=None) -> pq.ParquetFile:
+    """A parquet file on local disk, or on object storage (s3://) with `storage`'s settings
+    (checkpoint.storage's: the same endpoint and credential chain as the checkpoints)."""
+    if not _on_object_storage(file):
+        return pq.ParquetFile(file.removeprefix("file://"))
+    from .checkpoint.storage import s3_filesystem
+
+    return pq.ParquetFile(s3_filesystem(storage).open_input_file(file.split("://", 1)[1]))
+
+
+def _parquet_files(path: str, storage=None) -> List[str]:
+    """The ``*.parquet`` files directly under `path`, sorted by name: one listing."""
+    if not _on_object_storage(path):
+        p = Path(path.removeprefix("file://"))
+        if not p.is_dir():
+            raise DataError(f"dataset path {path!r} is not a directory")
+        return [str(f.resolve()) for f in sorted(p.glob("*.parquet"), key=lambda f: f.name)]
+    scheme, key = path.split("://", 1)
+    if scheme != "s3":
+        raise DataError(f"data.path {path!r}: {scheme}:// is not supported; use a local/NFS path or s3://bucket/prefix")
+    from .checkpoint.storage import s3_filesystem
+
+    try:
+        listed = s3_filesystem(storage).get_file_info(pafs.FileSelector(key.rstrip("/")))
+    except FileNotFoundError:
+        raise DataError(f"data.path {path!r} does not exist (no object under that prefix); check the bucket and the prefix") from None
+    except OSError as e:  # no such bucket, no access
+        raise DataError(f"data.path {path!r} cannot be listed ({str(e).splitlines()[0][:200]}); check the bucket, the "
+                        "prefix and the credentials (checkpoint.storage, or the AWS_* environment)") from e
+    files = [i for i in listed if i.type == pafs.FileType.File and i.base_name.endswith(".parquet")]
+    return [f"{scheme}://{i.path}" for i in sorted(files, key=lambda i: i.base_name)]
+
+
+def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] = None, storage=None,
+               pack: int = 0) -> List[ReadUnit]:
+    """One :class:`ReadUnit` per (non-empty) row group, files sorted by name; one listing and the
+    footers only. `storage`: object storage settings (checkpoint.storage) for an s3:// path.
+    `pack`: rows are documents packed in windows of that many tokens; a unit's samples are then
+    its windows, ``tokens // pack`` (the footer counts the tokens)."""
     units: List[ReadUnit] = []
-    for f in files:
-        fs = str(f.resolve())
+    files = _parquet_files(str(path), storage)
+    if not files:
+        raise DataError(f"dataset {str(path)!r} holds no *.parquet files; check data.path")
+    for fs in files:
         try:
-            pf = pq.ParquetFile(fs)
+            pf = _parquet(fs, storage)
         except Exception as e:  # noqa: BLE001
             raise DataError(f"{fs}: cannot read parquet footer: {e}") from e
-        _check_schema(fs, pf.schema_arrow, columns or DEFAULT_COLUMNS)
+        _check_schema(fs, pf.schema_arrow, columns or DEFAULT_COLUMNS, ids=not pack)
         md = pf.metadata
-        read = {SAMPLE_ID, *(columns or DEFAULT_COLUMNS)}
+        read = {INPUT_IDS} if pack else {SAMPLE_ID, *(columns or DEFAULT_COLUMNS)}
         for rg in range(md.num_row_groups):
             group = md.row_group(rg)
-            if group.num_rows > 0:
-                nbytes = sum(group.column(c).total_compressed_size for c in range(group.num_columns)
-                             if group.column(c).path_in_schema.split(".")[0] in read)
-                units.append(ReadUnit(fs, rg, int(group.num_rows), int(nbytes)))
+            chunks = [group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema.split(".")[0] in read]
+            samples = group.num_rows
+            if pack:
+                samples = sum(c.num_values for c in chunks if c.path_in_schema.startswith(INPUT_IDS + ".")) // pack
+            if samples > 0:
+                units.append(ReadUnit(fs, rg, int(samples), sum(c.total_compressed_size for c in chunks),
+                                      sum(u.num_rows for u in units)))
     if not units:
-        raise DataError(f"dataset {str(p)!r} is empty (no non-empty row groups in *.parquet files)")
+        raise DataError(f"dataset {str(path)!r} is empty (no non-empty row groups in *.parquet files)")
     return units
 
 
@@ -392,26 +457,72 @@ def _column_array(table: pa.Table, name: str, dtype: str, where: str) -> np.ndar
     return flat.astype(dtype, copy=False).reshape(len(lens), width)
 
 
+def _windows(table: pa.Table, pack: int, order: np.ndarray, where: str) -> np.ndarray:
+    """The row group's documents in `order`, concatenated and cut in [windows, pack] tokens (the
+    tail shorter than a window is left out)."""
+    column = table.column(INPUT_IDS).combine_chunks()
+    offsets = np.asarray(column.offsets)
+    sizes = np.diff(offsets)[order]
+    if (sizes == 0).any():
+        raise DataError(f"{where}: row {int(order[np.argmax(sizes == 0)])} of {INPUT_IDS!r} is an empty document; "
+                        "remove the empty rows (data.pack packs documents of at least one token)")
+    values = np.asarray(column.values)
+    starts = offsets[order] - np.r_[0, np.cumsum(sizes)[:-1]]  # position of each token: its document's start + rank in it
+    tokens = values[np.repeat(starts, sizes) + np.arange(sizes.sum())]
+    n = len(tokens) // pack
+    return tokens[: n * pack].reshape(n, pack)
+
+
+def apply_map(fn, rows: Dict[str, np.ndarray], where: str) -> Dict[str, np.ndarray]:
+    """`data.map` on `rows` (sample_id kept aside): it must give back one row per row, as numpy arrays."""
+    n = len(rows[SAMPLE_ID])
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        out = fn({k: v for k, v in rows.items() if k != SAMPLE_ID})
+    except DataError:
+        raise
+    except Exception as exc:  # the user's function failed on these rows
+        raise DataError(f"data.map {name} failed on {where}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(out, dict) or not out:
+        raise DataError(f"data.map {name} returned {type(out).__name__} for {where}; it must return a dict of numpy arrays")
+    counts = {k: len(v) if isinstance(v, np.ndarray) and v.ndim else None for k, v in out.items()}
+    if any(c != n for c in counts.values()):
+        raise DataError(f"data.map {name} returned {counts} rows for the {n} rows of {where}; it must return one row per "
+                        "row it is given, as numpy arrays (filtering or splitting rows would change the sample order)")
+    return {SAMPLE_ID: rows[SAMPLE_ID], **out}
+
+
 def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shuffle: bool,
-                     columns: Dict[str, str]) -> Dict[str, np.ndarray]:
+                     columns: Dict[str, str], storage=None, pack: int = 0, data_map=None) -> Dict[str, np.ndarray]:
     """map_batches UDF: read the row groups described by ``batch`` (one per row, batch_size=1),
     keep the positions ``[row_start, row_end)`` of each one's permuted row order, tagged with
-    the item's ``segment`` so the stream can check the order it gets them in."""
+    the item's ``segment`` so the stream can check the order it gets them in. With `pack`, the
+    documents are permuted and packed (`_windows`), and the positions are windows."""
     outs: List[Dict[str, np.ndarray]] = []
     for i in range(len(batch["unit_index"])):
         file = str(batch["file"][i])
         rg = int(batch["row_group"][i])
         ui = int(batch["unit_index"][i])
         num_rows = int(batch["num_rows"][i])
-        table = pq.ParquetFile(file).read_row_group(rg, columns=[SAMPLE_ID, *columns])
+        table = _parquet(file, storage).read_row_group(rg, columns=[INPUT_IDS] if pack else [SAMPLE_ID, *columns])
         where = f"{file} row group {rg}"
-        if table.num_rows != num_rows:
-            raise DataError(f"{where}: has {table.num_rows} rows, footer scan said {num_rows}")
-        idx = unit_row_order(num_rows, seed, epoch, ui, shuffle)[int(batch["row_start"][i]):int(batch["row_end"][i])]
-        arrays = {SAMPLE_ID: table.column(SAMPLE_ID).to_numpy()}
-        arrays.update({name: _column_array(table, name, dtype, where) for name, dtype in columns.items()})
-        out = {name: a[idx] for name, a in arrays.items()}
-        out[_SEGMENT_COL] = np.full(len(idx), int(batch["segment"][i]), dtype=np.int64)
+        rows = slice(int(batch["row_start"][i]), int(batch["row_end"][i]))
+        if pack:
+            windows = _windows(table, pack, unit_row_order(table.num_rows, seed, epoch, ui, shuffle), where)
+            if len(windows) != num_rows:
+                raise DataError(f"{where}: packs into {len(windows)} windows, the footer scan said {num_rows}")
+            first = int(batch["first"][i])
+            out = {SAMPLE_ID: np.arange(first, first + num_rows, dtype=np.int64)[rows], INPUT_IDS: windows[rows].astype(columns[INPUT_IDS])}
+        else:
+            if table.num_rows != num_rows:
+                raise DataError(f"{where}: has {table.num_rows} rows, footer scan said {num_rows}")
+            idx = unit_row_order(num_rows, seed, epoch, ui, shuffle)[rows]
+            arrays = {SAMPLE_ID: table.column(SAMPLE_ID).to_numpy()}
+            arrays.update({name: _column_array(table, name, dtype, where) for name, dtype in columns.items()})
+            out = {name: a[idx] for name, a in arrays.items()}
+        if data_map is not None:
+            out = apply_map(data_map, out, where)
+        out[_SEGMENT_COL] = np.full(len(out[SAMPLE_ID]), int(batch["segment"][i]), dtype=np.int64)
         outs.append(out)
     return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
 
@@ -419,24 +530,47 @@ def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shu
 def _items(units: Sequence[ReadUnit], plan: Sequence[Tuple[int, int, int]]) -> List[Dict[str, Any]]:
     """`plan`'s (unit_index, row_start, row_end) as the read function's input rows, `segment` = the position in it."""
     return [{"file": units[ui].file, "row_group": units[ui].row_group, "unit_index": ui, "row_start": rs, "row_end": re,
-             "num_rows": units[ui].num_rows, "segment": k} for k, (ui, rs, re) in enumerate(plan)]
+             "num_rows": units[ui].num_rows, "first": units[ui].first, "segment": k} for k, (ui, rs, re) in enumerate(plan)]
 
 
-def check_eval_set(path: str, columns: Optional[Dict[str, str]], least: int) -> None:
+def check_eval_set(path: str, columns: Optional[Dict[str, str]], least: int, storage=None, pack: int = 0) -> None:
     """data.eval_path must be a dataset with the training columns and at least `least` samples
     (every rank evaluates the same number of micro-batches)."""
-    units = scan_units(path, columns)
+    units = scan_units(path, columns, storage, pack)
     if dataset_size(units) < least:
         raise DataError(f"data.eval_path {path!r} holds {dataset_size(units)} samples; evaluating needs at least "
                         f"{least} (scaling.num_workers x training.micro_batch_size)")
 
 
-def read_eval_set(path: str, columns: Dict[str, str]) -> Dict[str, np.ndarray]:
+def _read_now(units: Sequence[ReadUnit], plan, **read_args) -> Dict[str, np.ndarray]:
+    """The rows of `plan` read in this process, in file order, without their read's index."""
+    items = _items(units, plan)
+    block = _read_unit_batch({k: np.array([item[k] for item in items]) for k in items[0]}, seed=0, epoch=0, shuffle=False, **read_args)
+    return {k: v for k, v in block.items() if k != _SEGMENT_COL}
+
+
+def read_eval_set(path: str, columns: Dict[str, str], storage=None, pack: int = 0, data_map=None) -> Dict[str, np.ndarray]:
     """The held-out dataset whole, in file order (no shuffle): every evaluation sees the same samples."""
-    units = scan_units(path, columns)
-    items = _items(units, [(i, 0, u.num_rows) for i, u in enumerate(units)])
-    block = _read_unit_batch({k: np.array([item[k] for item in items]) for k in items[0]}, seed=0, epoch=0, shuffle=False, columns=columns)
-    return {name: block[name] for name in (SAMPLE_ID, *columns)}
+    units = scan_units(path, columns, storage, pack)
+    return _read_now(units, [(i, 0, u.num_rows) for i, u in enumerate(units)], columns=columns, storage=storage, pack=pack,
+                     data_map=data_map)
+
+
+def check_data_map(units: Sequence[ReadUnit], data_map, columns: Dict[str, str], storage=None, pack: int = 0) -> None:
+    """data.map tried on the driver on the first two samples: a function that fails, or does not
+    give back one row per row, is found before Ray starts (raises DataError)."""
+    _read_now(units, [(0, 0, min(2, units[0].num_rows))], columns=columns, storage=storage, pack=pack, data_map=data_map)
+
+
+def data_error_in(exc: BaseException) -> Optional[DataError]:
+    """The DataError a Ray Data read task raised, from inside the exceptions Ray wraps it in."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, DataError):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+    return None
 
 
 def quiet_ray_data() -> None:
@@ -452,7 +586,8 @@ def quiet_ray_data() -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "Progress bars disabled", once per process
 
 
-def data_fingerprint(units: Sequence[ReadUnit], seed: int, shuffle: bool, columns: Dict[str, str], lanes: int = 1) -> Dict[str, Any]:
+def data_fingerprint(units: Sequence[ReadUnit], seed: int, shuffle: bool, columns: Dict[str, str], lanes: int = 1,
+                     pack: int = 0) -> Dict[str, Any]:
     """What the sample order and the batches depend on, for common.json: a resume that differs
     in any of it would continue with another order (see `fingerprint_changes`).
 
@@ -460,16 +595,16 @@ def data_fingerprint(units: Sequence[ReadUnit], seed: int, shuffle: bool, column
     counts): a copy of it moved elsewhere is the same dataset.
     """
     groups = [[Path(u.file).name, u.row_group, u.num_rows] for u in units]
-    return {"seed": int(seed), "shuffle": bool(shuffle), "columns": dict(sorted(columns.items())), "lanes": int(lanes),
+    return {"seed": int(seed), "shuffle": bool(shuffle), "columns": dict(sorted(columns.items())), "lanes": int(lanes), "pack": int(pack),
             "samples": dataset_size(units), "row_groups": len(units),
             "row_groups_sha256": hashlib.sha256(json.dumps(groups).encode()).hexdigest()}
 
 
 def fingerprint_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
     """What differs between two `data_fingerprint`s, in config terms (e.g. "data.seed 7 -> 8")."""
-    saved = {"lanes": 1, **saved}  # written before there were lanes: one
+    saved = {"lanes": 1, "pack": 0, **saved}  # written before there were lanes or packing
     changes = [f"data.{key} {json.dumps(saved.get(key))} -> {json.dumps(now[key])}"
-               for key in ("seed", "shuffle", "columns", "lanes") if saved.get(key) != now[key]]
+               for key in ("seed", "shuffle", "columns", "lanes", "pack") if saved.get(key) != now[key]]
     if any(saved.get(key) != now[key] for key in ("samples", "row_groups", "row_groups_sha256")):
         changes.append(f"the dataset at data.path: {saved.get('samples')} samples in {saved.get('row_groups')} row groups -> "
                        f"{now['samples']} in {now['row_groups']}" + (" (other files or row groups)" if saved.get("samples") == now["samples"] else ""))
@@ -497,11 +632,18 @@ class SampleStream:
 
     def __init__(self, source: Union[str, os.PathLike, Sequence[ReadUnit]], seed: int, shuffle: bool,
                  global_batch_size: int, rank: int = 0, world_size: int = 1, start_sample: int = 0,
-                 columns: Optional[Dict[str, str]] = None, lanes: int = 1,
+                 columns: Optional[Dict[str, str]] = None, lanes: int = 1, storage=None, pack: int = 0, data_map=None,
                  *, prefetch_batches: int = 2, read_num_cpus: float = 0.25):
         self.columns = dict(columns or DEFAULT_COLUMNS)
+        self.data_map = data_map  # rows -> the same rows, in the read tasks (data.map)
+        self.pack = int(pack)  # rows are documents, packed in windows of this many tokens (0: rows are samples)
+        if self.pack and set(self.columns) != {INPUT_IDS}:
+            raise DataError(f"packed documents have one column, {INPUT_IDS!r}; got columns {sorted(self.columns)}")
+        # Object storage settings (checkpoint.storage's keys) for s3:// files; the read tasks get
+        # them as arguments, in memory. None: the AWS credential chain of each reading process.
+        self.storage = storage.model_dump() if hasattr(storage, "model_dump") else storage
         if isinstance(source, (str, os.PathLike)):
-            self.units: List[ReadUnit] = scan_units(source, self.columns)
+            self.units: List[ReadUnit] = scan_units(source, self.columns, self.storage, self.pack)
         else:
             self.units = list(source)
             if not self.units:
@@ -525,9 +667,14 @@ class SampleStream:
         self.lanes = int(lanes)
         self.epoch_size = self.lanes * lane_length(self.num_samples, self.lanes)  # samples an epoch's order serves
         self.bytes_read = 0
-        self.fingerprint = data_fingerprint(self.units, self.seed, self.shuffle, self.columns, self.lanes)
+        self.fingerprint = data_fingerprint(self.units, self.seed, self.shuffle, self.columns, self.lanes, self.pack)
         self.prefetch_batches = int(prefetch_batches)
         self.read_num_cpus = float(read_num_cpus)
+
+    def read_args(self, epoch: int) -> Dict[str, Any]:
+        """The read function's keyword arguments for `epoch`."""
+        return {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle, "columns": self.columns, "storage": self.storage,
+                "pack": self.pack, "data_map": self.data_map}
 
     def _execute(self, epoch: int, items: List[Dict[str, Any]]) -> Iterator[Dict[str, np.ndarray]]:
         """The planned reads of `epoch`, in order, through Ray Data (the harness runs them in-process)."""
@@ -541,10 +688,20 @@ class SampleStream:
         ds = ray.data.from_items(items, override_num_blocks=len(items))
         ds = ds.map_batches(
             _read_unit_batch, batch_size=1, batch_format="numpy",
-            fn_kwargs={"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle, "columns": self.columns},
+            fn_kwargs=self.read_args(epoch),
             num_cpus=self.read_num_cpus,
         )
         yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=self.prefetch_batches)
+
+    def _read_checked(self, epoch: int, items: List[Dict[str, Any]]) -> Iterator[Dict[str, np.ndarray]]:
+        """`_execute`, a DataError of the read function raised as itself (one line, the user's to fix)."""
+        try:
+            yield from self._execute(epoch, items)
+        except Exception as exc:
+            found = data_error_in(exc)
+            if found is None or found is exc:
+                raise
+            raise DataError(str(found)) from None
 
     def _pieces(self, lanes: Sequence[int]) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
         """(lane, rows) for `lanes`, from the start offset on, forever; each epoch's reads ordered
@@ -560,7 +717,7 @@ class SampleStream:
                     at += re - rs
             plan.sort(key=lambda p: p[:2])
             k, left = 0, None  # the read being received, and its rows still to come
-            for batch in self._execute(epoch, _items(self.units, [p[2] for p in plan])):
+            for batch in self._read_checked(epoch, _items(self.units, [p[2] for p in plan])):
                 segments = batch[_SEGMENT_COL]
                 cuts = np.flatnonzero(np.diff(segments)) + 1
                 for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(segments)]):
@@ -573,7 +730,7 @@ class SampleStream:
                     if k >= len(plan) or int(segments[lo]) != k or hi - lo > left:
                         raise DataError(f"epoch {epoch}: Ray Data delivered rows out of plan order")
                     left -= hi - lo
-                    yield plan[k][1], {name: batch[name][lo:hi] for name in (SAMPLE_ID, *self.columns)}
+                    yield plan[k][1], {name: v[lo:hi] for name, v in batch.items() if name != _SEGMENT_COL}
             if k + (left == 0) != len(plan):
                 raise DataError(f"epoch {epoch}: fewer rows than planned ({k + (left == 0)}/{len(plan)} reads complete)")
             epoch, start = epoch + 1, 0
@@ -630,15 +787,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--seed", type=int, required=True)
     s.add_argument("--files", type=int, default=4)
     s.add_argument("--row-groups-per-file", type=int, default=4)
+    s.add_argument("--min-doc-len", type=int, default=0, help="with --max-doc-len: documents of these many tokens (data.pack)")
+    s.add_argument("--max-doc-len", type=int, default=0)
     args = parser.parse_args(argv)
     if args.cmd == "synth":
+        docs = (args.min_doc_len, args.max_doc_len) if args.max_doc_len else None
         try:
             write_synthetic(args.out, args.samples, args.seq_len, args.vocab, args.seed,
-                            files=args.files, row_groups_per_file=args.row_groups_per_file)
+                            files=args.files, row_groups_per_file=args.row_groups_per_file, doc_lens=docs)
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(f"wrote {args.samples} samples (seq_len={args.seq_len}, vocab={args.vocab}, seed={args.seed}) "
+        what = f"documents of {docs[0]} to {docs[1]} tokens (" if docs else f"samples (seq_len={args.seq_len}, "
+        print(f"wrote {args.samples} {what}vocab={args.vocab}, seed={args.seed}) "
               f"to {args.out}: {args.files} files x {args.row_groups_per_file} row groups")
     return 0
 

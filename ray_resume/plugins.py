@@ -4,7 +4,7 @@
 and returns an `nn.Module`; `training.loss: "pkg.module:fn"` is called as
 `fn(model, batch)` and returns a scalar tensor; `data.collate` turns a dict of
 numpy arrays (the configured `data.columns`, one micro-batch) into that
-batch; `training.optimizer` names a `torch.optim.Optimizer` class, built with
+batch; `data.map` preprocesses the rows Ray Data reads, in its read tasks; `training.optimizer` names a `torch.optim.Optimizer` class, built with
 `training.optimizer_args` (tried on a one-element parameter). Everything is resolved and its signature checked on the driver, before
 any worker starts, so a typo fails in a second with the key that holds it.
 """
@@ -30,6 +30,7 @@ class Plugins:
     loss: Callable
     collate: Callable
     optimizer: type = torch.optim.AdamW
+    data_map: Callable | None = None  # data.map: run by Ray Data on the rows it reads (see ray_resume.data)
 
 
 def default_collate(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -86,7 +87,10 @@ def resolve(cfg: Config, *, build_model=None, loss=None, collate=None) -> Plugin
         fn = given or (load_callable(key, path) if path else builtin)
         check_signature(key, fn, params)
         chosen[key] = fn
-    return Plugins(chosen["model.builder"], chosen["training.loss"], chosen["data.collate"], load_optimizer(cfg.training))
+    data_map = load_callable("data.map", cfg.data.map) if cfg.data.map else None
+    if data_map:
+        check_signature("data.map", data_map, ("batch",))
+    return Plugins(chosen["model.builder"], chosen["training.loss"], chosen["data.collate"], load_optimizer(cfg.training), data_map)
 
 
 def load_optimizer(training) -> type:

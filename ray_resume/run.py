@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -39,8 +40,8 @@ from .config import Config, ConfigError, load_config, redacted
 from .controller import CommitError, JobControllerActor
 from .metrics import read_metrics
 from .summary import summarize
-from .data import (DEFAULT_COLUMNS, DEFAULT_LANES, DataError, check_eval_set, check_lanes, data_fingerprint, dataset_size,
-                   ensure_dataset, fingerprint_changes, scan_units)
+from .data import (DEFAULT_COLUMNS, DEFAULT_LANES, DataError, ReadUnit, check_data_map, check_eval_set, check_lanes, data_fingerprint,
+                   dataset_size, ensure_dataset, fingerprint_changes, scan_units)
 from . import parallel
 from .plugins import make_model, resolve
 from .train_loop import train_func
@@ -112,8 +113,10 @@ def run(cfg: Config, address: str | None = None, *, build_model=None, loss=None,
             parallel.fsdp_units(make_model(plugins, cfg), cfg.model.fsdp_units)
     # Ray Train keeps train_loop_config in its run state (the dashboard shows it): credentials stay
     # out of it, and the ranks take the whole config from the controller.
-    loop_config = {"config": redacted(cfg.to_dict()), "plugins": plugins, "verbose": verbose}
-    return launch(cfg, train_func, loop_config, check=lambda: preflight(cfg, plugins), address=address, verbose=verbose)
+    units = data_units(cfg)
+    loop_config = {"config": redacted(cfg.to_dict()), "plugins": plugins, "verbose": verbose,
+                   "units": [dataclasses.astuple(u) for u in units]}
+    return launch(cfg, train_func, loop_config, check=lambda: preflight(cfg, plugins, units), address=address, verbose=verbose)
 
 
 def launch(cfg: Config, train_func, train_loop_config: dict, *, check, address: str | None, verbose: bool,
@@ -278,17 +281,26 @@ def with_lanes(cfg: Config) -> Config:
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"lanes": lanes})})
 
 
-def preflight(cfg: Config, plugins=None) -> tuple[str, int | None] | None:
-    """Check data, checkpoints and that they fit the model (`plugins`', the config's by default), on
-    the driver; return what to load: (root, step), (export_dir, None) or None."""
+def data_units(cfg: Config) -> list[ReadUnit]:
+    """The dataset's row groups: listed and their footers read once, here, for every rank."""
     ensure_dataset(cfg.data.path, cfg.data.synthetic, cfg.model.seq_len, cfg.model.vocab_size)
-    units = scan_units(cfg.data.path, cfg.data.columns or None)
+    return scan_units(cfg.data.path, cfg.data.columns or None, cfg.checkpoint.storage, cfg.pack_tokens())
+
+
+def preflight(cfg: Config, plugins=None, units: list[ReadUnit] | None = None) -> tuple[str, int | None] | None:
+    """Check data (`units`, listed here if not given), checkpoints and that they fit the model
+    (`plugins`', the config's by default), on the driver; return what to load: (root, step),
+    (export_dir, None) or None."""
+    units = units or data_units(cfg)
+    plugins = plugins or resolve(cfg)
+    if plugins.data_map:
+        check_data_map(units, plugins.data_map, cfg.data.columns or DEFAULT_COLUMNS, cfg.checkpoint.storage, cfg.pack_tokens())
     if cfg.training.eval_every:
-        check_eval_set(cfg.data.eval_path, cfg.data.columns or None, cfg.scaling.max_workers * cfg.training.micro_batch_size)
+        check_eval_set(cfg.data.eval_path, cfg.data.columns or None, cfg.scaling.max_workers * cfg.training.micro_batch_size,
+                       cfg.checkpoint.storage, cfg.pack_tokens())
     load, storage = find_resume(cfg)
     if not load:
         return load
-    plugins = plugins or resolve(cfg)
     if load[1] is None:
         refuse_misfit_weights(cfg, plugins, export_specs(storage, load[0]), load[0])
         return load
@@ -351,7 +363,7 @@ def refuse_data_change(cfg: Config, it, units) -> None:
     if saved is None:  # written before the fingerprint was kept
         return
     columns = cfg.data.columns or DEFAULT_COLUMNS
-    changes = fingerprint_changes(saved, data_fingerprint(units, cfg.data.seed, cfg.data.shuffle, columns, cfg.data.lanes))
+    changes = fingerprint_changes(saved, data_fingerprint(units, cfg.data.seed, cfg.data.shuffle, columns, cfg.data.lanes, cfg.pack_tokens()))
     if not changes:
         return
     what = "; ".join(changes)

@@ -27,7 +27,7 @@ from .checkpoint.loader import collective_device
 from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
 from .config import ConfigError
 from .controller import STOP_NOW
-from .data import DEFAULT_COLUMNS, SAMPLE_ID, SampleStream, quiet_ray_data, read_eval_set
+from .data import DEFAULT_COLUMNS, SAMPLE_ID, ReadUnit, SampleStream, quiet_ray_data, read_eval_set
 from .metrics import Curves, MetricsWriter
 from .optim import MainParamsOptimizer
 from .plugins import make_model
@@ -40,14 +40,16 @@ def train_func(config: dict) -> None:
     if not config.get("verbose"):
         quiet_ray_data()
     train_worker(get_checkpointer(), ray.train.torch.get_device(),  # cuda:N with use_gpu (NCCL), else cpu (gloo)
-                 config["plugins"], stream=SampleStream, preempted=lambda: ray.train.get_preemption_info() is not None)
+                 config["plugins"], stream=SampleStream, preempted=lambda: ray.train.get_preemption_info() is not None,
+                 units=[ReadUnit(*u) for u in config["units"]])
 
 
-def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: False) -> None:
+def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: False, units=None) -> None:
     """Restore, loop, maybe save: one rank's run of the built-in job, through its RankCheckpointer `ck`.
 
     `stream` makes the data stream (SampleStream's signature), `preempted()`
-    says whether the platform announced a preemption.
+    says whether the platform announced a preemption, `units` are the dataset's
+    row groups as the driver listed them (None: this rank lists data.path).
     """
     if not logging.getLogger().handlers:  # outside Ray Train (which configures the root logger)
         logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -65,8 +67,9 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
 
     resume = ck.restore(model, optimizer, global_batch_size=train.global_batch_size)
-    samples = stream(cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
-                     resume.consumed_samples, columns=cfg.data.columns or None, lanes=cfg.data.lanes)
+    samples = stream(units or cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
+                     resume.consumed_samples, columns=cfg.data.columns or None, lanes=cfg.data.lanes, storage=cfg.checkpoint.storage,
+                     pack=cfg.pack_tokens(), data_map=plugins.data_map)
     progress = Progress(cfg, rank, attempt, job.job_id, controller)
     progress.resumed(resume, world, attempt, **job.ended, restore_s=time.monotonic() - began)
 
@@ -194,7 +197,7 @@ class Evaluator:
     def __init__(self, cfg, plugins, rank: int, world: int, device):
         self.plugins, self.device, self.micro = plugins, device, cfg.training.micro_batch_size
         columns = dict(cfg.data.columns or DEFAULT_COLUMNS)
-        data = read_eval_set(cfg.data.eval_path, columns)
+        data = read_eval_set(cfg.data.eval_path, columns, cfg.checkpoint.storage, cfg.pack_tokens(), plugins.data_map)
         share = len(data[SAMPLE_ID]) // world // self.micro * self.micro
         self.columns = {name: data[name][rank * share : (rank + 1) * share] for name in columns}
         self.samples = share * world

@@ -62,8 +62,7 @@ class LocalStream(SampleStream):
 
     def _execute(self, epoch: int, items):
         for item in items:
-            yield _read_unit_batch({k: np.array([v]) for k, v in item.items()}, seed=self.seed, epoch=epoch,
-                                   shuffle=self.shuffle, columns=self.columns)
+            yield _read_unit_batch({k: np.array([v]) for k, v in item.items()}, **self.read_args(epoch))
 
 
 class DriverSide(controller_module.JobController, MemoryKeeper):

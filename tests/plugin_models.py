@@ -59,3 +59,24 @@ def hf_loss(model, batch):
     ids = batch["input_ids"]
     logits = model(input_ids=ids[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).long())
+
+
+def shift_tokens(batch):
+    """A data.map: every token t -> (3t + 1) mod 50, and the pid of the process that ran it."""
+    import os
+
+    import numpy as np
+
+    return {"input_ids": (batch["input_ids"] * 3 + 1) % 50, "pid": np.full(len(batch["input_ids"]), os.getpid())}
+
+
+def drop_a_row(batch):
+    """A data.map that filters: not row-preserving."""
+    return {k: v[1:] for k, v in batch.items()}
+
+
+def tokens_only(arrays):
+    """A data.collate that takes input_ids and leaves the columns a data.map added."""
+    import torch
+
+    return {"input_ids": torch.tensor(arrays["input_ids"])}

@@ -382,3 +382,125 @@ def test_each_ranks_metrics_record_the_data_bytes_it_read(tmp_path):
         take(stream, 12)
         recorded = [r["data_bytes_read"] for r in read_metrics(cfg["checkpoint"]["save_path"]) if r["rank"] == rank and "data_bytes_read" in r]
         assert recorded[-1] == stream.bytes_read > 0
+
+
+# ---------------------------------------------------------------- packed documents
+
+
+@pytest.fixture(scope="module")
+def docs_path(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("data") / "docs"
+    write_synthetic(p, 300, L, V, seed=5, files=2, row_groups_per_file=3, doc_lens=(1, 30))
+    return p
+
+
+def test_documents_are_packed_in_the_sample_order_and_cut_in_windows(docs_path):
+    """A row group's windows: its documents in the epoch's order, concatenated, cut in L + 1 tokens;
+    the footer alone says how many there are."""
+    table = pq.read_table(docs_path)
+    sizes = [len(d) for d in table.column("input_ids").to_pylist()]
+    assert min(sizes) == 1 and max(sizes) == 30 and len(set(sizes)) > 20
+    units = scan_units(docs_path, pack=L + 1)
+    assert [u.num_rows for u in units] == [sum(len(d) for d in pq.ParquetFile(u.file).read_row_group(u.row_group).column("input_ids").to_pylist()) // (L + 1) for u in units]
+    assert [u.first for u in units] == list(np.cumsum([0] + [u.num_rows for u in units[:-1]]))
+    stream = local(units, 4, True, 8, 0, 1, 0, lanes=4, pack=L + 1)
+    batch = take(stream, 1)[0]
+    assert batch["input_ids"].shape == (8, L + 1) and batch["input_ids"].dtype == np.int32
+    # the first window of lane 0 is the first L + 1 tokens of its first row group, documents in their order
+    ui, start, _ = plan_lane(units, 4, 0, True, 4, 0)[0]
+    from ray_resume.data import unit_row_order
+
+    docs = pq.ParquetFile(units[ui].file).read_row_group(units[ui].row_group).column("input_ids").to_pylist()
+    order = unit_row_order(len(docs), 4, 0, ui, True)
+    tokens = [t for d in order for t in docs[d]]
+    assert batch["input_ids"][0].tolist() == tokens[start * (L + 1):(start + 1) * (L + 1)]
+    assert batch["sample_id"][0] == units[ui].first + start
+
+
+def test_packed_windows_resume_exactly_on_any_world_size_and_batch_size(docs_path):
+    units = scan_units(docs_path, pack=L + 1)
+    kw = dict(lanes=4, pack=L + 1)
+    full = take(local(units, 4, True, 8, 0, 1, 0, **kw), 70)  # past the epoch of 508 windows
+    assert sum(len(b["sample_id"]) for b in full) > sum(u.num_rows for u in units)
+    for w in (2, 4):
+        parts = [take(local(units, 4, True, 8, r, w, 48, **kw), 60) for r in range(w)]
+        for s in range(60):
+            np.testing.assert_array_equal(np.concatenate([parts[r][s]["input_ids"] for r in range(w)]), full[6 + s]["input_ids"])
+    rescaled = take(local(units, 4, True, 16, 0, 1, 48, **kw), 5)  # scenario C: the next 10 steps of 8, as a multiset
+    assert sorted(map(tuple, np.concatenate([b["input_ids"] for b in rescaled]).tolist())) == \
+        sorted(map(tuple, np.concatenate([b["input_ids"] for b in full[6:16]]).tolist()))
+
+
+def test_an_empty_document_is_one_line_naming_its_file_and_row(tmp_path):
+    path = tmp_path / "empty"
+    path.mkdir()
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2, 3] * 10, [], [4] * 40], pa.list_(pa.int32()))}), path / "a.parquet")
+    units = scan_units(path, pack=L + 1)
+    with pytest.raises(DataError, match=r"a.parquet row group 0: row 1 of 'input_ids' is an empty document; remove the empty rows"):
+        take(local(units, 0, False, 2, 0, 1, 0, pack=L + 1), 1)
+
+
+def test_a_packed_run_killed_mid_way_ends_byte_identical(tmp_path):
+    from conftest import assert_same_as_reference, per_step, read_metrics, run_on_harness, tiny_config
+
+    def job(where, **sections):
+        cfg = tiny_config(where, **sections)
+        cfg["data"] = {**cfg["data"], "path": str(tmp_path / "docs"), "pack": True,
+                       "synthetic": {"samples": 400, "files": 2, "row_groups_per_file": 3, "seed": 3, "min_doc_len": 2, "max_doc_len": 40}}
+        run_on_harness(cfg)
+        return cfg["checkpoint"]["save_path"]
+
+    clean = job(tmp_path / "clean")
+    root = job(tmp_path / "faulty", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    assert [r["step"] for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0] in ([0, 4], [0, 0])
+    assert_same_as_reference(root, {"root": clean, "steps": per_step(read_metrics(clean))})
+
+
+# ---------------------------------------------------------------- data.map
+
+
+def test_data_map_preprocesses_the_rows_in_ray_datas_read_tasks(ray_ctx, ds_path):
+    """The stream's rows are the map's, in the same order; it ran in Ray Data's tasks, not here."""
+    import os
+
+    import plugin_models
+
+    plain = take(SampleStream(ds_path, 5, True, 16, 0, 1, 0, lanes=8), 3)
+    # The tasks' processes cannot import tests/ (a job's modules come with its working_dir): by value.
+    ray_ctx.cloudpickle.register_pickle_by_value(plugin_models)
+    try:
+        mapped = take(SampleStream(ds_path, 5, True, 16, 0, 1, 0, lanes=8, data_map=plugin_models.shift_tokens), 3)
+    finally:
+        ray_ctx.cloudpickle.unregister_pickle_by_value(plugin_models)
+    for a, b in zip(plain, mapped):
+        np.testing.assert_array_equal(b["sample_id"], a["sample_id"])
+        np.testing.assert_array_equal(b["input_ids"], (a["input_ids"] * 3 + 1) % 50)
+        assert os.getpid() not in set(b["pid"].tolist())
+
+
+def test_a_data_map_that_changes_the_row_count_is_refused_on_the_driver_naming_it(tmp_path):
+    from conftest import tiny_config
+
+    from ray_resume.config import Config
+    from ray_resume.run import absolute_paths, preflight, with_lanes
+
+    cfg = tiny_config(tmp_path, data={"map": "plugin_models:drop_a_row"})
+    with pytest.raises(DataError, match=r"data.map drop_a_row returned \{'input_ids': 1\} rows for the 2 rows of .*part-00000.parquet "
+                                        r"row group 0; it must return one row per row it is given"):
+        preflight(with_lanes(absolute_paths(Config.from_dict(cfg))))
+
+
+def test_a_run_with_a_data_map_killed_mid_way_ends_byte_identical(tmp_path, local_reference):
+    from conftest import assert_same_as_reference, per_step, read_metrics, run_on_harness, tiny_config
+
+    def job(where, **sections):
+        cfg = tiny_config(where, data={"map": "plugin_models:shift_tokens", "collate": "plugin_models:tokens_only"}, **sections)
+        cfg["data"]["path"] = local_reference["data"]
+        run_on_harness(cfg)
+        return cfg["checkpoint"]["save_path"]
+
+    clean = job(tmp_path / "clean")
+    root = job(tmp_path / "faulty", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    assert len([r for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0]) == 2
+    assert_same_as_reference(root, {"root": clean, "steps": per_step(read_metrics(clean))})
+    assert per_step(read_metrics(clean))[1][0]["loss"] != local_reference["steps"][1][0]["loss"]  # the map changed what it trained on

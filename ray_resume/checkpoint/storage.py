@@ -301,7 +301,7 @@ def storage_for(uri: str, options=None) -> Retrying:
         scheme = uri.split("://", 1)[0]
         if scheme != "s3":
             raise ValueError(f"storage scheme {scheme!r} in {uri!r} is not supported; use a local/NFS path, file:// or s3://")
-        backend = ArrowStorage(_s3(options), scheme)
+        backend = ArrowStorage(s3_filesystem(options), scheme)
     for wrap in wrappers:
         backend = wrap(backend)
     return Retrying(backend)
@@ -326,7 +326,7 @@ def _s3_cached(endpoint: str, region: str, key: str, secret: str, token: str):
     return pafs.S3FileSystem(**{k: v for k, v in kwargs.items() if v is not None})
 
 
-def _s3(options):
+def s3_filesystem(options):
     """Explicit settings win; otherwise the AWS_* variables and credential chain every S3 tool reads."""
     env = os.environ.get
     def get(name: str) -> str:
