@@ -359,14 +359,21 @@ def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] 
     files = _parquet_files(str(path), storage)
     if not files:
         raise DataError(f"dataset {str(path)!r} holds no *.parquet files; check data.path")
+    read = {INPUT_IDS} if pack else {SAMPLE_ID, *(columns or DEFAULT_COLUMNS)}
+    first: Optional[Tuple[str, Dict[str, pa.DataType]]] = None  # the first file and its read columns' types
     for fs in files:
         try:
             pf = _parquet(fs, storage)
         except Exception as e:  # noqa: BLE001
             raise DataError(f"{fs}: cannot read parquet footer: {e}") from e
         _check_schema(fs, pf.schema_arrow, columns or DEFAULT_COLUMNS, ids=not pack)
+        types = {name: pf.schema_arrow.field(name).type for name in sorted(read)}
+        first = first or (fs, types)
+        if types != first[1]:
+            differ = next(name for name in types if types[name] != first[1][name])
+            raise DataError(f"{fs}: column {differ!r} is {types[differ]}, but {first[1][differ]} in {first[0]}; "
+                            "every file of a dataset has the same schema")
         md = pf.metadata
-        read = {INPUT_IDS} if pack else {SAMPLE_ID, *(columns or DEFAULT_COLUMNS)}
         for rg in range(md.num_row_groups):
             group = md.row_group(rg)
             chunks = [group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema.split(".")[0] in read]

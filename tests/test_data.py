@@ -504,3 +504,19 @@ def test_a_run_with_a_data_map_killed_mid_way_ends_byte_identical(tmp_path, loca
     assert len([r for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0]) == 2
     assert_same_as_reference(root, {"root": clean, "steps": per_step(read_metrics(clean))})
     assert per_step(read_metrics(clean))[1][0]["loss"] != local_reference["steps"][1][0]["loss"]  # the map changed what it trained on
+
+
+def test_a_file_of_another_schema_or_a_document_column_of_the_wrong_type_is_one_line_naming_the_file(tmp_path):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for name, kind in (("a", pa.int32()), ("b", pa.int16())):
+        pq.write_table(pa.table({"sample_id": pa.array([0], pa.int64()), "input_ids": pa.array([[1] * (L + 1)], pa.list_(kind))}),
+                       mixed / f"{name}.parquet")
+    with pytest.raises(DataError, match=r"b.parquet: column 'input_ids' is list<element: int16>, but list<element: int32> in .*a.parquet; "
+                                        r"every file of a dataset has the same schema"):
+        scan_units(mixed)
+    words = tmp_path / "words"
+    words.mkdir()
+    pq.write_table(pa.table({"input_ids": pa.array([["a", "b"]], pa.list_(pa.string()))}), words / "a.parquet")
+    with pytest.raises(DataError, match=r"a.parquet: column 'input_ids' has type list<string>, which does not cast to int32 without loss"):
+        scan_units(words, pack=L + 1)
