@@ -622,7 +622,8 @@ class SampleStream:
     """Infinite stream of this rank's slice of each global batch.
 
     ``SampleStream(source, seed, shuffle, global_batch_size, rank=0,
-    world_size=1, start_sample=0, columns=None, lanes=1)`` where ``source`` is a dataset
+    world_size=1, start_sample=0, columns=None, lanes=1, storage=None, pack=0,
+    data_map=None)`` where ``source`` is a dataset
     path or a list of :class:`ReadUnit`. Iterating yields, per global step,
     ``{"sample_id": int64[b], column: array[b, ...] for each column}`` with
     ``b = global_batch_size // world_size`` (default column: ``input_ids``
@@ -635,6 +636,9 @@ class SampleStream:
     that many parts; a global batch takes ``global_batch_size // lanes`` samples from each, in
     lane order, and a rank reads only the lanes its slice takes from: with the world size
     dividing ``lanes``, every sample is read by one rank (see docs/data.md).
+    ``storage``: object storage settings for an ``s3://`` dataset (checkpoint.storage's keys);
+    ``pack``: rows are documents, packed in windows of that many tokens; ``data_map``: a
+    row-preserving function Ray Data's read tasks apply to the rows they read.
     """
 
     def __init__(self, source: Union[str, os.PathLike, Sequence[ReadUnit]], seed: int, shuffle: bool,

@@ -4,7 +4,8 @@
 and returns an `nn.Module`; `training.loss: "pkg.module:fn"` is called as
 `fn(model, batch)` and returns a scalar tensor; `data.collate` turns a dict of
 numpy arrays (the configured `data.columns`, one micro-batch) into that
-batch; `data.map` preprocesses the rows Ray Data reads, in its read tasks; `training.optimizer` names a `torch.optim.Optimizer` class, built with
+batch; `data.map` preprocesses the rows Ray Data reads, in its read tasks;
+`training.optimizer` names a `torch.optim.Optimizer` class, built with
 `training.optimizer_args` (tried on a one-element parameter). Everything is resolved and its signature checked on the driver, before
 any worker starts, so a typo fails in a second with the key that holds it.
 """

@@ -50,6 +50,7 @@ from .api import INTERNAL, rank_entry
 logger = logging.getLogger("ray_resume")
 
 USER_ERRORS = (ConfigError, CheckpointError, DataError)
+CONTROLLER_NAME = "ray_resume.controller."  # + the job id: each job's controller is a named actor
 # Stopped on request before train_steps (SIGTERM): saved and committed, to be resumed. Neither 0
 # (finished) nor 1/2 (failed, refused): 128 + SIGTERM, the status a scheduler (Kubernetes, Slurm,
 # a RayJob) expects of a job it preempted and requeues.
@@ -144,7 +145,6 @@ def _run_trainer(cfg: Config, address: str | None, job_id: str, loop_config: dic
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # On the driver's node: the commit must run where the driver does (it dies with it).
     keepers = start_keepers() if cfg.checkpoint.memory_interleaved_steps else {}
-    # Named for whoever wants to ask it about the job (ray.util.list_named_actors()).
     controller = JobControllerActor.options(scheduling_strategy=here, name=f"{CONTROLLER_NAME}{job_id}").remote(
         cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers
     )
@@ -198,9 +198,6 @@ def _run_trainer(cfg: Config, address: str | None, job_id: str, loop_config: dic
         logger.info("[%s] to continue it: --set checkpoint.load_path=%s; to export its weights: ray-resume export %s OUT_DIR",
                     cfg.name, root, root)
     return RunResult(committed, path, outcome["metrics"], error)
-
-
-CONTROLLER_NAME = "ray_resume.controller."
 
 
 def start_keepers() -> dict:

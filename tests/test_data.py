@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import subprocess
 import sys
 import types
@@ -520,3 +521,21 @@ def test_a_file_of_another_schema_or_a_document_column_of_the_wrong_type_is_one_
     pq.write_table(pa.table({"input_ids": pa.array([["a", "b"]], pa.list_(pa.string()))}), words / "a.parquet")
     with pytest.raises(DataError, match=r"a.parquet: column 'input_ids' has type list<string>, which does not cast to int32 without loss"):
         scan_units(words, pack=L + 1)
+
+
+def test_an_empty_document_met_by_a_rank_ends_the_job_in_one_line_without_a_retry(tmp_path):
+    """Only a read can see it: the rank says it once, and the group restarted for it returns at once."""
+    import harness
+    from conftest import read_metrics, tiny_config
+
+    data = tmp_path / "docs"
+    data.mkdir()
+    docs = [[1, 2, 3] * 40] * 30 + [[]] + [[4] * 50] * 30
+    pq.write_table(pa.table({"input_ids": pa.array(docs, pa.list_(pa.int32()))}), data / "a.parquet", row_group_size=61)
+    cfg = tiny_config(tmp_path)
+    cfg["data"] = {"path": str(data), "pack": True}
+    outcome = harness.run_job(cfg)
+    assert re.fullmatch(r"rank [01]: .*a\.parquet row group 0: row 30 of 'input_ids' is an empty document; "
+                        r"remove the empty rows \(data\.pack packs documents of at least one token\)", outcome.error), outcome.error
+    assert outcome.committed is None
+    assert {r["attempt"] for r in read_metrics(cfg["checkpoint"]["save_path"]) if r.get("event") == "start"} == {0}

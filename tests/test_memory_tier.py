@@ -133,7 +133,9 @@ def test_on_ray_train_a_worker_sigkill_resumes_from_the_keepers(tmp_path, refere
     assert_same_as_reference(root, reference)
 
 
-NODE_LOSS_DRIVER = r'''
+# A driver of its own 2-node Cluster, one rank on each node: argv = job.json, marks dir, "node" (remove the
+# node of rank 1 once a snapshot past the commit of 4 is replicated) or "worker" (the config's fault kills a rank).
+TWO_NODES_DRIVER = r'''
 import json, os, sys, threading, time
 from pathlib import Path
 import ray
@@ -144,6 +146,7 @@ from ray_resume.run import CONTROLLER_NAME, run
 
 cfg = json.loads(Path(sys.argv[1]).read_text())
 marks = Path(sys.argv[2])
+remove_node = sys.argv[3] == "node"  # else the config's fault kills a rank, and the nodes stay
 marks.mkdir(exist_ok=True)
 tracker = Path(cfg["checkpoint"]["save_path"]) / "latest_checkpointed_iteration.txt"
 node = {"object_store_memory": 100 * 1024**2}
@@ -169,15 +172,16 @@ def job():
 thread = threading.Thread(target=job, daemon=True)
 thread.start()
 deadline = time.time() + 300
-while not tracker.exists() and time.time() < deadline:
+while remove_node and not tracker.exists() and time.time() < deadline:
     time.sleep(0.05)
-controller = ray.get_actor(next(n for n in ray.util.list_named_actors() if n.startswith(CONTROLLER_NAME)))
-while (ray.get(controller.settled_step.remote()) or 0) <= 4 and time.time() < deadline:
-    time.sleep(0.05)  # until a snapshot past the commit of 4 has its replicas in
-rank1_node = next(p.name.split("-", 1)[1] for p in marks.iterdir() if p.name.startswith("1-"))
-victim = next(n for n in nodes if n.node_id == rank1_node)
-cluster.remove_node(victim, allow_graceful=False)  # rank 1 and its keeper go with it
-cluster.add_node(num_cpus=3, **node)
+if remove_node:
+    controller = ray.get_actor(next(n for n in ray.util.list_named_actors() if n.startswith(CONTROLLER_NAME)))
+    while (ray.get(controller.settled_step.remote()) or 0) <= 4 and time.time() < deadline:
+        time.sleep(0.05)  # until a snapshot past the commit of 4 has its replicas in
+    rank1_node = next(p.name.split("-", 1)[1] for p in marks.iterdir() if p.name.startswith("1-"))
+    victim = next(n for n in nodes if n.node_id == rank1_node)
+    cluster.remove_node(victim, allow_graceful=False)  # rank 1 and its keeper go with it
+    cluster.add_node(num_cpus=3, **node)
 thread.join(timeout=400)
 result["finished"] = not thread.is_alive()
 print("RESULT " + json.dumps(result), flush=True)
@@ -195,10 +199,27 @@ def test_a_node_lost_with_a_ranks_snapshot_resumes_from_its_replica(tmp_path, re
                       checkpoint={"memory_interleaved_steps": 1})
     cfg["data"]["path"] = reference["data"]
     (tmp_path / "job.json").write_text(json.dumps(cfg))
-    result, out = run_driver(tmp_path, NODE_LOSS_DRIVER, str(tmp_path / "job.json"), str(tmp_path / "marks"))
+    result, out = run_driver(tmp_path, TWO_NODES_DRIVER, str(tmp_path / "job.json"), str(tmp_path / "marks"), "node")
     assert result["error"] is None and result["committed"] == 12, (result, out[-5000:])
     root = cfg["checkpoint"]["save_path"]
     again = starts(root)[1]
     assert again["source"] == f"memory snapshot of step {again['step']}" and again["step"] > 4, again
     assert "restoring step" in out and "from the replica of its memory snapshot" in out, out[-5000:]
+    assert_same_as_reference(root, reference)
+
+
+@pytest.mark.slow
+def test_on_two_nodes_a_killed_worker_resumes_from_its_nodes_keeper(tmp_path, reference):
+    """Two nodes, one rank on each, every node's keeper replicating to the other's: rank 1 is
+    SIGKILLed after step 7 and its node stays, so each rank takes back its own node's copy."""
+    cfg = killed_at(7, tmp_path, reference["data"])
+    cfg["scaling"] = {"num_workers": 2, "resources_per_worker": {"CPU": 2}}
+    (tmp_path / "job.json").write_text(json.dumps(cfg))
+    result, out = run_driver(tmp_path, TWO_NODES_DRIVER, str(tmp_path / "job.json"), str(tmp_path / "marks"), "worker")
+    assert result["error"] is None and result["committed"] == 12, (result, out[-5000:])
+    root = cfg["checkpoint"]["save_path"]
+    again = starts(root)[1]
+    assert again["step"] in (5, 6) and again["source"] == f"memory snapshot of step {again['step']}", again
+    assert again["bytes_read"] == 0 and "from the replica of its memory snapshot" not in out, out[-5000:]
+    assert len({p.name.split("-", 1)[1] for p in (tmp_path / "marks").iterdir()}) >= 2  # the ranks ran on two nodes
     assert_same_as_reference(root, reference)
