@@ -173,12 +173,13 @@ class JobController:
             if len(ranks) < size or size == 0 or step < (self.settled or 0):
                 return
             if len(self.keepers) < 2 or all((step, r) in self.replicas for r in ranks):
-                self.settled = max(step, self.settled or step)
-            for older in [s for s in self.snapshots if s < step and s != self.settled]:
+                self.settled = step
+            keep = self.settled
+            for older in [s for s in self.snapshots if s < step and s != keep]:
                 del self.snapshots[older]
             self.replicas = {key: node for key, node in self.replicas.items() if key[0] in self.snapshots}
         for keeper in self.keepers.values() or [self]:
-            tell(keeper, "drop_before", step, self.settled)
+            tell(keeper, "drop_before", step, keep)
 
     def snapshot_lost(self, step: int) -> None:
         """A rank could not fetch its snapshot of `step` (its node is gone): never offered again."""

@@ -361,6 +361,7 @@ def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] 
         raise DataError(f"dataset {str(path)!r} holds no *.parquet files; check data.path")
     read = {INPUT_IDS} if pack else {SAMPLE_ID, *(columns or DEFAULT_COLUMNS)}
     first: Optional[Tuple[str, Dict[str, pa.DataType]]] = None  # the first file and its read columns' types
+    before = 0  # the samples of the row groups listed so far: the next one's `first`
     for fs in files:
         try:
             pf = _parquet(fs, storage)
@@ -381,8 +382,8 @@ def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] 
             if pack:
                 samples = sum(c.num_values for c in chunks if c.path_in_schema.startswith(INPUT_IDS + ".")) // pack
             if samples > 0:
-                units.append(ReadUnit(fs, rg, int(samples), sum(c.total_compressed_size for c in chunks),
-                                      sum(u.num_rows for u in units)))
+                units.append(ReadUnit(fs, rg, int(samples), sum(c.total_compressed_size for c in chunks), before))
+                before += int(samples)
     if not units:
         raise DataError(f"dataset {str(path)!r} is empty (no non-empty row groups in *.parquet files)")
     return units
