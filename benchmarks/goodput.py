@@ -88,7 +88,7 @@ def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float
     steps_run = [r for r in records if r.get("rank") == 0 and "loss" in r]
     restarts = [r for r in records if r.get("event") == "restart"]
     return _measured(began, time.time(), steps_run, killer.kills, [
-        {"restart": r.get("detect_s", 0) + r.get("new_group_s", 0), "reload": r["restore_s"], "redone": r["caught_up"] - r["step"]}
+        {"restart": sum(r.get(k, 0) for k in ("detect_s", "new_group_s", "spawn_s", "setup_s")), "reload": r["restore_s"], "redone": r["caught_up"] - r["step"]}
         for r in restarts])
 
 

@@ -44,6 +44,8 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -159,13 +161,24 @@ def _agree_on_attempt(controller, rank: int, world: int, device) -> tuple[int, i
     facts = torch.tensor([-1, -1, -1, 0], device=device)
     ended = {}
     if rank == 0:
-        reply = call(controller, "start_attempt", world)
+        reply = call(controller, "start_attempt", world, process_started())
         ended = {"failed_after": reply["failed_after"], "lost": reply["lost"], "clock": reply["clock"]}
         steps = [-1 if reply[k] is None else reply[k] for k in ("resume_step", "memory_step")]
         facts = torch.tensor([reply["attempt"], *steps, reply["user_error"] is not None], device=device)
     dist.broadcast(facts, src=0)
     attempt, step, memory_step, user_error = facts.tolist()
     return attempt, None if step < 0 else step, None if memory_step < 0 else memory_step, {**ended, "user_error": bool(user_error)}
+
+
+def process_started() -> float | None:
+    """When this process started, on time.time()'s clock (None where there is no /proc to say)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks after boot
+            since_boot = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class RankCheckpointer:

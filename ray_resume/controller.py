@@ -49,6 +49,22 @@ class CommitError(RuntimeError):
     """A commit failed: the run ends with this error, and its tracker stays on the last good commit."""
 
 
+def restart_clock(last: float, noticed: float | None, process_started: float | None, now: float) -> dict:
+    """How long a loss took to notice and to replace: from the lost group's last finished step to
+    Ray Train's failure report (`detect_s`), from that to the new group's first process
+    (`spawn_s`: the old group shut down, new processes), and from that to this call (`setup_s`:
+    their imports and Ray Train's setup). A process Ray had started before the loss has no spawn
+    time; without `process_started` the two are one, `new_group_s`. The process's start is read on
+    its own node's clock, the rest on the driver's: on one machine they are the same clock."""
+    clock, since = {}, last
+    if noticed is not None:
+        clock["detect_s"], since = noticed - last, noticed
+    if process_started is None:
+        return {**clock, "new_group_s": now - since}
+    spawned = min(max(process_started, since), now)
+    return {**clock, "spawn_s": spawned - since, "setup_s": now - spawned}
+
+
 class JobController:
     def __init__(self, save_path: str, job_id: str, config: dict, driver_pid: int, keepers: dict | None = None):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -89,25 +105,24 @@ class JobController:
         """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
         return self.config
 
-    def start_attempt(self, world: int) -> dict:
+    def start_attempt(self, world: int, process_started: float | None = None) -> dict:
         """Called once per worker-group start by rank 0: a new attempt id, and what to resume."""
         with self.lock:
-            return self._start_attempt(world)
+            return self._start_attempt(world, process_started)
 
-    def _start_attempt(self, world: int) -> dict:
+    def _start_attempt(self, world: int, process_started: float | None) -> dict:
         """`failed_after`: the last step the previous attempt finished (None on the first);
         `memory_step`: a step newer than the last commit that memory holds for every rank of a
-        group of this `world` size (None if there is none)."""
+        group of this `world` size (None if there is none). `process_started`: when rank 0's
+        process started (None: unknown), which splits the new group's time in two."""
         self.attempt += 1
         self.pending.clear()
         self.pending_common.clear()
         failed_after = self.reached[-1]["step"] if self.reached else None
         lost, self.lost = self.lost, {}
-        # How long the loss took to notice and to replace, on this one clock: from the lost group's
-        # last finished step to Ray Train's failure report, and from that to this new group's call.
         now, last = time.time(), self.reached[-1]["time"] if self.reached else None
         noticed, self.noticed_at = self.noticed_at, None
-        clock = {} if last is None else ({"detect_s": noticed - last, "new_group_s": now - noticed} if noticed else {"new_group_s": now - last})
+        clock = {} if last is None else restart_clock(last, noticed, process_started, now)
         self.reached.append({"attempt": self.attempt, "step": None, "time": None})
         return {"attempt": self.attempt, "resume_step": self.last_committed(), "memory_step": self.memory_step(world),
                 "failed_after": failed_after,

@@ -11,9 +11,12 @@ from __future__ import annotations
 import statistics
 
 # A restart's parts (the "restart" record rank 0 writes once the lost steps are redone): Ray Train
-# noticing the loss, the new worker group up to its first call, model build and restore, the
-# first step (data pipeline start included), and the rest of the steps done again.
-RESTART_PARTS = (("detect_s", "noticed"), ("new_group_s", "new group"), ("restore_s", "build and restore"),
+# noticing the loss, the new worker group up to its first call (where the process's start is
+# known: the old group's shutdown and new processes, then their imports and Ray Train's setup),
+# model build and restore, the first step (data pipeline start included), and the rest of the
+# steps done again.
+RESTART_PARTS = (("detect_s", "noticed"), ("new_group_s", "new group"), ("spawn_s", "new processes"),
+                 ("setup_s", "imports and setup"), ("restore_s", "build and restore"),
                  ("first_step_s", "first step"), ("redo_s", "redoing"))
 
 

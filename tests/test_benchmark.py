@@ -33,3 +33,14 @@ def test_small_benchmark_writes_every_row(tmp_path):
     assert tiny["load_balanced_bytes_read_vs_checkpoint"] > 0 and tiny["load_bytes_read_vs_checkpoint"] > 0
     assert "| ours async: stall (buffers reused) |" in proc.stdout
     assert not list((tmp_path / "work").iterdir())  # checkpoints of the benchmark are cleaned up
+
+
+@pytest.mark.slow  # a dozen fresh interpreters importing torch and Ray Train: ~1 min on 2 cores
+def test_restart_floor_times_the_imports_of_a_restarted_worker(tmp_path):
+    out = tmp_path / "floor.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.restart_floor", "--rounds", "1", "--out", str(out)],
+                          cwd=REPO, env=env_for_subprocess(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results["rows"]) == {f"{case}, {n} at once" for case in ("interpreter", "imports") for n in (1, 2)}
+    assert "torch._dynamo" in results["imports"] and "| imports, 2 at once |" in proc.stdout

@@ -48,11 +48,11 @@ def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_pa
     assert reached in (5, 6)  # rank 0 finished 5 or 6 before the group was ended
     assert lines[2].startswith(f"1 restart: after step {reached}: resumed from 4, {reached - 4} steps redone, ")
     # The restart's cost part by part (the harness has no Ray Train to notice the loss: no "noticed" part).
-    assert re.fullmatch(r".* s lost \(new group \d+\.\d s, build and restore \d+\.\d s, first step \d+\.\d s, "
-                        r"redoing \d+\.\d s\)", lines[2]) and len(lines) == 3, lines[2]
+    assert re.fullmatch(r".* s lost \(new processes \d+\.\d s, imports and setup \d+\.\d s, build and restore \d+\.\d s, "
+                        r"first step \d+\.\d s, redoing \d+\.\d s\)", lines[2]) and len(lines) == 3, lines[2]
     [restart] = [r for r in read_metrics(root) if r.get("event") == "restart"]
     assert (restart["attempt"], restart["rank"], restart["step"], restart["caught_up"]) == (1, 0, 4, reached)
-    assert all(restart[k] >= 0 for k in ("new_group_s", "restore_s", "first_step_s", "redo_s"))
+    assert all(restart[k] >= 0 for k in ("spawn_s", "setup_s", "restore_s", "first_step_s", "redo_s"))
 
     events = Path(f"{root}-metrics") / "tensorboard" / job
     assert len(list(events.glob("events.out.tfevents.*"))) == 2  # one per attempt
@@ -64,6 +64,29 @@ def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_pa
     assert curves["attempt"] == {0: 0.0, 4: 1.0}  # the restart, where it resumed
     assert set(curves["save_stall_s"]) == {4, 8, FINAL} and set(curves["lr"]) == set(range(1, FINAL + 1))
     assert sorted(curves["grad_norm"]) == list(range(1, FINAL + 1)) and all(v > 0 for v in curves["grad_norm"].values())
+
+
+def test_a_restarts_new_group_time_splits_where_its_process_started():
+    from ray_resume.controller import restart_clock
+
+    # Last step at 10, noticed at 10.5, rank 0's process started at 11, the new group called at 18.
+    assert restart_clock(10.0, 10.5, 11.0, 18.0) == {"detect_s": 0.5, "spawn_s": 0.5, "setup_s": 7.0}
+    # A process Ray had started before the loss: all of the new group's time is its setup.
+    assert restart_clock(10.0, 10.5, 9.0, 18.0) == {"detect_s": 0.5, "spawn_s": 0.0, "setup_s": 7.5}
+    assert restart_clock(10.0, 10.5, None, 18.0) == {"detect_s": 0.5, "new_group_s": 7.5}
+    assert restart_clock(10.0, None, 12.0, 18.0) == {"spawn_s": 2.0, "setup_s": 6.0}  # no failure report (the harness)
+
+
+def test_process_started_is_when_the_process_began_not_when_it_asked():
+    import subprocess
+    import sys
+    import time
+
+    before = time.time()
+    asked = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.0); from ray_resume.api import process_started; "
+                            "print(process_started(), time.time())"], capture_output=True, text=True, check=True)
+    started, now = map(float, asked.stdout.split())
+    assert before - 0.05 <= started <= now - 1.0  # /proc counts in 10 ms ticks
 
 
 def test_grad_norm_is_torchs_total_norm_and_changes_no_gradient():
