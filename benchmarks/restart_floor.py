@@ -1,6 +1,6 @@
 """The floor under a worker restart: what a new Ray Train worker process spends importing.
 
-    python -m benchmarks.restart_floor             # 3 rounds, ~1 min on 2 cores
+    python -m benchmarks.restart_floor             # 3 rounds, ~40 s on 2 cores
 
 A worker loss makes Ray Train replace the whole group with new processes, and each imports
 again what a rank of a ray_resume job needs before its first step: Ray Train's worker, its torch

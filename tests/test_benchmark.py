@@ -35,7 +35,6 @@ def test_small_benchmark_writes_every_row(tmp_path):
     assert not list((tmp_path / "work").iterdir())  # checkpoints of the benchmark are cleaned up
 
 
-@pytest.mark.slow  # a dozen fresh interpreters importing torch and Ray Train: ~1 min on 2 cores
 def test_restart_floor_times_the_imports_of_a_restarted_worker(tmp_path):
     out = tmp_path / "floor.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.restart_floor", "--rounds", "1", "--out", str(out)],
