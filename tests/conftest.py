@@ -173,10 +173,32 @@ def local_reference(tmp_path_factory):
     return {"root": root, "steps": per_step(read_metrics(root)), "data": cfg["data"]["path"]}
 
 
+def committed_as(root, step: int) -> tuple[dict, dict]:
+    """Iteration `step` as a load sees it (validated, no unlisted shard): what its metadata.json says of
+    each file (size and block digests) and its common.json without what differs between two jobs."""
+    from ray_resume.checkpoint.reader import check_no_extra_shards, open_iteration
+    from ray_resume.checkpoint.storage import LocalStorage
+
+    it = open_iteration(LocalStorage(), str(root), step)
+    check_no_extra_shards(LocalStorage(), it)
+    files = {name: (info["size"], info["digests"]) for name, info in it.metadata["files"].items()}
+    return files, {k: v for k, v in it.common.items() if k not in ("job_id", "saved_at")}
+
+
+def assert_resumed_once(root, step: int = 4) -> None:
+    """The job's first group started at step 0 and its one restart resumed from iteration `step`: the
+    fault fired, and a comparison with an uninterrupted twin is not one of two uninterrupted runs."""
+    starts = [r for r in read_metrics(str(root)) if r.get("event") == "start" and r["rank"] == 0]
+    assert [(r["attempt"], r["step"]) for r in starts] == [(0, 0), (1, step)], starts
+    assert starts[1]["source"].endswith(paths.iteration_dirname(step)), starts[1]
+
+
 def assert_same_as_reference(root, reference) -> list[dict]:
-    """Same bytes at every saved iteration, same loss at every step run, before or after a crash."""
+    """Same bytes at every saved iteration, each committed as the reference's was, same loss at every
+    step run, before or after a crash."""
     for step in (4, 8, FINAL):
         assert shard_bytes(root, step) == shard_bytes(reference["root"], step), f"iteration {step} differs"
+        assert committed_as(root, step) == committed_as(reference["root"], step), f"iteration {step} is committed otherwise"
     assert len(shard_bytes(root, FINAL)) == 4  # model + opt for each of 2 ranks
     common = json.loads((Path(paths.iteration_dir(str(root), FINAL)) / "common.json").read_text())
     assert common["global_step"] == FINAL and common["consumed_samples"] == FINAL * 16
@@ -190,7 +212,7 @@ def assert_same_as_reference(root, reference) -> list[dict]:
         for again in runs:  # a step run before and after the crash gives the same loss and samples
             assert again["loss"] == expected["loss"], f"step {step}: loss {again['loss']} != {expected['loss']}"
             # A killed rank loses the records it had not flushed yet: its share may be missing.
-            assert set(again["ids"]) <= set(expected["ids"]), f"step {step}: sample ids differ"
+            assert again["ids"] and set(again["ids"]) <= set(expected["ids"]), f"step {step}: sample ids differ"
         if step > last_resume:  # run by the last worker group, which ended normally
             assert runs[-1]["ids"] == expected["ids"], f"step {step}: sample ids of the final run differ"
     return restarts

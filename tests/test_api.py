@@ -88,6 +88,7 @@ def fit(root, *, workers: int = 2, load=None, **loop):
 
 
 @pytest.mark.usefixtures("ray_cluster", "by_value")
+@pytest.mark.invariant(2)
 def test_your_train_func_resumes_byte_identical_after_a_worker_sigkill_and_on_another_world_size(tmp_path):
     fit(tmp_path / "clean", dropout=0.2)
     fit(tmp_path / "killed", dropout=0.2, kill_at=6, marker=str(tmp_path / "killed-once"))
@@ -107,6 +108,7 @@ def test_your_train_func_resumes_byte_identical_after_a_worker_sigkill_and_on_an
         torch.testing.assert_close(weights[1][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.invariant(6)
 def test_extra_state_that_json_and_safetensors_cannot_hold_is_refused_by_key_path():
     from ray_resume.api import dump_extra, load_extra
     from ray_resume.config import ConfigError
@@ -136,6 +138,7 @@ def test_extra_state_that_json_and_safetensors_cannot_hold_is_refused_by_key_pat
                               "None, and lists, tuples and dicts of them (no pickle)")
 
 
+@pytest.mark.invariant(6, 13)
 def test_bad_keys_are_refused_before_ray_starts_and_the_checkpointer_lives_only_in_fit():
     from ray_resume.config import ConfigError
 
@@ -146,6 +149,7 @@ def test_bad_keys_are_refused_before_ray_starts_and_the_checkpointer_lives_only_
         ray_resume.get_checkpointer()
 
 
+@pytest.mark.invariant(6, 13)
 def test_extra_state_with_no_save_optim_is_refused_before_anything_loads(tmp_path):
     """It rides in the optimizer shards: with no_save_optim it would vanish at the first restart, silently."""
     from ray_resume.api import RankCheckpointer, RankJob

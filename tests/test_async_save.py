@@ -61,6 +61,7 @@ def test_streamed_shards_are_exactly_what_safetensors_writes(dtype):
     states = {"model": state.model_tensors(model), "opt": opt.state_tensors()}
     for world in (1, 2, 3):
         for rank in range(world):
+            assert [shard.kind for shard in shard_layouts(states, rank, world)] == ["model", "opt"]
             for shard in shard_layouts(states, rank, world):
                 extras = {RANK_EXTRAS_KEY: '{"rng": "x\\"y"}'} if shard.kind == "opt" else None
                 ours = b"".join(bytes(c) for c in [safetensors_header(shard, extras), *live_data(shard, states[shard.kind])])
@@ -69,6 +70,7 @@ def test_streamed_shards_are_exactly_what_safetensors_writes(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.invariant(2)
 def test_async_and_sync_saves_write_identical_files(tmp_path, dtype):
     model, opt = make_state(dtype=dtype)
     common = {"global_step": 3}
@@ -98,13 +100,15 @@ def test_async_and_sync_saves_write_identical_files(tmp_path, dtype):
         "format_version": paths.FORMAT_VERSION, "global_step": 3, "global_batch_size": 16, "step_num": 3, "epoch_num": 0, "loss_scale": 1.0,
         "ckpt_status": "ok", "consumed_samples": 48, "world_size": 2, "has_optimizer": True, "job_id": "t"}))
     it = open_iteration(LocalStorage(), str(roots["async"]), 3)
-    for name, tensor in load_state(LocalStorage(), it, "model").items():
-        assert torch.equal(tensor, state.model_tensors(model)[name])
-    for name, tensor in load_state(LocalStorage(), it, "opt").items():
-        assert torch.equal(tensor, opt.state_tensors()[name])
+    for kind, held in (("model", state.model_tensors(model)), ("opt", opt.state_tensors())):
+        loaded = load_state(LocalStorage(), it, kind)
+        assert loaded.keys() == held.keys()
+        for name, tensor in loaded.items():
+            assert torch.equal(tensor, held[name]), name
     assert set(load_rank_extras(ShardReader(LocalStorage(), it), 1)) == {"rng_torch", "rng_numpy", "rng_python"}
 
 
+@pytest.mark.invariant(2)
 def test_snapshot_is_taken_at_the_save_step_and_buffers_are_reused(tmp_path):
     model, opt = make_state()
     expected = checkpointer_for(tmp_path / "sync" / "ckpt", 0, 2, async_save=False)

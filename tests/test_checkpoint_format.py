@@ -91,6 +91,7 @@ def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None,
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.invariant(2)
 def test_round_trip_restores_every_tensor_bitwise(tmp_path, world):
     model, opt = make_state()
     write_iteration(tmp_path, world, model=model, opt=opt)
@@ -119,6 +120,7 @@ CHECKSUMS = {"xxh3-128": lambda b: xxhash.xxh3_128(b).hexdigest(), "sha256": lam
 @pytest.mark.parametrize("checksum", CHECKSUMS)
 @pytest.mark.parametrize("flip", [None, "requested", "skipped"])
 @pytest.mark.parametrize("block_size", [CHECKSUM_BLOCK, 100])
+@pytest.mark.invariant(7, 12)
 def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(tmp_path, monkeypatch, flip, block_size, checksum):
     """read_checked with 40-byte reads: requested spans are read into their tensors, the bytes
     between them go through the two alternating scratch buffers, and the digest of each checksum
@@ -153,6 +155,7 @@ def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(tmp_
 
 
 @pytest.mark.parametrize("checksum", CHECKSUMS)
+@pytest.mark.invariant(12)
 def test_each_checksum_block_is_the_digest_of_its_bytes_and_any_subset_can_be_checked(tmp_path, checksum):
     """metadata.json names each file's checksum and lists the digest of the header and of each
     64-byte block of the data section; a reader can check any set of blocks alone, reading only them."""
@@ -231,6 +234,7 @@ def draws() -> dict:
 
 
 @pytest.mark.parametrize("cached_gauss", [False, True])
+@pytest.mark.invariant(2)
 def test_rng_state_round_trips_every_generator(cached_gauss):
     """torch, numpy's legacy global state and python's `random`, each continued exactly. Python's
     `gauss` and numpy's `standard_normal` draw in pairs and cache the second: a restore that drops
@@ -345,6 +349,7 @@ def _status(d: Path):
         (lambda d: (d.parent / paths.TRACKER).write_text("9"), "names iteration 9, but iteration_00000009/ does not exist"),
     ],
 )
+@pytest.mark.invariant(6, 7, 10)
 def test_damaged_checkpoint_is_refused_by_name_and_left_untouched(tmp_path, damage, message):
     directory = write_iteration(tmp_path, world=2)
     damage(directory)
@@ -355,6 +360,7 @@ def test_damaged_checkpoint_is_refused_by_name_and_left_untouched(tmp_path, dama
     assert tree(tmp_path) == before  # a failed load changes nothing on disk
 
 
+@pytest.mark.invariant(1)
 def test_atomic_write_replaces_and_leaves_no_temp_file(tmp_path):
     storage = storage_for(str(tmp_path))
     target = str(tmp_path / "latest_checkpointed_iteration.txt")
@@ -364,11 +370,13 @@ def test_atomic_write_replaces_and_leaves_no_temp_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["latest_checkpointed_iteration.txt"]
 
 
+@pytest.mark.invariant(6)
 def test_unsupported_storage_scheme_is_named():
     with pytest.raises(ValueError, match="storage scheme 'gs'"):
         storage_for("gs://bucket/ckpt")
 
 
+@pytest.mark.invariant(6)
 def test_no_pickle_anywhere_in_the_package():
     """Checkpoints are safetensors and JSON only: nothing in the package may unpickle."""
     package = Path(__file__).resolve().parent.parent / "ray_resume"
@@ -385,6 +393,7 @@ def test_no_pickle_anywhere_in_the_package():
     lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),  # momentum_buffer
     lambda params: torch.optim.Adagrad(params, lr=1e-2),  # sum
 ], ids=["adamw-amsgrad", "sgd-momentum", "adagrad"])
+@pytest.mark.invariant(2)
 def test_every_slot_of_a_torch_optimizer_round_trips(make):
     """Not a fixed slot list: whatever the optimizer keeps per parameter comes back bit for bit."""
     torch.manual_seed(0)

@@ -39,9 +39,16 @@ def test_cluster_launcher_yaml_matches_rays_schema():
 
 
 def test_cluster_launcher_yaml_passes_rays_own_validation():
-    """Ray's launcher fills in provider defaults and validates again (what `ray up` does first)."""
-    util = pytest.importorskip("ray.autoscaler._private.util")
-    util.validate_config(util.prepare_config(launcher()))
+    """Ray's launcher fills in provider defaults and validates again (what `ray up` does first): our
+    YAML passes, and the same check refuses a broken copy of it (so it is a check, not a no-op).
+    Imported, not importorskip'd: a Ray that moves this module fails here instead of skipping."""
+    from ray.autoscaler._private import util
+
+    prepared = util.prepare_config(launcher())
+    assert util.validate_config(prepared) is None
+    assert prepared["available_node_types"].keys() == launcher()["available_node_types"].keys()
+    with pytest.raises(jsonschema.ValidationError, match="'many' is not of type 'integer'"):
+        util.validate_config({**prepared, "max_workers": "many"})
 
 
 def test_cluster_launcher_mounts_shared_storage_and_installs_the_package():
@@ -52,9 +59,10 @@ def test_cluster_launcher_mounts_shared_storage_and_installs_the_package():
     assert len(parts) == 1 and parts[0][parts[0].index("-t") + 1] == "nfs4" and parts[0][-1] == SHARED
     installs = [cmd[cmd.index("-e") + 1] for cmd in commands if "install" in cmd and "-e" in cmd]
     assert len(installs) == 1 and config["file_mounts"][installs[0]] == "."  # the repository itself
-    for start in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
-        if "ray start" in start:
-            assert "RAY_AUTH_MODE=token" in shlex.split(start.split(";")[-1])  # token auth on every node
+    starts = [s for s in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in s]
+    assert len(starts) == 2  # the head's and the workers'
+    for start in starts:
+        assert "RAY_AUTH_MODE=token" in shlex.split(start.split(";")[-1])  # token auth on every node
     # The token every node uses is the one `ray job submit` sends from here.
     assert config["file_mounts"]["/home/ubuntu/.ray/auth_token"] == "~/.ray/auth_token"
     # The submit command in the header comments uses the same shared save_path.

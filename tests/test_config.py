@@ -90,10 +90,12 @@ def test_int_accepted_for_float_and_round_trip():
 
 
 # ----------------------------------------------------------------- unknown keys / types
+@pytest.mark.invariant(6, 13)
 def test_unknown_top_level_key_did_you_mean():
     assert problems(cfg(trainig={"lr": 1})) == ["x.yaml: trainig: unknown key; did you mean 'training'?"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_unknown_nested_key_did_you_mean():
     assert problems(cfg(checkpoint={"save_maxx": 3})) == [
         "x.yaml: checkpoint.save_maxx: unknown key; did you mean 'save_max'?"]
@@ -101,6 +103,7 @@ def test_unknown_nested_key_did_you_mean():
         "x.yaml: data.synthetic.sampels: unknown key; did you mean 'samples'?"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_wrong_type_names_full_key():
     assert problems(cfg(training={"lr": "abc"})) == ["x.yaml: training.lr must be a number, got str 'abc'"]
     assert problems(cfg(checkpoint={"save_max": True})) == [
@@ -111,6 +114,7 @@ def test_wrong_type_names_full_key():
 
 
 
+@pytest.mark.invariant(6, 13)
 def test_evaluation_needs_a_held_out_dataset():
     assert problems(cfg(training={"eval_every": 50})) == [
         "x.yaml: training.eval_every=50 needs data.eval_path (a held-out dataset); set it, or eval_every: 0"]
@@ -123,6 +127,7 @@ def test_a_wrong_credential_is_named_but_never_shown():
         "x.yaml: checkpoint.storage.session_token must be a string, got list <redacted>"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_worker_resources_and_resize_interval_are_checked():
     c = Config.from_dict(cfg(scaling={"num_workers": [1, 2], "resources_per_worker": {"CPU": 2, "train_slot": 1},
                                       "elastic_resize_interval_s": 5}))
@@ -140,6 +145,7 @@ def test_worker_resources_and_resize_interval_are_checked():
     assert problems(cfg(scaling={"resources_per_worker": [1]})) == [
         "x.yaml: scaling.resources_per_worker must be a mapping, got list [1]"]
 
+@pytest.mark.invariant(6, 13)
 def test_required_keys():
     assert problems({}) == ["x.yaml: name is required (a string)",
                             "x.yaml: checkpoint.save_path must be set when checkpoint.enable_save is true"]
@@ -148,15 +154,18 @@ def test_required_keys():
 
 # ----------------------------------------------------------------- impossible values
 @pytest.mark.parametrize("value", [0, -5])
+@pytest.mark.invariant(6, 13)
 def test_save_interleaved_steps_must_be_positive(value):
     assert problems(cfg(checkpoint={"save_interleaved_steps": value})) == [
         f"x.yaml: checkpoint.save_interleaved_steps must be >= 1, got {value}"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_save_max_zero():
     assert problems(cfg(checkpoint={"save_max": 0})) == ["x.yaml: checkpoint.save_max must be >= 1, got 0"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_global_batch_not_divisible():
     assert problems(cfg(training={"global_batch_size": 30})) == [
         "x.yaml: training.global_batch_size=30 is not divisible by scaling.num_workers (2) x "
@@ -164,6 +173,7 @@ def test_global_batch_not_divisible():
         "(gradient accumulation makes up the rest)"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_elastic_range_names_failing_world_size():
     (msg,) = problems(cfg(scaling={"num_workers": [1, 3]}))
     assert msg == (
@@ -172,12 +182,14 @@ def test_elastic_range_names_failing_world_size():
         "that is a multiple of 48 (gradient accumulation makes up the rest)")
 
 
+@pytest.mark.invariant(6, 13)
 def test_bad_scaling_range():
     assert problems(cfg(scaling={"num_workers": [3, 1]})) == [
         "x.yaml: scaling.num_workers [min, max] needs min <= max, got [3, 1]"]
     assert problems(cfg(scaling={"num_workers": 0})) == ["x.yaml: scaling.num_workers must be >= 1, got 0"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_bad_enums():
     assert problems(cfg(model={"dtype": "float64"})) == [
         "x.yaml: model.dtype must be one of float32, bfloat16, float16; got 'float64'"]
@@ -190,6 +202,7 @@ def test_bad_enums():
         "x.yaml: checkpoint.checksum must be one of xxh3-128, sha256; got 'md5'"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_enable_save_requires_save_path_and_fault_rank():
     assert problems(cfg(checkpoint={"save_path": ""})) == [
         "x.yaml: checkpoint.save_path must be set when checkpoint.enable_save is true"]
@@ -198,6 +211,7 @@ def test_enable_save_requires_save_path_and_fault_rank():
         "x.yaml: fault.rank=2 must be < the largest world size scaling.num_workers (2)"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_model_and_name_checks():
     assert problems(cfg(model={"n_heads": 3})) == [
         "x.yaml: model.d_model (128) must be divisible by model.n_heads (3)"]
@@ -206,6 +220,7 @@ def test_model_and_name_checks():
     assert problems(cfg(failure={"max_failures": -2})) == ["x.yaml: failure.max_failures must be >= -1, got -2"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_many_problems_reported_together():
     d = cfg(checkpoint={"save_max": 0, "save_maxx": 1}, training={"lr": "abc", "global_batch_size": 30},
             model={"dtype": "fp8"}, bogus=1)
@@ -228,12 +243,14 @@ def test_many_problems_reported_together():
     assert all(p in text for p in got)
 
 
+@pytest.mark.invariant(6, 13)
 def test_type_error_suppresses_follow_on_problems():
     # a bad micro_batch_size must not also produce a divisibility complaint about the default
     assert problems(cfg(training={"micro_batch_size": "8"})) == [
         "x.yaml: training.micro_batch_size must be an integer, got str '8'"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_direct_construction_validates():
     with pytest.raises(ConfigError, match=r"checkpoint.save_max must be >= 1, got 0"):
         CheckpointConfig(save_path="x", save_max=0)
@@ -242,6 +259,7 @@ def test_direct_construction_validates():
 
 
 # ----------------------------------------------------------------- files
+@pytest.mark.invariant(6, 13)
 def test_missing_file(tmp_path):
     path = str(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError) as ei:
@@ -249,6 +267,7 @@ def test_missing_file(tmp_path):
     assert str(ei.value) == f"{path}: config file not found"
 
 
+@pytest.mark.invariant(6, 13)
 def test_yaml_parse_error_names_file_and_line(tmp_path):
     path = write(tmp_path, "name: x\ntraining:\n  lr: [1, 2\n  seed: 3\n")
     with pytest.raises(ConfigError) as ei:
@@ -257,6 +276,7 @@ def test_yaml_parse_error_names_file_and_line(tmp_path):
     assert msg.startswith(f"{path}: invalid YAML at line 4, column 7: ")
 
 
+@pytest.mark.invariant(6, 13)
 def test_top_level_not_mapping(tmp_path):
     with pytest.raises(ConfigError, match=r"c\.yaml: top level must be a mapping, got list"):
         load_config(write(tmp_path, "- a\n- b\n"))
@@ -264,6 +284,7 @@ def test_top_level_not_mapping(tmp_path):
         load_config(write(tmp_path, ""))
 
 
+@pytest.mark.invariant(6, 13)
 def test_load_config_errors_name_source(tmp_path):
     path = write(tmp_path, "name: x\ncheckpoint: {save_path: s, save_max: 0}\n")
     with pytest.raises(ConfigError) as ei:
@@ -295,12 +316,14 @@ def test_override_creates_optional_block(tmp_path):
     assert c2.data.synthetic.samples == 10 and c2.data.synthetic.files == 4
 
 
+@pytest.mark.invariant(6, 13)
 def test_override_unknown_key():
     with pytest.raises(ConfigError) as ei:
         load_config(QUICK, ["training.train_stpes=5"])
     assert ei.value.problems == [f"{QUICK}: training.train_stpes: unknown key; did you mean 'train_steps'?"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_override_malformed():
     with pytest.raises(ConfigError) as ei:
         load_config(QUICK, ["training.train_steps"])

@@ -52,7 +52,18 @@ def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_pa
                         r"first step \d+\.\d s, redoing \d+\.\d s\)", lines[2]) and len(lines) == 3, lines[2]
     [restart] = [r for r in read_metrics(root) if r.get("event") == "restart"]
     assert (restart["attempt"], restart["rank"], restart["step"], restart["caught_up"]) == (1, 0, 4, reached)
-    assert all(restart[k] >= 0 for k in ("spawn_s", "setup_s", "restore_s", "first_step_s", "redo_s"))
+    # The line shows the record's parts, and the parts account for the time lost: each one a stretch
+    # the new group spent (a new process started, imported, built and restored, stepped), together
+    # all of it but the gaps between them and the first step beyond the lost ones: never more (a part
+    # counted twice), never much less (a part left out).
+    shown = dict(re.findall(r"(new processes|imports and setup|build and restore|first step|redoing) (\d+\.\d) s", lines[2]))
+    keys = {"new processes": "spawn_s", "imports and setup": "setup_s", "build and restore": "restore_s",
+            "first step": "first_step_s", "redoing": "redo_s"}
+    assert {label: f"{restart[key]:.1f}" for label, key in keys.items()} == shown
+    assert all(restart[key] > 0 for key in ("spawn_s", "setup_s", "restore_s", "first_step_s"))
+    lost = float(re.search(r"steps redone, (\d+\.\d) s lost", lines[2]).group(1))
+    parts = sum(restart[key] for key in keys.values())
+    assert 0.5 * lost <= parts <= lost + 0.05, (parts, lost)  # `lost` is shown to 0.1 s
 
     events = Path(f"{root}-metrics") / "tensorboard" / job
     assert len(list(events.glob("events.out.tfevents.*"))) == 2  # one per attempt

@@ -109,6 +109,7 @@ def test_synth_cli_and_learnable(tmp_path):
 # ---------------------------------------------------------------- order (pure)
 
 
+@pytest.mark.invariant(3)
 def test_order_pure(ds_path):
     units = scan_units(ds_path)
     o1 = ids_of(units, epoch_order(units, 1, 0, True))
@@ -123,6 +124,7 @@ def test_order_pure(ds_path):
     np.testing.assert_array_equal(ids_of(units, epoch_order(units, 1, 3, False)), np.arange(N))
 
 
+@pytest.mark.invariant(3)
 def test_stream_order_matches_pure_order(ray_ctx, ds_path):
     units = scan_units(ds_path)
     # gbs = N: one step per epoch
@@ -150,6 +152,7 @@ def test_stream_order_matches_pure_order(ray_ctx, ds_path):
 # ---------------------------------------------------------------- resume equivalence
 
 
+@pytest.mark.invariant(3)
 def test_resume_equivalence_across_epochs(ray_ctx, ds_path):
     gbs, steps = 16, 12  # 192 samples: crosses the epoch boundary at 100
     full = take(SampleStream(ds_path, 11, True, gbs, 0, 1, 0), steps)
@@ -173,6 +176,7 @@ def test_resume_equivalence_across_epochs(ray_ctx, ds_path):
         np.testing.assert_array_equal(got_tok, flat_tok[off:off + 4 * gbs])
 
 
+@pytest.mark.invariant(3)
 def test_world_size_invariance(ray_ctx, ds_path):
     gbs, steps, start = 16, 8, 37
     ref = take(SampleStream(ds_path, 4, True, gbs, 0, 1, start), steps)
@@ -190,6 +194,7 @@ def test_world_size_invariance(ray_ctx, ds_path):
 # ---------------------------------------------------------------- plan
 
 
+@pytest.mark.invariant(3)
 def test_plan_excludes_units_before_offset(ds_path):
     units = scan_units(ds_path)
     seed, epoch = 9, 2
@@ -213,6 +218,7 @@ def test_plan_excludes_units_before_offset(ds_path):
         plan_lane(units, seed, epoch, True, 1, 0, N)
 
 
+@pytest.mark.invariant(3)
 def test_plan_with_fake_units():
     units = [ReadUnit("a", 0, 5), ReadUnit("a", 1, 3), ReadUnit("b", 0, 4)]
     assert plan_lane(units, 0, 0, False, 1, 0) == [(0, 0, 5), (1, 0, 3), (2, 0, 4)]
@@ -229,6 +235,7 @@ def test_plan_with_fake_units():
 # ---------------------------------------------------------------- errors
 
 
+@pytest.mark.invariant(6, 13)
 def test_schema_errors(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -312,6 +319,7 @@ def local(*args, **kwargs):
     return LocalStream(*args, **kwargs)
 
 
+@pytest.mark.invariant(3)
 def test_lanes_give_every_world_size_the_same_batches(ds_path):
     """8 lanes of 100 // 8 = 12 samples per epoch: a batch of 16 takes 2 from each, in lane order,
     whatever the world size (3 ranks at gbs 24 included); an epoch is 96 distinct samples."""
@@ -331,10 +339,12 @@ def test_lanes_give_every_world_size_the_same_batches(ds_path):
                     np.testing.assert_array_equal(np.concatenate([per_rank[r][s][key] for r in range(w)]), whole[s][key])
 
 
+@pytest.mark.invariant(3)
 def test_lanes_resume_exactly_and_on_another_batch_size_take_the_same_samples(ds_path):
     units = scan_units(ds_path)
     full = take(local(units, 5, True, 16, 0, 1, 0, lanes=8), 12)
     resumed = take(local(units, 5, True, 16, 1, 2, 64, lanes=8), 8)  # rank 1 of 2, from sample 64
+    assert len(full) == 12 and len(resumed) == 8
     for a, b in zip(full[4:], resumed):
         np.testing.assert_array_equal(a["sample_id"][8:], b["sample_id"])
     # scenario C: 128 samples at 16, then 2 steps of 24 = the next 3 steps of 16, as a multiset
@@ -395,6 +405,7 @@ def docs_path(tmp_path_factory) -> Path:
     return p
 
 
+@pytest.mark.invariant(3)
 def test_documents_are_packed_in_the_sample_order_and_cut_in_windows(docs_path):
     """A row group's windows: its documents in the epoch's order, concatenated, cut in L + 1 tokens;
     the footer alone says how many there are."""
@@ -418,6 +429,7 @@ def test_documents_are_packed_in_the_sample_order_and_cut_in_windows(docs_path):
     assert batch["sample_id"][0] == units[ui].first + start
 
 
+@pytest.mark.invariant(3)
 def test_packed_windows_resume_exactly_on_any_world_size_and_batch_size(docs_path):
     units = scan_units(docs_path, pack=L + 1)
     kw = dict(lanes=4, pack=L + 1)
@@ -432,6 +444,7 @@ def test_packed_windows_resume_exactly_on_any_world_size_and_batch_size(docs_pat
         sorted(map(tuple, np.concatenate([b["input_ids"] for b in full[6:16]]).tolist()))
 
 
+@pytest.mark.invariant(6, 13)
 def test_an_empty_document_is_one_line_naming_its_file_and_row(tmp_path):
     path = tmp_path / "empty"
     path.mkdir()
@@ -441,6 +454,7 @@ def test_an_empty_document_is_one_line_naming_its_file_and_row(tmp_path):
         take(local(units, 0, False, 2, 0, 1, 0, pack=L + 1), 1)
 
 
+@pytest.mark.invariant(2, 3)
 def test_a_packed_run_killed_mid_way_ends_byte_identical(tmp_path):
     from conftest import assert_same_as_reference, per_step, read_metrics, run_on_harness, tiny_config
 
@@ -473,12 +487,14 @@ def test_data_map_preprocesses_the_rows_in_ray_datas_read_tasks(ray_ctx, ds_path
         mapped = take(SampleStream(ds_path, 5, True, 16, 0, 1, 0, lanes=8, data_map=plugin_models.shift_tokens), 3)
     finally:
         ray_ctx.cloudpickle.unregister_pickle_by_value(plugin_models)
+    assert len(plain) == len(mapped) == 3
     for a, b in zip(plain, mapped):
         np.testing.assert_array_equal(b["sample_id"], a["sample_id"])
         np.testing.assert_array_equal(b["input_ids"], (a["input_ids"] * 3 + 1) % 50)
         assert os.getpid() not in set(b["pid"].tolist())
 
 
+@pytest.mark.invariant(6, 13)
 def test_a_data_map_that_changes_the_row_count_is_refused_on_the_driver_naming_it(tmp_path):
     from conftest import tiny_config
 
@@ -491,6 +507,7 @@ def test_a_data_map_that_changes_the_row_count_is_refused_on_the_driver_naming_i
         preflight(with_lanes(absolute_paths(Config.from_dict(cfg))))
 
 
+@pytest.mark.invariant(2, 3)
 def test_a_run_with_a_data_map_killed_mid_way_ends_byte_identical(tmp_path, local_reference):
     from conftest import assert_same_as_reference, per_step, read_metrics, run_on_harness, tiny_config
 
@@ -507,6 +524,7 @@ def test_a_run_with_a_data_map_killed_mid_way_ends_byte_identical(tmp_path, loca
     assert per_step(read_metrics(clean))[1][0]["loss"] != local_reference["steps"][1][0]["loss"]  # the map changed what it trained on
 
 
+@pytest.mark.invariant(6, 13)
 def test_a_file_of_another_schema_or_a_document_column_of_the_wrong_type_is_one_line_naming_the_file(tmp_path):
     mixed = tmp_path / "mixed"
     mixed.mkdir()
@@ -523,6 +541,7 @@ def test_a_file_of_another_schema_or_a_document_column_of_the_wrong_type_is_one_
         scan_units(words, pack=L + 1)
 
 
+@pytest.mark.invariant(13)
 def test_an_empty_document_met_by_a_rank_ends_the_job_in_one_line_without_a_retry(tmp_path):
     """Only a read can see it: the rank says it once, and the group restarted for it returns at once."""
     import harness

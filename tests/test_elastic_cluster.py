@@ -253,6 +253,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.invariant(3)
 def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path, ray_cluster):
     t0 = time.time()
     data = tmp_path / "data"

@@ -76,6 +76,7 @@ STEP_SLEEP = 0.15  # seconds per micro-batch: ~0.3 s per step, ~4 s for the 12 s
 
 
 @pytest.mark.parametrize("seed", [0])  # more seeds, in seconds each, on the harness (tests/test_harness.py)
+@pytest.mark.invariant(1, 2, 3)
 def test_worker_sigkilled_from_outside_at_a_random_moment(tmp_path, reference, ray_cluster, seed):
     rng = random.Random(seed)
     # Uniform over the training window: from the first micro-batch to before the last step ends
@@ -228,6 +229,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.invariant(1, 2, 3)
 def test_node_holding_the_workers_removed_mid_run(tmp_path, reference):
     cfg = tiny_config(tmp_path)
     cfg["data"]["path"] = reference["data"]

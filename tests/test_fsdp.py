@@ -83,6 +83,7 @@ def _save(rank: int, world: int, init: str, out: str, strategy: str, dtype: str)
     manifests = [None] * world
     dist.all_gather_object(manifests, manifest)
     held = _consolidated(model, optimizer)
+    next_loss = _train(model, optimizer, 1, rank, world)[0]  # the step a load of this checkpoint takes next
     if rank == 0:  # the driver's part of a commit
         directory = Path(paths.iteration_dir(root, STEP))
         (directory / paths.METADATA).write_bytes(dumps(build_metadata(STEP, "ckpt", manifests)))
@@ -92,6 +93,7 @@ def _save(rank: int, world: int, init: str, out: str, strategy: str, dtype: str)
         (directory / paths.COMMON).write_bytes(dumps(common))
         LocalStorage().write_atomic(paths.tracker_path(root), f"{STEP}\n".encode())
         save_file(held, str(Path(out, "held.safetensors")))
+        Path(out, "saved.json").write_text(json.dumps({"loss": next_loss}))
     _exit()
 
 
@@ -152,9 +154,10 @@ def test_save_under_one_strategy_load_under_the_other_on_any_world_size(tmp_path
         assert_same(load_file(str(tmp_path / f"{label}.safetensors")), held)
         results[label] = json.loads((tmp_path / f"{label}.json").read_text())
         assert results[label]["step"] == STEP
-    # The first step after the load sees the same weights and the same global batch on every layout.
-    # Not bit-equal: FSDP reduce-scatters and DDP all-reduces, summing in different orders.
-    losses = [r["loss"] for r in results.values()]
+    # The first step after the load sees the same weights and the same global batch on every layout as
+    # the saving one did. Not bit-equal: FSDP reduce-scatters and DDP all-reduces, summing in different orders.
+    assert len(results) == len(loads)
+    losses = [json.loads((tmp_path / "saved.json").read_text())["loss"]] + [r["loss"] for r in results.values()]
     assert max(losses) - min(losses) < 1e-5 * max(abs(v) for v in losses), losses
     if "fsdp-2" in results:
         assert_reads_own_share(tmp_path, results["fsdp-2"]["bytes_read"])

@@ -28,6 +28,7 @@ def starts(root) -> list[dict]:
     return [r for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0]
 
 
+@pytest.mark.invariant(2, 3)
 def test_a_job_on_the_harness_is_the_same_job_as_on_ray_train(local_reference, reference):
     """Same bytes at every iteration, same loss and samples at every step as the Ray Train run:
     what the harness shows holds for the product."""
@@ -37,6 +38,7 @@ def test_a_job_on_the_harness_is_the_same_job_as_on_ray_train(local_reference, r
 
 
 @pytest.mark.parametrize("phase", ["mid_shard_write", "before_report"])
+@pytest.mark.invariant(1, 2, 3, 4, 8)
 def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, local_reference, phase):
     cfg = tiny_config(tmp_path, fault={"phase": phase, "step": 8, "rank": 1})
     cfg["data"]["path"] = local_reference["data"]
@@ -53,6 +55,7 @@ def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, loc
     assert {r["rank"] for r in waits if r["attempt"] == restarts[1]["attempt"]} == {0, 1}
 
 
+@pytest.mark.invariant(2, 3)
 def test_fsdp_rank_killed_resumes_exactly(tmp_path, local_reference):
     """Under strategy fsdp (FSDP2 dim-0 shards) an interrupted run also ends byte-identical to its
     uninterrupted twin, with the same samples at every step as under DDP."""
@@ -78,6 +81,7 @@ def tracker(root) -> str:
     return Path(paths.tracker_path(str(root))).read_text().strip()
 
 
+@pytest.mark.invariant(1, 4, 9, 10)
 def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp_path, local_reference):
     cfg = tiny_config(tmp_path, fault={"phase": "commit_before_tracker", "step": 8})
     cfg["data"]["path"] = local_reference["data"]
@@ -96,6 +100,7 @@ def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp
         assert shard_bytes(root, step) == shard_bytes(local_reference["root"], step)
 
 
+@pytest.mark.invariant(1, 5)
 def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path, local_reference):
     # save_max 1: committing 8 deletes 4, and the driver dies half way through that deletion.
     cfg = tiny_config(tmp_path, checkpoint={"save_max": 1}, fault={"phase": "retention_delete", "step": 4})
@@ -113,6 +118,7 @@ def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path
     assert kept[-2:] == ["iteration_00000008", "iteration_00000012"]
 
 
+@pytest.mark.invariant(5)
 def test_training_goes_on_while_retention_deletes(tmp_path, local_reference):
     """A deletion that blocks until the job commits again is released by that commit: the ranks
     asked, trained, saved and committed while it was still running (an ordering, not a timing)."""
@@ -122,6 +128,7 @@ def test_training_goes_on_while_retention_deletes(tmp_path, local_reference):
     outcome = harness.run_job(cfg, controller="SlowRetention", inspect=lambda c: seen.extend(c.deletions_done()))
     assert outcome.error is None and outcome.committed == FINAL
     # Committing 8 deletes 4, committing 12 deletes 8; each deletion was released by the next commit.
+    assert len(seen) == 2
     assert seen[0] == {"step": 4, "blocked_at_commit": 8, "released_at_commit": FINAL}
     assert seen[1] == {"step": 8, "blocked_at_commit": FINAL, "released_at_commit": FINAL}  # by the job's end
     kept = sorted(p.name for p in Path(cfg["checkpoint"]["save_path"]).iterdir() if p.name.startswith("iteration_"))
@@ -129,6 +136,7 @@ def test_training_goes_on_while_retention_deletes(tmp_path, local_reference):
     assert shard_bytes(cfg["checkpoint"]["save_path"], FINAL) == shard_bytes(local_reference["root"], FINAL)
 
 
+@pytest.mark.invariant(9)
 def test_a_job_that_lost_its_lease_commits_nothing_more(tmp_path, local_reference):
     """Fencing: the lease taken over before iteration 8's commit; that commit writes no JSON and
     no tracker, the ranks stop, and the run ends naming the job that holds the lease now."""
@@ -153,6 +161,7 @@ def marked_slow_loss(marks: str, step_sleep: float, model, batch):
 
 
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.invariant(1, 2, 3)
 def test_a_rank_sigkilled_from_outside_at_a_random_moment(tmp_path, local_reference, seed):
     """Anywhere: mid-step, mid-write in the writer thread, mid-report to the controller."""
     rng = random.Random(seed)
@@ -192,6 +201,7 @@ class NoticeFrom:
         return self.asked >= self.calls
 
 
+@pytest.mark.invariant(2)
 def test_a_preemption_notice_saves_at_once_and_training_goes_on(tmp_path, local_reference):
     """Asked every log_every (4) steps, the notice comes at the second question, step 8: every rank
     saves that step (off the save interval, 6) and goes on training on the node's remaining time,
@@ -209,6 +219,7 @@ def test_a_preemption_notice_saves_at_once_and_training_goes_on(tmp_path, local_
     assert shard_bytes(root, 8) == shard_bytes(local_reference["root"], 8)  # the state the run had at step 8
 
 
+@pytest.mark.invariant(11)
 def test_no_storage_secret_lands_in_a_checkpoint_or_beside_it(tmp_path, local_reference):
     """Credentials given in checkpoint.storage are redacted in every iteration's config.yaml (and so in
     exports of it); no file the job writes holds them."""
@@ -225,6 +236,7 @@ def test_no_storage_secret_lands_in_a_checkpoint_or_beside_it(tmp_path, local_re
     assert {saved["checkpoint"]["storage"][k] for k in secrets} == {"<redacted>"}
 
 
+@pytest.mark.invariant(8)
 def test_a_resave_on_fewer_ranks_leaves_no_file_of_the_larger_world(tmp_path, local_reference):
     """A 3-rank job dies while writing iteration 8; the next job resumes from 4 on 2 ranks and saves 8
     again. The 3-rank files of the first attempt must be gone before 8's commit lands: a committed
@@ -248,6 +260,7 @@ def test_a_resave_on_fewer_ranks_leaves_no_file_of_the_larger_world(tmp_path, lo
         assert sorted(p.name for p in Path(it.path).glob("*.safetensors")) == sorted(it.metadata["files"])
 
 
+@pytest.mark.invariant(1, 4)
 def test_a_failed_commit_ends_the_run_with_its_error_and_the_next_start_resumes(tmp_path, local_reference):
     """The tracker write of iteration 8 fails: the ranks stop at the next step boundary (saving it),
     the job ends with the failure named, and a new start resumes from the last good commit."""

@@ -58,6 +58,7 @@ def test_list_shows_every_iteration_with_the_tracker(root, capsys):
     assert by_step[12]["status"] == "incomplete" and "common.json" in by_step[12]["error"]
 
 
+@pytest.mark.invariant(7)
 def test_list_verify_marks_a_damaged_iteration(root, capsys):
     code, out, _ = cli(capsys, "list", root["root"], "--verify", "--json")
     assert code == 0
@@ -76,6 +77,7 @@ def flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.invariant(6, 7)
 def test_verify_passes_then_names_the_corrupt_shard(root, capsys):
     code, out, err = cli(capsys, "verify", root["root"])
     assert code == 0, err
@@ -97,6 +99,7 @@ def test_verify_passes_then_names_the_corrupt_shard(root, capsys):
     assert [p for p in report["problems"] if shard.name in p and "xxh3-128" in p]
 
 
+@pytest.mark.invariant(8)
 def test_verify_names_extra_and_missing_shards(root, capsys):
     directory = root["root"] / paths.iteration_dirname(8)
     (directory / "ckpt-model-0000002-0000003.safetensors").write_bytes(b"stale")
@@ -164,6 +167,7 @@ def test_export_writes_plain_safetensors_equal_to_the_model(root, capsys, tmp_pa
     assert sorted(p.name for p in out_dir.iterdir()) == ["model.safetensors"]
 
 
+@pytest.mark.invariant(6)
 def test_export_refuses_a_corrupt_iteration(root, capsys, tmp_path):
     flip_byte(root["root"] / paths.iteration_dirname(8) / "ckpt-opt-0000001-0000002.safetensors")
     code, _, err = cli(capsys, "export", root["root"], tmp_path / "export")
@@ -171,6 +175,7 @@ def test_export_refuses_a_corrupt_iteration(root, capsys, tmp_path):
     assert not (tmp_path / "export").exists()
 
 
+@pytest.mark.invariant(6)
 def test_usage_errors_exit_2_with_one_line(root, capsys, tmp_path):
     for argv, text in [
         (["list", tmp_path / "nowhere"], "does not exist"),
@@ -184,6 +189,7 @@ def test_usage_errors_exit_2_with_one_line(root, capsys, tmp_path):
         assert err.startswith("error: ") and text in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
+@pytest.mark.invariant(6)
 def test_a_broken_tracker_is_reported(root, capsys):
     (root["root"] / paths.TRACKER).write_text("abc")
     code, _, err = cli(capsys, "verify", root["root"])

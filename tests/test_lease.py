@@ -25,6 +25,7 @@ def generations(root) -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in sorted((root / LEASE_DIR).glob("*.json"))}
 
 
+@pytest.mark.invariant(9)
 def test_a_live_lease_refuses_a_second_writer_naming_the_holder(tmp_path):
     first = Lease(LocalStorage(), str(tmp_path), "job-a", ttl_s=60)
     first.acquire()
@@ -43,6 +44,7 @@ def test_a_live_lease_refuses_a_second_writer_naming_the_holder(tmp_path):
     {"job_id": "dead-elsewhere", "host": "another-host", "pid": 1, "expires_at": 0},  # expired
     {"job_id": "dead-here", "host": None, "pid": 2**22 + 7, "expires_at": 4e9},  # this host, process gone
 ])
+@pytest.mark.invariant(9)
 def test_a_dead_jobs_lease_is_taken_over_by_the_next_generation(tmp_path, record, caplog):
     import socket
 
@@ -72,6 +74,7 @@ class ListedTogether(LocalStorage):
 
 
 @pytest.mark.parametrize("conditional", [True, False], ids=["posix-link", "object-store-readback"])
+@pytest.mark.invariant(9)
 def test_two_jobs_taking_over_at_the_same_instant_one_wins(tmp_path, conditional, monkeypatch):
     monkeypatch.setattr(lease_module, "SETTLE_S", 0.3)
     (tmp_path / LEASE_DIR).mkdir()
@@ -99,6 +102,7 @@ def test_two_jobs_taking_over_at_the_same_instant_one_wins(tmp_path, conditional
     assert [r["job_id"] for r in generations(tmp_path).values()] == winners
 
 
+@pytest.mark.invariant(9)
 def test_a_commit_is_fenced_by_the_lease(tmp_path):
     """A job whose lease was taken over (it stalled past its ttl) writes nothing: no JSON, no tracker."""
     from ray_resume.checkpoint.commit import commit_iteration
@@ -120,6 +124,7 @@ def test_a_commit_is_fenced_by_the_lease(tmp_path):
         stalled.renew()  # and its renewals stop: the newer generation is another job's
 
 
+@pytest.mark.invariant(9)
 def test_a_stalled_job_whose_lease_was_taken_and_released_stays_out(tmp_path):
     """A stalls past its ttl; B takes over, finishes and releases. A's renewal must not bring its old
     generation back to life, and its fence must keep failing."""
@@ -139,6 +144,7 @@ def test_a_stalled_job_whose_lease_was_taken_and_released_stays_out(tmp_path):
     assert [r["job_id"] for r in generations(tmp_path).values()] == ["job-b"]
 
 
+@pytest.mark.invariant(9)
 def test_a_lease_about_to_run_out_fences_too(tmp_path):
     """Renewals failing: with less than ttl/3 left, committing could race a takeover."""
     from ray_resume.checkpoint.lease import LeaseLost
@@ -153,6 +159,7 @@ def test_a_lease_about_to_run_out_fences_too(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.invariant(9, 13)
 def test_two_real_jobs_on_one_save_path(tmp_path, reference):
     cfg = tiny_config(tmp_path, training={"train_steps": 40})
     cfg["data"]["path"] = reference["data"]

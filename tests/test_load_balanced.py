@@ -224,6 +224,7 @@ def _open(rank: int, root: str, init: str, out: str) -> None:
 
 
 @pytest.mark.parametrize("damaged", [False, True])
+@pytest.mark.invariant(12)
 def test_only_rank_0_reads_the_iteration_json_and_every_rank_gets_its_verdict(tmp_path, damaged):
     """At thousands of ranks each fetching metadata.json is the bulk of a load's GETs: rank 0 reads
     and checks it (and lists the directory) once, and the others get the same JSON, or the same error."""

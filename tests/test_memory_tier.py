@@ -19,6 +19,11 @@ def starts(root) -> list[dict]:
     return [r for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0]
 
 
+def restarted_ranks(root) -> list[dict]:
+    """Every rank's start record of the restarted group (attempt 1), by rank."""
+    return sorted((r for r in read_metrics(root) if r.get("event") == "start" and r["attempt"] == 1), key=lambda r: r["rank"])
+
+
 def killed_at(step: int, tmp_path, reference_data: str, **sections) -> dict:
     cfg = tiny_config(tmp_path, fault={"phase": "after_optimizer_step", "step": step, "rank": 1}, **sections)
     cfg["data"]["path"] = reference_data
@@ -27,6 +32,7 @@ def killed_at(step: int, tmp_path, reference_data: str, **sections) -> dict:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.invariant(2, 3)
 def test_a_rank_killed_resumes_from_memory_byte_identical(tmp_path, local_reference, strategy):
     """Killed after step 7 (iteration 4 committed): the group resumes from the snapshot of step 5
     or 6 (the one in flight when rank 1 died may not be in), reads nothing from storage, and
@@ -42,10 +48,13 @@ def test_a_rank_killed_resumes_from_memory_byte_identical(tmp_path, local_refere
     root = cfg["checkpoint"]["save_path"]
     first, again = starts(root)
     assert again["step"] in (5, 6) and again["source"] == f"memory snapshot of step {again['step']}"
-    assert again["bytes_read"] == 0 and again["consumed_samples"] == again["step"] * 16
+    assert again["consumed_samples"] == again["step"] * 16
+    ranks = restarted_ranks(root)  # every rank took back its own snapshot, none read storage
+    assert [(r["rank"], r["source"], r["bytes_read"]) for r in ranks] == [(rank, again["source"], 0) for rank in (0, 1)]
     assert_same_as_reference(root, twin)
 
 
+@pytest.mark.invariant(2)
 def test_a_snapshot_older_than_the_last_commit_is_passed_over_for_storage(tmp_path, local_reference):
     """Snapshots every 3 steps, a synchronous save (so iteration 8 is committed before step 9):
     killed after step 9, the newest snapshot is of step 6, older than 8: storage it is."""
@@ -56,13 +65,16 @@ def test_a_snapshot_older_than_the_last_commit_is_passed_over_for_storage(tmp_pa
     assert_same_as_reference(root, local_reference)
 
 
+@pytest.mark.invariant(2)
 def test_a_lost_snapshot_sends_every_rank_to_storage(tmp_path, local_reference):
     """One rank's snapshot is gone (as when its node died with its keeper): no rank resumes from
     memory, all from the last commit, and the run still ends byte-identical."""
     cfg = killed_at(7, tmp_path, local_reference["data"])
     assert harness.run_job(cfg, controller="LostSnapshots").error is None
     root = cfg["checkpoint"]["save_path"]
-    assert starts(root)[1]["source"].endswith("iteration_00000004")
+    ranks = restarted_ranks(root)  # rank 0's snapshot was there, and still it went to storage with rank 1
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["source"].endswith("iteration_00000004") and r["bytes_read"] > 0 for r in ranks), ranks
     assert_same_as_reference(root, local_reference)
 
 
@@ -122,6 +134,7 @@ def test_a_snapshot_keeps_every_dtype_and_shape_bit_for_bit():
 
 
 @pytest.mark.slow
+@pytest.mark.invariant(2, 3)
 def test_on_ray_train_a_worker_sigkill_resumes_from_the_keepers(tmp_path, reference):
     """The real tier: a MemoryKeeper actor per node holds the snapshots in Ray's object store
     while Ray Train restarts the group."""
@@ -191,6 +204,7 @@ cluster.shutdown()
 
 
 @pytest.mark.slow
+@pytest.mark.invariant(2, 3)
 def test_a_node_lost_with_a_ranks_snapshot_resumes_from_its_replica(tmp_path, reference):
     """Two nodes, one rank on each: the node of rank 1 is removed a few steps after the commit of
     iteration 4. Rank 1's snapshot died with that node's keeper; its replica on another node's
@@ -209,6 +223,7 @@ def test_a_node_lost_with_a_ranks_snapshot_resumes_from_its_replica(tmp_path, re
 
 
 @pytest.mark.slow
+@pytest.mark.invariant(2, 3)
 def test_on_two_nodes_a_killed_worker_resumes_from_its_nodes_keeper(tmp_path, reference):
     """Two nodes, one rank on each, every node's keeper replicating to the other's: rank 1 is
     SIGKILLed after step 7 and its node stays, so each rank takes back its own node's copy."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file, save_file
 
 from conftest import REPO, run_on_harness, shard_bytes
 from ray_resume import parallel, train
@@ -37,17 +38,20 @@ def config(**sections) -> Config:
     ({"training": {"loss": "plugin_models:loss_one_arg"}}, "training.loss: loss_one_arg must accept (model, batch): too many positional arguments"),
     ({"data": {"collate": "examples.tabular_mlp:loss"}}, "data.collate: loss must accept (arrays): missing a required argument: 'batch'"),
 ])
+@pytest.mark.invariant(6, 13)
 def test_bad_plugins_are_refused_naming_the_key(sections, message):
     with pytest.raises(ConfigError) as err:
         resolve(config(**sections))
     assert message in str(err.value)
 
 
+@pytest.mark.invariant(6)
 def test_malformed_import_path_is_a_config_error():
     with pytest.raises(ConfigError, match="model.builder must look like 'package.module:function', got 'pkg.module.fn'"):
         config(model={"builder": "pkg.module.fn"})
 
 
+@pytest.mark.invariant(13)
 def test_fsdp_units_name_module_classes_and_unknown_ones_are_refused_before_any_worker(tmp_path):
     model = make_model(resolve(config()), config())
     assert parallel.fsdp_units(model, []) == list(model.blocks)  # default: each module of an nn.ModuleList
@@ -59,12 +63,14 @@ def test_fsdp_units_name_module_classes_and_unknown_ones_are_refused_before_any_
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.invariant(6)
 def test_builder_must_return_a_module():
     cfg = config(model={"builder": "plugin_models:build_not_a_module"})
     with pytest.raises(ConfigError, match="model.builder returned str, not a torch.nn.Module"):
         make_model(resolve(cfg), cfg)
 
 
+@pytest.mark.invariant(2)
 def test_tied_weights_are_stored_once_and_restored_tied(tmp_path):
     cfg = config(model={"builder": "plugin_models:build_tied", "args": {"vocab": 16, "width": 8}})
     torch.manual_seed(0)
@@ -109,6 +115,7 @@ def tabular(tmp_path_factory):
 
 
 @pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.invariant(2)
 def test_example_via_python_api_and_its_killed_twin_end_byte_identical(tmp_path, tabular):
     """`ray_resume.train` on Ray Train with the config's import paths; the same job with a rank
     killed, the callables handed over directly, on the in-process harness: the same bytes."""
@@ -126,6 +133,7 @@ def test_example_via_python_api_and_its_killed_twin_end_byte_identical(tmp_path,
     assert names == {"0.weight", "0.bias", "3.weight", "3.bias"}  # parameter names from the user's module
 
 
+@pytest.mark.invariant(2)
 def test_batchnorm_statistics_resume_as_the_uninterrupted_run_continues(tmp_path, tabular):
     """Under DDP every rank's running stats differ after a step; the next forward broadcasts rank
     0's. Saved are rank 0's, so a job killed at step 6 ends with the very bytes of its clean twin."""
@@ -142,3 +150,31 @@ def test_batchnorm_statistics_resume_as_the_uninterrupted_run_continues(tmp_path
     assert "1.running_mean" in saved and saved["1.running_mean"].abs().sum() > 0
     for step in (8, 12):
         assert shard_bytes(tmp_path / "killed" / "ckpt", step) == shard_bytes(tmp_path / "clean" / "ckpt", step), step
+
+
+def _buffers_as_saved(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    with torch.no_grad():
+        model[1].running_mean.fill_(rank + 1.0)  # each rank's own statistics, as after a step on its own data
+    saved = state.with_rank0_buffers(model, state.model_tensors(model), torch.device("cpu"))
+    save_file({"saved": saved["1.running_mean"].contiguous(), "live": model[1].running_mean.clone()}, str(Path(out, f"{rank}.safetensors")))
+    dist.barrier()
+
+
+@pytest.mark.invariant(2)
+def test_every_rank_saves_rank_0s_buffers_and_keeps_its_own():
+    """What the batchnorm resume rests on: the buffers a save takes are rank 0's on every rank (the ones
+    DDP's next forward broadcasts), and the live ones are left as they are."""
+    import tempfile
+    import uuid
+
+    import harness
+
+    with tempfile.TemporaryDirectory() as out:
+        harness.spawn(_buffers_as_saved, (2, f"file://{out}/pg-{uuid.uuid4().hex}", out), 2)
+        got = [load_file(str(Path(out, f"{rank}.safetensors"))) for rank in (0, 1)]
+    assert [g["saved"].tolist() for g in got] == [[1.0] * 3, [1.0] * 3]
+    assert [g["live"].tolist() for g in got] == [[1.0] * 3, [2.0] * 3]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import harness
-from conftest import read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import FINAL, assert_resumed_once, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.config import Config, ConfigError
 from ray_resume.model import GPT, lm_loss
@@ -92,12 +92,14 @@ def test_grad_clip_acts_on_the_unscaled_main_gradients_of_a_low_precision_model(
     ({"optimizer": "torch.optim.LBFGS"}, "training.optimizer: LBFGS.step needs a closure, and the built-in loop calls step() without "
                                          "one; use ray_resume.fit with your own loop for it"),
 ])
+@pytest.mark.invariant(6, 13)
 def test_a_bad_optimizer_is_refused_on_the_driver_by_key(tmp_path, values, message):
     with pytest.raises(ConfigError) as err:
         resolve(Config.from_dict(tiny_config(tmp_path, training=values)))
     assert str(err.value) == message
 
 
+@pytest.mark.invariant(6, 13)
 def test_bad_recipe_values_are_refused_by_key(tmp_path):
     with pytest.raises(ConfigError) as err:
         Config.from_dict(tiny_config(tmp_path, training={"lr_decay_style": "exp", "min_lr": 1.0, "grad_clip": -1, "optimizer": "SGD"}),
@@ -115,6 +117,7 @@ RECIPE = {"optimizer": "torch.optim.SGD", "optimizer_args": {"momentum": 0.9, "n
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.invariant(2, 3)
 def test_a_rank_killed_under_the_recipe_ends_byte_identical(tmp_path, strategy):
     """SGD + Nesterov momentum, warmup + cosine, clipping (active: the norm is above it), dropout: a rank
     SIGKILLed after step 6 resumes from iteration 4 and every shard of the last iteration equals the
@@ -124,6 +127,7 @@ def test_a_rank_killed_under_the_recipe_ends_byte_identical(tmp_path, strategy):
         cfg = tiny_config(tmp_path / name, training={**RECIPE, "strategy": strategy}, fault=fault)
         run_on_harness(cfg)
         runs[name] = cfg["checkpoint"]["save_path"]
+    assert_resumed_once(runs["killed"])
     assert shard_bytes(runs["killed"], 12) == shard_bytes(runs["clean"], 12)
     clean, killed = step_records(runs["clean"]), step_records(runs["killed"])
     train = Config.from_dict(tiny_config(tmp_path, training=RECIPE)).training
@@ -159,11 +163,14 @@ def test_the_recipe_under_fsdp_follows_ddp(tmp_path):
         cfg = tiny_config(tmp_path / strategy, training={**RECIPE, "strategy": strategy})
         run_on_harness(cfg)
         records[strategy] = step_records(cfg["checkpoint"]["save_path"])
+    # Every step of each run was recorded (an empty or partial record would make the loop below vacuous).
+    assert sorted(records["ddp"]) == sorted(records["fsdp"]) == list(range(1, FINAL + 1))
     for step, ddp in records["ddp"].items():
         fsdp = records["fsdp"][step]
         assert fsdp["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-4) and fsdp["loss"] == pytest.approx(ddp["loss"], rel=1e-4), step
 
 
+@pytest.mark.invariant(6, 13)
 def test_a_resume_into_another_optimizer_is_refused_on_the_driver(tmp_path):
     """AdamW's saved moments would load into SGD without a word from torch: refused before any rank
     starts, naming both; no_load_optim starts the new optimizer from the weights."""
@@ -178,6 +185,15 @@ def test_a_resume_into_another_optimizer_is_refused_on_the_driver(tmp_path):
         "training.optimizer builds torch.optim.sgd:SGD; set checkpoint.no_load_optim: true to start torch.optim.sgd:SGD "
         "from its weights, or set training.optimizer back")
     assert json.loads((tmp_path / "ckpt" / "iteration_00000004" / "common.json").read_text())["optimizer"] == "torch.optim.adamw:AdamW"
+    # As the message says: weights only, SGD from step 0 (a new save_path), its first loss the loaded weights'.
+    losses = {}
+    for name, load in (("from-weights", {"load_path": root, "no_load_optim": True}), ("fresh", {})):
+        run = {**again, "checkpoint": {**cfg["checkpoint"], **load, "save_path": str(tmp_path / name)}}
+        run_on_harness(run)
+        [start] = [r for r in read_metrics(str(tmp_path / name)) if r.get("event") == "start" and r["rank"] == 0]
+        assert (start["step"], start["source"]) == (0, f"{root}/iteration_00000004" if load else None)
+        losses[name] = step_records(str(tmp_path / name))[1]["loss"]
+    assert losses["from-weights"] != losses["fresh"]  # the same first batch, other weights
 
 
 
@@ -188,6 +204,7 @@ def vector_loss(model, batch):
                                              reduction="none")
 
 
+@pytest.mark.invariant(13)
 def test_a_loss_that_is_not_a_scalar_ends_the_job_in_one_line_without_a_retry(tmp_path):
     """Found in the ranks, said once in our words, and the group Ray Train restarts for it returns at
     once: only the first attempt starts training, although max_failures would allow two more."""

@@ -86,6 +86,7 @@ def read_chars() -> int:
     return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar:")).split()[1])
 
 
+@pytest.mark.invariant(7, 12)
 def test_the_driver_reads_metadata_not_shards_and_the_ranks_find_the_damage(tmp_path, caplog):
     """Choosing what to resume reads the tracker and the JSON only (<10% of the checkpoint),
     even when a shard's bytes are damaged; the loading ranks find the damage, fall back loudly
@@ -117,6 +118,7 @@ def test_the_driver_reads_metadata_not_shards_and_the_ranks_find_the_damage(tmp_
     assert "iteration_00000010" not in names and any(n.startswith("iteration_00000010.damaged-") for n in names)
 
 
+@pytest.mark.invariant(7)
 def test_a_storage_error_is_not_damage(root, monkeypatch):
     """A read that fails (EIO) is raised as it is: nothing is set aside, no fallback."""
     before = tree(root)
@@ -133,6 +135,7 @@ def test_a_storage_error_is_not_damage(root, monkeypatch):
     assert tree(root) == before
 
 
+@pytest.mark.invariant(7, 10)
 def test_an_iteration_that_disagrees_with_itself_is_damage_and_falls_back(root, caplog):
     """A common.json of step 5 in iteration_00000010/ (copied, edited): resuming it would redo steps
     6-10 and then save over committed iterations."""
@@ -143,6 +146,7 @@ def test_an_iteration_that_disagrees_with_itself_is_damage_and_falls_back(root, 
     assert "global_step 5 is not this directory's iteration 10" in caplog.text
 
 
+@pytest.mark.invariant(6, 7)
 def test_no_fallback_lists_the_valid_iterations_and_changes_nothing(root):
     flip_byte(root / "iteration_00000010" / "ckpt-model-0000000-0000002.safetensors")
     before = tree(root)
@@ -153,6 +157,7 @@ def test_no_fallback_lists_the_valid_iterations_and_changes_nothing(root):
 
 
 @pytest.mark.parametrize("tracker", ["", "abc", "-1", "99", None])
+@pytest.mark.invariant(6, 7)
 def test_missing_or_garbled_tracker_with_valid_iterations(root, tracker):
     if tracker is None:
         (root / paths.TRACKER).unlink()
@@ -190,8 +195,9 @@ def shape_mismatch(directory: Path) -> None:
 
 @pytest.mark.parametrize("damage, message", [
     (lie_about_offsets, "piece does not match metadata.json"),
-    (shape_mismatch, "head.weight"),
+    (shape_mismatch, "tensor 'head.weight' is torch.float32 [16, 32] there but torch.float32 [32, 16] in the model"),
 ])
+@pytest.mark.invariant(6, 7)
 def test_lying_shards_are_refused_by_name_through_the_loader(root, damage, message):
     damage(root / "iteration_00000010")
     before = tree(root)
@@ -206,6 +212,7 @@ def test_lying_shards_are_refused_by_name_through_the_loader(root, damage, messa
     (lambda tmp: (tmp / "file.txt").write_text("x") and str(tmp / "file.txt"), "does not exist or is not a directory"),
     (lambda tmp: (tmp / "empty").mkdir() or str(tmp / "empty"), "holds neither latest_checkpointed_iteration.txt nor model.safetensors"),
 ])
+@pytest.mark.invariant(6, 13)
 def test_bad_load_path_is_refused_by_key(tmp_path, make, message):
     path = make(tmp_path)
     cfg = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": path}))
@@ -215,6 +222,7 @@ def test_bad_load_path_is_refused_by_key(tmp_path, make, message):
 
 
 @pytest.mark.parametrize("fault", [None, {"phase": "after_optimizer_step", "step": 10, "rank": 1}], ids=["clean", "killed-before-a-commit"])
+@pytest.mark.invariant(7)
 def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_reference, fault):
     """The whole job (on the in-process harness): the driver names 12, the ranks find its damage,
     set it aside, load 8 and redo 9-12 to the very bytes of the reference run. Killed at step 10,
@@ -237,6 +245,7 @@ def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_refer
     ({"seed": 8}, "data.seed 7 -> 8"),
     ({"shuffle": False}, "data.shuffle true -> false"),
 ])
+@pytest.mark.invariant(3, 13)
 def test_a_resume_on_other_data_is_refused_naming_the_change(tmp_path, local_reference, change, message):
     """The data order depends on the seed, shuffle, columns and dataset; common.json records them, and a
     full resume that would continue another order is refused before Ray starts, unless it is meant."""
@@ -260,6 +269,7 @@ def test_a_resume_on_other_data_is_refused_naming_the_change(tmp_path, local_ref
     assert preflight(with_lanes(absolute_paths(Config.from_dict(cfg)))) == (str(root), 12)
 
 
+@pytest.mark.invariant(3)
 def test_another_dataset_is_refused_but_a_moved_copy_is_not(tmp_path, local_reference):
     from ray_resume.run import absolute_paths, preflight, with_lanes
 
@@ -288,6 +298,7 @@ def test_fingerprint_changes_name_each_setting():
         "the dataset at data.path: 16 samples in 2 row groups -> 16 in 2 (other files or row groups)"]
 
 
+@pytest.mark.invariant(6, 13)
 def test_weights_that_do_not_fit_the_model_are_refused_on_the_driver(tmp_path):
     """Checked before any rank starts (each rank would find it again in every attempt), against the
     model built on the meta device: the checkpoint's shapes, and an export's."""
@@ -315,6 +326,7 @@ class Wrapped(torch.nn.Module):
         self.transformer = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2)
 
 
+@pytest.mark.invariant(6)
 def test_names_one_module_apart_get_a_hint(tmp_path):
     write_iteration(tmp_path / "ckpt", world=2)
     root = str(tmp_path / "ckpt")
@@ -327,6 +339,7 @@ def test_names_one_module_apart_get_a_hint(tmp_path):
         "from the one that saved it")
 
 
+@pytest.mark.invariant(6)
 def test_a_restore_into_another_optimizer_class_is_refused_by_the_ranks_too(tmp_path):
     """What the driver checks for the built-in job (test_recipe.py) the ranks check for any job
     (ray_resume.fit's), before a foreign slot is loaded."""

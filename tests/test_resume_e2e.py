@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -36,10 +37,18 @@ def starts(records):
     return [r for r in records if r.get("event") == "start" and r["rank"] == 0]
 
 
+@pytest.mark.invariant(4)
 def test_uninterrupted_run_commits_every_interval(reference):
     storage = LocalStorage()
     root = reference["root"]
     assert (storage.read_bytes(paths.tracker_path(root))).decode().strip() == str(FINAL)
+    # Every interval (4) was saved and committed, and nothing else: each iteration opens as a load opens it.
+    assert sorted(p.name for p in Path(root).iterdir() if p.name.startswith("iteration_")) == [
+        paths.iteration_dirname(s) for s in (4, 8, FINAL)]
+    for step in (4, 8, FINAL):
+        saved = open_iteration(storage, root, step)
+        assert (saved.common["global_step"], saved.common["consumed_samples"]) == (step, 16 * step)
+    assert {r["step"] for r in read_metrics(root) if r.get("saved")} == {4, 8, FINAL}
     it = open_iteration(storage, root, FINAL)
     assert it.common["global_step"] == FINAL and it.common["consumed_samples"] == FINAL * 16
     assert it.common["epoch_num"] == 1 and it.common["step_num"] == 2  # 160 samples = 10 steps per epoch
@@ -58,6 +67,7 @@ def test_uninterrupted_run_commits_every_interval(reference):
     assert sorted(ids) == list(range(160))
 
 
+@pytest.mark.invariant(2, 3)
 def test_rank_killed_after_optimizer_step_resumes_exactly(tmp_path, reference):
     # Sync saves: iteration 4 is certainly committed before step 5's all-reduce, so the
     # restart point is exact. (Async, a slow store may still be writing 4 at step 6.)
@@ -70,6 +80,7 @@ def test_rank_killed_after_optimizer_step_resumes_exactly(tmp_path, reference):
     assert restarts[1]["source"].endswith("iteration_00000004")
 
 
+@pytest.mark.invariant(4)
 def test_a_failed_commit_ends_the_run_non_zero_naming_it(tmp_path, reference, capsys, caplog):
     """On Ray Train, through the CLI's own main(): the failure reaches the driver, which says which
     iteration and why, and exits 1 (before, it logged "finished" and exited 0)."""
@@ -84,6 +95,7 @@ def test_a_failed_commit_ends_the_run_non_zero_naming_it(tmp_path, reference, ca
     assert "run again with checkpoint.load_path=" in last and "finished:" not in caplog.text
 
 
+@pytest.mark.invariant(13)
 def test_a_user_mistake_a_rank_finds_ends_the_run_once_in_our_words(tmp_path, reference):
     """On Ray Train: a loss that returns one value per token is found by the ranks; the run ends with it
     in our words (main() prints it as `error: ...`, exit 2), and the group Ray Train restarts for it

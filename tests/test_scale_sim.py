@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pyarrow.fs as pafs
 import pytest
 
 from benchmarks import scale_sim
@@ -63,7 +64,7 @@ def test_check_pooled_refuses_a_step_copied_twice_or_by_nobody():
     for p in plans:
         if copy in p.pooled:
             p.pooled.remove(copy)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=r"all-reduce over 4 ranks \(from 6\): .*: covers \[0, 0\) of \[0, 1\)"):
         scale_sim.check_pooled(meta, plans, new_world, fsdp=True)
 
 
@@ -103,6 +104,7 @@ def test_save_plan_without_every_rank_equals_split_replicated(seed):
                 assert plan.overlaps(spec.name, start, numel) == expected
 
 
+@pytest.mark.invariant(4)
 def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
     """The driver's size check on S3 is a LIST of the iteration prefix, not a HEAD per file; a file
     missing from the listing or of the wrong size still fails the commit before the tracker moves."""
@@ -117,7 +119,10 @@ def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
         for name, info in manifest["files"].items():
             storage.write_atomic(paths.join(iter_dir, name), b"\0" * info["size"])
     names = [n for m in manifests for n in m["files"]]
+    calls = count_storage_calls(storage.backend)
     assert storage.sizes(iter_dir, names + ["absent"]) == {**{n: sizes[n.split("-")[1]]["size"][int(n.split("-")[2])] for n in names}, "absent": None}
+    # One listing for all 6 files; only the name it lacks is asked for by itself.
+    assert calls == {"listings": 1, "sizes": [f"{iter_dir}/absent"]}
 
     short = paths.shard_filename("ckpt", "opt", 1, world)
     storage.write_atomic(paths.join(iter_dir, short), b"x")
@@ -127,8 +132,32 @@ def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
     assert storage.size(paths.tracker_path(root)) is None
 
     storage.write_atomic(paths.join(iter_dir, short), b"\0" * manifests[1]["files"][short]["size"])
+    calls.update(listings=0, sizes=[])
     meta = commit_iteration(storage, root, scale_sim.ITERATION, manifests, scale_sim.common_json(world), prefix="ckpt",
                             config=scale_sim.SIM_CONFIG, job_id="t")
     on_disk = parse_json(storage.read_bytes(paths.join(iter_dir, paths.METADATA)), "metadata.json")
     validate_metadata(on_disk, "metadata.json")
     assert on_disk == meta and storage.read_bytes(paths.tracker_path(root)) == f"{scale_sim.ITERATION}\n".encode()
+    # The commit checked every size from the listing (and listed once more to remove what it does not list).
+    assert calls == {"listings": 2, "sizes": []}
+
+
+def count_storage_calls(storage) -> dict:
+    """Count an ArrowStorage's directory listings and its one-file size calls from here on."""
+    calls = {"listings": 0, "sizes": []}
+    size = storage.size
+
+    class Listings:
+        def __init__(self, fs):
+            self.fs = fs
+
+        def get_file_info(self, what):
+            calls["listings"] += isinstance(what, pafs.FileSelector)
+            return self.fs.get_file_info(what)
+
+        def __getattr__(self, name):
+            return getattr(self.fs, name)
+
+    storage.fs = Listings(storage.fs)
+    storage.size = lambda path: calls["sizes"].append(path) or size(path)
+    return calls

@@ -45,6 +45,7 @@ def _credentials(storage) -> dict:
     return {k: options[k] for k in ("access_key", "secret_key", "session_token")}
 
 
+@pytest.mark.invariant(11)
 def test_temporary_credentials_from_the_environment_or_the_config(s3, monkeypatch):
     """No keys in the config: the AWS credential chain, AWS_SESSION_TOKEN included (it was dropped,
     and temporary credentials failed). Keys in the config: their session_token goes with them."""
@@ -62,6 +63,7 @@ def test_temporary_credentials_from_the_environment_or_the_config(s3, monkeypatc
     assert explicit.size("s3://ckpts/creds/cfg.json") == 2
 
 
+@pytest.mark.invariant(8)
 def test_a_commit_on_object_storage_leaves_only_the_files_it_lists(s3):
     """The same cleanup as on disk (tests/test_harness.py runs it in a whole job): files of an
     earlier, larger attempt and its unfinished common.json are deleted, the listed shards kept."""
@@ -74,6 +76,7 @@ def test_a_commit_on_object_storage_leaves_only_the_files_it_lists(s3):
     assert storage.listdir(directory) == ["ckpt-model-0000000-0000002.safetensors"]
 
 
+@pytest.mark.invariant(1)
 def test_small_files_go_to_object_storage_as_one_put(s3):
     """A commit writes 4 small JSON/text files; as multipart uploads they cost 3 requests each.
     S3 marks a multipart object's ETag with "-<parts>", a single PUT's is a plain MD5."""
@@ -88,44 +91,57 @@ def test_small_files_go_to_object_storage_as_one_put(s3):
 
 
 class TornReadWatcher:
-    """Polls the tracker and every iteration's JSON while a job saves; records any partial read."""
+    """Polls the tracker and every iteration's JSON while a job saves; records any partial read.
+
+    `json_reads` counts the JSON files it read whole (the tracker alone would not show that any was
+    watched); an error that ends the polling is kept in `error`, so it cannot stop watching unseen."""
 
     def __init__(self, root: str, options=None):
         self.root, self.storage = root, storage_for(root, options)
-        self.reads, self.torn = 0, []
+        self.reads, self.json_reads, self.torn, self.error = 0, 0, [], None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def _check(self, path: str, parse) -> None:
+    def _check(self, path: str, parse) -> bool:
         try:
             data = self.storage.read_bytes(path)
-        except (FileNotFoundError, OSError):
-            return  # not there (yet, or any more): fine; half there is not
+        except FileNotFoundError:
+            return False  # not there (yet, or any more): fine; half there is not
         self.reads += 1
         try:
             parse(data)
         except ValueError:
             self.torn.append((path, data[:80]))
+        return True
 
     def _run(self):
-        while not self.stop.is_set():
-            self._check(paths.tracker_path(self.root), lambda d: int(d.decode()))
-            for name in self.storage.listdir(self.root):
-                if paths.parse_iteration_dirname(name) is not None:
-                    for doc in (paths.COMMON, paths.METADATA):
-                        self._check(paths.join(self.root, name, doc), json.loads)
-            time.sleep(0.01)
+        try:
+            while not self.stop.is_set():
+                self._check(paths.tracker_path(self.root), lambda d: int(d.decode()))
+                for name in self.storage.listdir(self.root):
+                    if paths.parse_iteration_dirname(name) is not None:
+                        for doc in (paths.COMMON, paths.METADATA):
+                            self.json_reads += self._check(paths.join(self.root, name, doc), json.loads)
+                time.sleep(0.01)
+        except BaseException as exc:  # noqa: BLE001  (the test asserts there was none)
+            self.error = exc
 
     def __enter__(self):
         self.thread.start()
         return self
 
     def __exit__(self, *exc):
+        watching = self.thread.is_alive()
         self.stop.set()
         self.thread.join()
+        assert watching and self.error is None, self.error  # it watched the whole job
+
+    def saw_whole_files_only(self) -> bool:
+        return self.json_reads > 0 and self.torn == []
 
 
 @pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.invariant(1, 2, 3)
 def test_exact_resume_on_object_storage(tmp_path, reference, s3):
     root = "s3://ckpts/exact"
     cfg = tiny_config(tmp_path, checkpoint={"save_path": root, "storage": s3},
@@ -133,7 +149,7 @@ def test_exact_resume_on_object_storage(tmp_path, reference, s3):
     cfg["data"]["path"] = reference["data"]
     with TornReadWatcher(root, s3) as watcher:
         run_job(cfg)
-    assert watcher.reads > 0 and watcher.torn == []
+    assert watcher.saw_whole_files_only(), (watcher.json_reads, watcher.torn)
     storage = storage_for(root, s3)
     assert find_committed(storage, root) == FINAL
     for step in (4, 8, FINAL):
@@ -152,6 +168,7 @@ def iterations(root) -> list[int]:
     return sorted(s for s in (paths.parse_iteration_dirname(p.name) for p in root.iterdir()) if s is not None)
 
 
+@pytest.mark.invariant(1, 5, 10)
 def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, local_reference):
     """Two whole jobs on the in-process harness; a reader polls the root all along."""
     root = tmp_path / "ckpt"
@@ -159,7 +176,7 @@ def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, lo
     first["data"]["path"] = local_reference["data"]
     with TornReadWatcher(str(root)) as watcher:
         run_on_harness(first)
-    assert watcher.reads > 0 and watcher.torn == []
+    assert watcher.saw_whole_files_only(), (watcher.json_reads, watcher.torn)
     assert iterations(root) == [12, 14]  # 7 saves, the last 2 kept
 
     second = tiny_config(tmp_path, training={"train_steps": 20},

@@ -4,6 +4,7 @@ the error. Faults are injected below the retries by tests/storage_faults.py."""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def faults(tmp_path):
     storage_module.wrappers.clear()
 
 
+@pytest.mark.invariant(7)
 def test_a_transient_error_is_retried_with_backoff(tmp_path, faults, caplog):
     path = tmp_path / "f.json"
     path.write_bytes(b"{}")
@@ -43,6 +45,7 @@ def test_a_transient_error_is_retried_with_backoff(tmp_path, faults, caplog):
     ]
 
 
+@pytest.mark.invariant(7)
 def test_a_persistent_error_is_raised_after_bounded_tries(tmp_path, faults):
     record = faults({"op": "list", "times": 99, "error": "timeout"})
     with pytest.raises(TimeoutError, match="injected timeout"):
@@ -51,6 +54,7 @@ def test_a_persistent_error_is_raised_after_bounded_tries(tmp_path, faults):
 
 
 @pytest.mark.parametrize("error", ["ENOENT", "EACCES", "ENOSPC"])
+@pytest.mark.invariant(7)
 def test_a_permanent_error_is_not_retried(tmp_path, faults, error):
     record = faults({"op": "write", "times": 99, "error": error})
     with pytest.raises(OSError, match=f"injected {error}"):
@@ -58,6 +62,7 @@ def test_a_permanent_error_is_not_retried(tmp_path, faults, error):
     assert len(storage_faults.injected(record)) == 1
 
 
+@pytest.mark.invariant(7)
 def test_transient_faults_while_saving_and_loading_end_byte_identical(tmp_path, local_reference):
     """A job to step 8: every rank's second shard write breaks off half way, the controller's first
     listing is reset and its first tracker write times out. A second job resumes it to the end:
@@ -89,6 +94,7 @@ def test_transient_faults_while_saving_and_loading_end_byte_identical(tmp_path, 
         assert shard_bytes(root, step) == shard_bytes(local_reference["root"], step), step
 
 
+@pytest.mark.invariant(7)
 def test_a_read_that_keeps_failing_fails_the_job_and_sets_nothing_aside(tmp_path, local_reference):
     root = tmp_path / "from"
     shutil.copytree(local_reference["root"], root)
@@ -98,7 +104,8 @@ def test_a_read_that_keeps_failing_fails_the_job_and_sets_nothing_aside(tmp_path
     specs = [{"op": "read", "times": 10**6, "path_contains": ".safetensors"}]
     record = str(tmp_path / "injected.jsonl")
     outcome = harness.run_job(cfg, storage_faults=(specs, record))
-    assert outcome.error and outcome.error.startswith("rank ")  # a rank raised the OSError (see its log)
+    # A rank raised the OSError and exited (see its log): not a user's mistake, not a failed commit.
+    assert re.fullmatch(r"rank [01] exited with 1", outcome.error or ""), outcome.error
     per_process: dict[int, int] = {}
     for f in storage_faults.injected(record):
         per_process[f["pid"]] = per_process.get(f["pid"], 0) + 1
@@ -116,6 +123,7 @@ def test_a_read_that_keeps_failing_fails_the_job_and_sets_nothing_aside(tmp_path
     (PermissionError(13, "denied"), False),
     (ConnectionResetError(104, "reset"), True),
 ])
+@pytest.mark.invariant(7)
 def test_which_errors_are_transient(exc, retry):
     """pyarrow's S3 errors carry no errno: what they say decides (its own retry strategy went first)."""
     assert storage_module.transient(exc) is retry

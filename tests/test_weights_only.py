@@ -14,7 +14,7 @@ import torch
 
 import harness
 
-from conftest import FINAL, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import FINAL, assert_resumed_once, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.loader import load_state
@@ -53,6 +53,7 @@ def test_mixed_precision_checkpoint_carries_the_main_params(tmp_path):
     assert mains and all(t.dtype == torch.float32 for t in mains.values())
     fresh, fresh_opt = make_state(seed=3, dtype=torch.bfloat16)
     fresh_opt.load_state_tensors(load_state(storage, it, "opt"))
+    assert len(fresh_opt.main) == len(opt.main) > 0
     for a, b in zip(fresh_opt.main, opt.main):
         assert torch.equal(a, b)
 
@@ -75,6 +76,7 @@ def test_loss_scaler_backs_off_skips_and_grows():
     assert all(torch.equal(before[n], t) for n, t in state.model_tensors(model).items())
 
 
+@pytest.mark.invariant(6)
 def test_export_with_a_mismatched_tensor_is_refused_by_name(tmp_path):
     from ray_resume import cli
 
@@ -91,6 +93,7 @@ def test_export_with_a_mismatched_tensor_is_refused_by_name(tmp_path):
     assert all(torch.equal(before[n], t) for n, t in state.model_tensors(other).items())  # nothing half-loaded
 
 
+@pytest.mark.invariant(10, 13)
 def test_weights_only_onto_its_own_committed_root_is_refused_naming_save_path(tmp_path):
     """Step 0 again, saving into the root whose committed iterations it loads, would overwrite them."""
     from ray_resume.run import absolute_paths, preflight, with_lanes
@@ -166,6 +169,7 @@ def test_scenario_b_starts_at_step_0_from_the_loaded_weights(tmp_path, local_ref
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.invariant(2)
 def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, local_reference, dtype):
     roots = {}
     for name, fault in (("clean", None), ("killed", {"phase": "after_optimizer_step", "step": 6, "rank": 1})):
@@ -173,6 +177,7 @@ def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, local
         cfg["data"]["path"] = local_reference["data"]
         run_on_harness(cfg)
         roots[name] = cfg["checkpoint"]["save_path"]
+    assert_resumed_once(roots["killed"])
     for step in (4, 8, FINAL):
         assert shard_bytes(roots["killed"], step) == shard_bytes(roots["clean"], step)
         common = [json.loads(Path(paths.iteration_dir(r, step), "common.json").read_text()) for r in roots.values()]
@@ -183,6 +188,7 @@ def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, local
     assert {s: r[-1]["loss"] for s, r in killed.items()} == {s: r[0]["loss"] for s, r in clean.items()}
 
 
+@pytest.mark.invariant(6, 13)
 def test_no_save_optim_then_full_resume_is_refused_by_name(tmp_path, local_reference, monkeypatch):
     cfg = tiny_config(tmp_path, training={"train_steps": 4}, checkpoint={"no_save_optim": True})
     cfg["data"]["path"] = local_reference["data"]

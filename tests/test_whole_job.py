@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import FINAL, REPO, env_for_subprocess, shard_bytes, tiny_config
@@ -65,6 +66,7 @@ def tracker(root: str) -> str:
     return Path(paths.tracker_path(root)).read_text().strip()
 
 
+@pytest.mark.invariant(1, 4, 9)
 def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tmp_path, reference):
     config = write_config(tmp_path, reference, fault={"phase": "commit_before_tracker", "step": 8})
     root = str(tmp_path / "ckpt")
