@@ -1,67 +1,47 @@
-"""Scale simulation: the real planning and commit code at 1,024-16,384 ranks, with no training and no ranks.
+"""Scale simulation: the real planning, commit and load-planning code at 1,024-16,384 ranks, with no ranks.
 
-    python -m benchmarks.scale_sim                      # 1,024 / 4,096 / 16,384 ranks (~5 min on 2 cores)
-    python -m benchmarks.scale_sim --small              # CI: a tiny decoder at small world sizes, correctness only (seconds)
+    python -m benchmarks.scale_sim                  # DDP and FSDP2 at 1,024 / 4,096 / 16,384 saving ranks (~10 min)
+    python -m benchmarks.scale_sim --small          # CI: a tiny decoder at small world sizes, correctness only (seconds)
     python -m benchmarks.scale_sim --worlds 1024 --out /tmp/scale.json
 
-The tensors are those of a 70B-class decoder (80 layers, hidden 8192, 64
-heads / 8 KV heads, MLP 28672, vocab 128256, untied head): bf16 parameters in
-the `model` shards; fp32 `exp_avg`, `exp_avg_sq`, `main_param` and a 0-d `step`
-per parameter in the `opt` shards, named and ordered as `ray_resume.optim`
-does. Two layouts: DDP (everything `split`) and FSDP2 (parameters and slots
-`dim0`, `step` `split`).
+The tensors are those of a 70B-class decoder (80 layers, hidden 8192, 64 heads / 8 KV heads,
+MLP 28672, vocab 128256, untied head): bf16 parameters in the `model` shards; fp32 Adam moments
+(`adam_m.{p}`, `adam_v.{p}`), main parameters (`main_param.{p}`) and a 0-d `step.{p}` per
+parameter in the `opt` shards, named as ray_resume writes them. Two layouts: DDP (everything
+replicated) and FSDP2 (parameters and slots sharded on dim 0, the steps replicated).
 
 For each saving world size W it
 
-- times one rank's save plan (`plan.SavePlan` + `share(rank)`, file order,
-  header) and every rank's, computed one after the other (FSDP: up to
-  `--all-ranks-upto` ranks);
-- synthesises every rank's manifest as `writer.write_shards` reports it
-  (names from `paths.shard_filename`, sizes = the share's data bytes plus
-  the safetensors header, a fake xxh3-128 digest per 4 MiB checksum block), creates
-  the shard files as sparse files of those sizes in a local temp dir, and
-  runs the driver's real commit (`commit.commit_iteration`: a stat per
-  file, `validate_metadata`, metadata.json / config.yaml / common.json /
-  tracker, each atomic with fsync) through a storage wrapper that counts
-  the calls;
-- times writing and parsing metadata.json, and measures the driver memory
-  that holds the manifests;
-- plans the load on W' = 3W/4 ranks with `load_balanced` off and on: one
-  rank's plan is `SavePlan.overlaps` over `needed_range` for every tensor
-  (and `fetch.balanced_owners` over the checksum blocks for
-  `load_balanced`), timed; every rank's bytes and requests come from a
-  vectorised form of the same plan that `--small` (and, on sampled ranks,
-  the full run) checks equal to the per-rank plan.
+- builds the save plan (`plan.SavePlan`, what every rank builds) and one rank's share in file
+  order, timed; every rank's bytes come from the plan (the sharded rows in torch.chunk's closed
+  form), for the write balance;
+- counts the chunks metadata.json lists: format 5 writes MindFormers' schema, which names every
+  chunk of every tensor with the file that holds it, so its size grows with the chunks, not only
+  the tensors. Where they are few enough to hold here (`--max-chunks`), it synthesises every
+  rank's manifest as `writer.write_shards` reports it (sizes with an estimated header, a fake
+  xxh3-128 digest per 4 MiB block, the rank's chunks), creates the shard files as sparse files,
+  and runs the driver's real commit (`commit.commit_iteration`) through a storage wrapper that
+  counts its calls; then times metadata.json's write, read and parse (`reader.open_iteration`);
+- plans the load on W' = 3W/4 ranks with load_balanced off and on, from that metadata.json: one
+  rank's plan is `plan.overlaps` over `needed_range` of every tensor (and `loader.balanced_owners`
+  over the checksum blocks for load_balanced), timed, and the bytes, requests and files of a
+  sample of ranks (`--sample-ranks`, every rank in `--small`).
 
-The read policy simulated is the loader's (`fetch.StateLoader.load`, as
-`Checkpointer._load` calls it): the files of saving rank s are read whole,
-every checksum block checked, by loading rank s % W' (their verifier).
-Under DDP every rank wants every tensor whole, and of every file it does
-not verify it reads one byte range per piece (no header: metadata.json
-places every piece); with `load_balanced` the checksum blocks of both
-kinds' files are instead divided between the ranks
-(`fetch.balanced_owners`: consecutive runs, or single blocks when a
-rank's share is under 10 blocks), read and checked by their owner and
-broadcast. Under FSDP a rank wants its dim-0 chunk of
-each `dim0` tensor and the rest (the 0-d `step` tensors) whole: those are
-pooled, i.e. only each file's verifier copies them out of the stream it
-reads anyway and one all-reduce of the packed bytes (8-byte slot per
-tensor) hands them to every rank, so of the files it does not verify a
-rank reads only the ranges of the dim-0 pieces it needs (nothing is
-pooled on a single loading rank). `load_balanced` applies to replicated
-targets only, so under FSDP it changes nothing. Requests are counted as the reader makes storage calls
-(`CHECKED_FILE_REQUESTS`; `tests/test_load_balanced.py` checks the counts
-against the real loader).
+The read policy is the loader's (`loader.StateLoader.load`, as `Checkpointer._load` calls it): the
+files of saving rank s are read whole, every checksum block checked, by loading rank s % W' (their
+verifier); under DDP every rank wants every tensor whole and reads, of every file it does not
+verify, one byte range per piece; with load_balanced the checksum blocks of both kinds' files are
+divided between the ranks, read and checked by their owner and broadcast. Under FSDP a rank wants
+its dim-0 chunk of each sharded tensor; the 0-d steps are pooled: each file's verifier copies them
+out of the stream it reads anyway and one all-reduce hands them to every rank. Requests are
+counted as the reader makes storage calls (`tests/test_load_balanced.py` checks the counts against
+the real loader).
 
-`--small` asserts only correctness: every element of every tensor is
-written by exactly one rank; every rank's load plan covers exactly the
-elements that rank needs, from pieces its source files hold (both layouts,
-load_balanced on and off, shrinking and growing), where a pooled tensor is
-covered by the verifiers together plus the all-reduce: every rank packs
-the same buffer, every pooled piece is copied by exactly one rank (the
-verifier of its file) and the copies tile the tensor; the vectorised totals
-equal the per-rank plans; metadata.json round-trips through the commit and
-`validate_metadata`. No timing is asserted anywhere.
+`--small` asserts correctness only: every element of every tensor written by exactly one rank, in
+whole rows; the closed-form write totals equal every rank's share; metadata.json round-trips
+through the real commit and reader; every rank's load plan gets exactly the elements it needs
+from pieces its files hold (both layouts, load_balanced on and off, shrinking and growing), and
+the pooled steps are copied once each by their file's verifier. No timing is asserted anywhere.
 """
 
 from __future__ import annotations
@@ -82,13 +62,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from ray_resume.checkpoint import paths
+from ray_resume.checkpoint import names, paths
 from ray_resume.checkpoint.commit import commit_iteration
 from ray_resume.checkpoint.digest import block_bounds
-from ray_resume.checkpoint.loader import balanced_owners, divide_blocks
-from ray_resume.checkpoint.reader import consecutive_runs
-from ray_resume.checkpoint.plan import DIM0, SPLIT, SavePlan, TensorSpec, dim0_chunk, needed_range, split_replicated, split_specs
-from ray_resume.checkpoint.schema import dumps, file_blocks, parse_json, tensor_specs, validate_metadata
+from ray_resume.checkpoint.loader import balanced_owners
+from ray_resume.checkpoint.plan import SavePlan, TensorSpec, dim0_chunk, needed_range, overlaps
+from ray_resume.checkpoint.reader import consecutive_runs, open_iteration
+from ray_resume.checkpoint.schema import SAFETENSORS_ORDER, Iteration, dumps
 from ray_resume.checkpoint.state import capture_rng
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import CHECKSUM_BLOCK
@@ -133,22 +113,22 @@ TINY = Decoder(layers=2, hidden=48, heads=4, kv_heads=2, mlp=136, vocab=1000)
 
 
 def state_specs(model: Decoder, fsdp: bool) -> dict[str, list[TensorSpec]]:
-    """Every tensor of both kinds, in the order `ray_resume.optim` produces them."""
-    how = DIM0 if fsdp else SPLIT
+    """Every tensor of both kinds, named and ordered as `ray_resume.optim` produces them."""
     params = model.params()
     opt = []
-    for name, shape in params:  # state.optim_tensors: each param's slots, then the main params
-        opt += [TensorSpec(f"{name}.exp_avg", "F32", shape, 4, how), TensorSpec(f"{name}.exp_avg_sq", "F32", shape, 4, how),
-                TensorSpec(f"{name}.step", "F32", (), 4, SPLIT)]
-    opt += [TensorSpec(f"{name}.main_param", "F32", shape, 4, how) for name, shape in params]
-    return {paths.MODEL_KIND: [TensorSpec(n, "BF16", s, 2, how) for n, s in params], paths.OPTIM_KIND: opt}
+    for name, shape in params:  # state.optim_tensors: each param's slots (AdamW: step, then its moments), then the main params
+        opt += [TensorSpec(names.state_name(name, "step"), "F32", (), 4),
+                TensorSpec(names.state_name(name, "exp_avg"), "F32", shape, 4, fsdp),
+                TensorSpec(names.state_name(name, "exp_avg_sq"), "F32", shape, 4, fsdp)]
+    opt += [TensorSpec(names.state_name(name, names.MAIN_PARAM), "F32", shape, 4, fsdp) for name, shape in params]
+    return {paths.MODEL_KIND: [TensorSpec(n, "BF16", s, 2, fsdp) for n, s in params], paths.OPTIM_KIND: opt}
 
 
 # --------------------------------------------------------------------------- save side
 
 # A safetensors header entry as writer.safetensors_header writes it:
-# "NAME":{"dtype":"BF16","shape":[N],"data_offsets":[A,B]},  -> len(NAME) + ~50 bytes + digits.
-# 80 is an upper estimate (digits of 10-11 places); the sim needs sizes close to, not equal to, the writer's.
+# "NAME":{"dtype":"BF16","shape":[R,C],"data_offsets":[A,B]},  -> len(NAME) + ~50 bytes + digits.
+# 80 is an upper estimate; the sim needs sizes close to, not equal to, the writer's.
 HEADER_ENTRY = 80
 # The opt shard's "__metadata__":{"rank_extras": ...}: this process's real RNG strings, JSON in JSON.
 RANK_EXTRAS = len(json.dumps({"__metadata__": {"rank_extras": json.dumps(capture_rng(), sort_keys=True)}}))
@@ -179,54 +159,16 @@ class RankShard:
         return self.header + self.data
 
 
-_DTYPE_ORDER = {"BOOL": 0, "U8": 1, "I8": 2, "I16": 3, "F16": 4, "BF16": 5, "I32": 6, "F32": 7, "F64": 8, "I64": 9}
-
-
-def rank_save_plan(specs: dict[str, list[TensorSpec]], world: int, rank: int, plans: dict[str, SavePlan] | None = None) -> list[RankShard]:
-    """What one rank computes before it writes: the save plan, its share, the file order and header size."""
+def rank_shards(plan: SavePlan, rank: int) -> list[RankShard]:
+    """What one rank computes before it writes: its share of the plan, the file order and the header size."""
     out = []
     for kind in KINDS:
-        plan = plans[kind] if plans else SavePlan(specs[kind], world)
-        share = plan.share(rank)
-        by_name = plan.specs
-        order = sorted(share, key=lambda p: (-_DTYPE_ORDER[by_name[p.name].dtype], p.name.encode()))
-        data = sum(p.numel * by_name[p.name].itemsize for p in order)
-        hdr = header_bytes(sum(entry_bytes(p.name) for p in order), kind)
-        out.append(RankShard(paths.shard_filename(PREFIX, kind, rank, world), kind, order, data, hdr))
+        specs = plan.specs[kind]
+        order = sorted(plan.share(kind, rank), key=lambda p: (-SAFETENSORS_ORDER[specs[p.name].dtype], p.name.encode()))
+        data = sum(p.numel * specs[p.name].itemsize for p in order)
+        out.append(RankShard(paths.shard_filename(PREFIX, kind, rank, plan.world_size), kind, order, data,
+                             header_bytes(sum(entry_bytes(p.name) for p in order), kind)))
     return out
-
-
-def share_totals(specs: list[TensorSpec], world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(data bytes, header entry bytes, piece count) of every rank's `SavePlan.share`, all ranks at once.
-
-    Split pieces come from `plan.split_replicated` itself (O(tensors + W)
-    pieces in all); dim-0 chunks from `plan.dim0_chunk`'s closed form on numpy
-    arrays, one pass per distinct (rows, row bytes). `--small` checks this
-    against `SavePlan.share(rank)` for every rank.
-    """
-    data = np.zeros(world, np.int64)
-    entries = np.zeros(world, np.int64)
-    pieces = np.zeros(world, np.int64)
-    sizes = {s.name: s.itemsize for s in specs}
-    for rank, share in enumerate(split_replicated(split_specs(specs), world)):
-        for p in share:
-            data[rank] += p.numel * sizes[p.name]
-            entries[rank] += entry_bytes(p.name)
-            pieces[rank] += 1
-    groups: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])  # (rows, row bytes) -> [count, entry bytes]
-    for s in specs:
-        if s.layout == DIM0:
-            g = groups[s.shape[0], s.row_numel * s.itemsize]
-            g[0] += 1
-            g[1] += entry_bytes(s.name)
-    ranks = np.arange(world, dtype=np.int64)
-    for (rows, row_bytes), (count, names) in groups.items():
-        n = _chunk_rows(rows, world, ranks)
-        held = (n > 0) & (row_bytes > 0)
-        data += count * n * row_bytes
-        entries += np.where(held, names, 0)
-        pieces += np.where(held, count, 0)
-    return data, entries, pieces
 
 
 def _chunk_rows(rows: int, world: int, ranks: np.ndarray) -> np.ndarray:
@@ -236,18 +178,64 @@ def _chunk_rows(rows: int, world: int, ranks: np.ndarray) -> np.ndarray:
     return np.minimum(size, rows - first)
 
 
-def shard_sizes(specs: dict[str, list[TensorSpec]], world: int) -> dict[str, dict[str, np.ndarray]]:
-    """Per kind: data, header, size and piece count of every rank's shard file."""
+def shard_sizes(plan: SavePlan) -> dict[str, dict[str, np.ndarray]]:
+    """Per kind: data, header, size and piece count of every rank's shard file, all ranks at once: the
+    replicated parts from the plan, the sharded rows in torch.chunk's closed form (one pass per
+    distinct (rows, row bytes)). `--small` checks it against every rank's `rank_shards`."""
+    world = plan.world_size
+    ranks = np.arange(world, dtype=np.int64)
     out = {}
     for kind in KINDS:
-        data, entries, pieces = share_totals(specs[kind], world)
+        data, entries, pieces = (np.zeros(world, np.int64) for _ in range(3))
+        groups: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])  # (rows, row bytes) -> [count, entry bytes]
+        for name, spec in plan.specs[kind].items():
+            placed = plan._placed[kind].get(name)
+            if placed is None:
+                g = groups[spec.rows, spec.row_numel * spec.itemsize]
+                g[0] += 1
+                g[1] += entry_bytes(name)
+                continue
+            for rank, piece in placed:
+                data[rank] += piece.numel * spec.itemsize
+                entries[rank] += entry_bytes(name)
+                pieces[rank] += 1
+        for (rows, row_bytes), (count, name_bytes) in groups.items():
+            n = _chunk_rows(rows, world, ranks)
+            held = n > 0
+            data += count * n * row_bytes
+            entries += np.where(held, name_bytes, 0)
+            pieces += np.where(held, count, 0)
         header = header_bytes(entries, kind)
         out[kind] = {"data": data, "header": header, "size": data + header, "pieces": pieces}
     return out
 
 
-def manifests_for(specs: dict[str, list[TensorSpec]], world: int, sizes, block_size: int = CHECKSUM_BLOCK) -> list[dict]:
-    """Every rank's manifest, as `writer.write_shards` returns it (a fake xxh3-128 digest per checksum block; rank 0 carries the specs)."""
+def chunk_count(plan: SavePlan) -> int:
+    """The chunks metadata.json lists: every replicated part, and a sharded tensor's rows on every rank that holds some."""
+    count = 0
+    for kind, specs in plan.specs.items():
+        for name, spec in specs.items():
+            placed = plan._placed[kind].get(name)
+            count += len(placed) if placed is not None else max(1, -(-spec.rows // -(-spec.rows // plan.world_size)))
+    return count
+
+
+def manifests_for(plan: SavePlan, sizes, block_size: int = CHECKSUM_BLOCK) -> list[dict]:
+    """Every rank's manifest, as `writer.write_shards` returns it (a fake xxh3-128 digest per checksum
+    block, the rank's chunks; rank 0 carries the specs)."""
+    world = plan.world_size
+    held: list[dict[str, list]] = [{kind: [] for kind in KINDS} for _ in range(world)]
+    for kind, specs in plan.specs.items():
+        for name, spec in specs.items():
+            if name in plan._placed[kind]:
+                for rank, piece in plan._placed[kind][name]:
+                    held[rank][kind].append([name, piece.start // spec.row_numel if spec.shape else 0,
+                                             piece.numel // spec.row_numel if spec.shape else 1])
+            else:
+                for rank in range(world):
+                    first, rows = dim0_chunk(spec.rows, world, rank)
+                    if rows or (rank == 0 and not spec.rows):
+                        held[rank][kind].append([name, first, rows])
     out = []
     for rank in range(world):
         files = {}
@@ -255,9 +243,9 @@ def manifests_for(specs: dict[str, list[TensorSpec]], world: int, sizes, block_s
             name = paths.shard_filename(PREFIX, kind, rank, world)
             size, start = int(sizes[kind]["size"][rank]), int(sizes[kind]["header"][rank])
             digests = [xxhash.xxh3_128(f"{name}/{i}".encode()).hexdigest() for i in range(len(block_bounds(size, start, block_size)))]
-            files[name] = {"size": size, "data_start": start, "checksum": "xxh3-128", "digests": digests, "kind": kind, "rank": rank}
-        rows = {kind: [[s.name, s.dtype, list(s.shape), s.layout] for s in specs[kind]] for kind in KINDS} if rank == 0 else {}
-        out.append({"rank": rank, "world_size": world, "block_size": block_size, "files": files, "specs": rows})
+            files[name] = {"size": size, "data_start": start, "checksum": "xxh3-128", "digests": digests}
+        specs = {kind: [[s.name, s.dtype, list(s.shape)] for s in plan.specs[kind].values()] for kind in KINDS} if rank == 0 else {}
+        out.append({"rank": rank, "world_size": world, "block_size": block_size, "files": files, "chunks": held[rank], "specs": specs})
     return out
 
 
@@ -298,6 +286,16 @@ def common_json(world: int) -> dict:
 SIM_CONFIG = {"checkpoint": {"prefix": PREFIX, "save_path": "<sim>", "save_max": 5}, "note": "scale simulation"}
 
 
+def commit(plan: SavePlan, root: str, block_size: int = CHECKSUM_BLOCK) -> tuple[dict, list[dict], CountingStorage]:
+    """Every rank's manifest, sparse shard files, and the driver's real commit over them."""
+    manifests = manifests_for(plan, shard_sizes(plan), block_size)
+    make_sparse_files(paths.iteration_dir(root, ITERATION), manifests)
+    storage = CountingStorage(LocalStorage())
+    meta = commit_iteration(storage, root, ITERATION, manifests, common_json(plan.world_size), prefix=PREFIX,
+                            config=SIM_CONFIG, job_id="sim")
+    return meta, manifests, storage
+
+
 # --------------------------------------------------------------------------- load side
 
 
@@ -313,21 +311,18 @@ CHECKED_FILE_REQUESTS = 1
 class LoadPlan:
     """One loading rank's reads: checked files, ranged reads, what arrives by broadcast, and the pool.
 
-    `checked` are the files it reads checksum blocks of: all of them for a
-    file it verifies, its dealt blocks under load_balanced. `takes` are the
-    element ranges it gets for itself (from files it reads or, under
-    load_balanced, receives by broadcast). Tensors in `allreduced`
-    (FSDP: the replicated leftovers, Adam's 0-d steps) it gets from the one
-    all-reduce instead; `pooled` are the pieces of them it copies into that
-    all-reduce, from the files it verifies.
+    `checked` are the files it reads checksum blocks of: all of them for a file it verifies, its
+    dealt blocks under load_balanced. `takes` are the element ranges it gets for itself. Tensors in
+    `allreduced` (FSDP: the 0-d steps) it gets from the one all-reduce instead; `pooled` are the
+    pieces of them it copies into that all-reduce, from the files it verifies.
     """
 
     rank: int
     checked: list[str] = field(default_factory=list)
     received: list[str] = field(default_factory=list)
-    takes: list[tuple[str, str, int, int]] = field(default_factory=list)  # (file, tensor, lo, hi): every element range it gets
+    takes: list[tuple[str, str, int, int]] = field(default_factory=list)  # (file, tensor, lo, hi)
     ranged: dict[str, int] = field(default_factory=dict)  # file -> number of range reads (one per piece)
-    pooled: list[tuple[str, str, int, int]] = field(default_factory=list)  # (file, tensor, lo, hi) it copies into the all-reduce
+    pooled: list[tuple[str, str, int, int]] = field(default_factory=list)  # (file, tensor, lo, hi) copied into the all-reduce
     allreduced: dict[str, int] = field(default_factory=dict)  # tensor -> its bytes in the packed buffer (8-byte aligned)
     bytes_read: int = 0
     requests: int = 0
@@ -342,46 +337,39 @@ class LoadPlan:
 
 
 def pool_bytes(spec: TensorSpec) -> int:
-    """A pooled tensor's slot in `fetch.StateLoader._pool`'s packed buffer: its bytes rounded up to 8."""
+    """A pooled tensor's slot in `loader.StateLoader._pool`'s packed buffer: its bytes rounded up to 8."""
     return -(-spec.nbytes // 8) * 8
 
 
-def load_roles(specs: list[TensorSpec], new_world: int, *, fsdp: bool) -> tuple[bool, set[str]]:
+def load_roles(specs: dict[str, TensorSpec], new_world: int, *, fsdp: bool) -> tuple[bool, set[str]]:
     """(replicated, pooled) for one kind, as `Checkpointer._load` and `StateLoader.load` decide them.
 
-    A tensor is sharded when the live one is an FSDP dim-0 shard of it (here:
-    FSDP and the `dim0` layout); the rest are `shared` (every rank wants them
-    whole). All shared (DDP) = replicated: direct or load_balanced. Otherwise
-    the shared ones are pooled (verifiers copy them out, one all-reduce),
-    unless there is a single loading rank.
+    Under FSDP every tensor with a shape is a dim-0 shard live (the live tensor is a DTensor of
+    that global shape); the rest (the 0-d steps) are `shared`: every rank wants them whole. All
+    shared (DDP) = replicated: direct or load_balanced. Otherwise the shared ones are pooled
+    (verifiers copy them out, one all-reduce), unless there is a single loading rank.
     """
-    shared = {s.name for s in specs if not (fsdp and s.layout == DIM0)}
+    shared = {n for n, s in specs.items() if not (fsdp and s.shape)}
     replicated = len(shared) == len(specs)
     return replicated, (set() if replicated or new_world == 1 else shared)
 
 
-def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bool,
+def load_plan(it: Iteration, new_world: int, rank: int, *, fsdp: bool, balanced: bool,
               owners: dict[tuple[str, int], int] | None = None) -> LoadPlan:
-    """Rank `rank` of `new_world` loading the iteration `meta` describes.
-
-    Needs: each tensor's `needed_range` (its dim-0 chunk for a dim0 tensor under
-    FSDP, else all of it); sources: `SavePlan.overlaps`. `owners`
-    (load_balanced: (file, block) -> dealing rank) may be passed in when
-    timing many ranks; each rank computes the same deal.
-    """
-    world, files, prefix = meta["world_size"], meta["files"], meta.get("prefix", "ckpt")
+    """Rank `rank` of `new_world` loading iteration `it`: each tensor's `needed_range` (its dim-0 chunk
+    of a sharded tensor under FSDP, else all of it), from the pieces `plan.overlaps` finds. `owners`
+    (load_balanced: (file, block) -> dealing rank) may be passed in when timing many ranks."""
     plan = LoadPlan(rank)
-    wanted: dict[str, list[tuple[str, int, int, int]]] = defaultdict(list)  # file -> (tensor, lo, hi, bytes), read by range
-    for kind in meta["tensors"]:
-        specs = tensor_specs(meta, kind)
-        saved = SavePlan(specs, world)
+    wanted: dict[str, list[int]] = defaultdict(list)  # file -> bytes of each range read
+    for kind in it.tensors:
+        specs = it.specs(kind)
         replicated, pooled = load_roles(specs, new_world, fsdp=fsdp)
-        names = [paths.shard_filename(prefix, kind, r, world) for r in range(world)]
+        files = it.shard_files(kind)
         verified = set()
         if balanced and replicated:  # one deal over both kinds' checksum blocks; each read by its owner, then broadcast
-            owners = owners or lb_owners(meta, new_world)
-            for name in names:
-                blocks = file_blocks(meta, name)
+            owners = owners or balanced_owners(it, KINDS, new_world)
+            for name in files:
+                blocks = it.files[name].blocks(it.block_size)
                 mine = [i for i in range(len(blocks)) if owners[name, i] == rank]
                 if mine:
                     plan.checked.append(name)
@@ -390,148 +378,34 @@ def load_plan(meta: dict, new_world: int, rank: int, *, fsdp: bool, balanced: bo
                 if len(mine) < len(blocks):
                     plan.received.append(name)
         else:  # this rank verifies (reads whole) the files of saving ranks s with s % W' == rank
-            verified = {n for n in names if files[n]["rank"] % new_world == rank}
+            verified = {n for n in files if it.files[n].rank % new_world == rank}
             for name in sorted(verified):
                 plan.checked.append(name)
-                plan.bytes_read += files[name]["size"]
+                plan.bytes_read += it.files[name].size
                 plan.requests += CHECKED_FILE_REQUESTS + 1
-        for spec in specs:
-            start, numel = needed_range(spec, fsdp and spec.layout == DIM0, new_world, rank)
-            if spec.name in pooled:
-                plan.allreduced[spec.name] = pool_bytes(spec)
-            for source, piece in saved.overlaps(spec.name, start, numel):
+        for name, spec in specs.items():
+            start, numel = needed_range(spec, fsdp and bool(spec.shape), new_world, rank)
+            if name in pooled:
+                plan.allreduced[name] = pool_bytes(spec)
+            for file, piece in overlaps(list(it.tensors[kind][name].pieces), start, numel):
                 lo, hi = max(start, piece.start), min(start + numel, piece.start + piece.numel)
-                file = names[source]
-                if spec.name in pooled:  # only the file's verifier copies it out of its stream; the all-reduce does the rest
+                if name in pooled:  # only the file's verifier copies it out of its stream; the all-reduce does the rest
                     if file in verified:
-                        plan.pooled.append((file, spec.name, lo, hi))
+                        plan.pooled.append((file, name, lo, hi))
                     continue
-                plan.takes.append((file, spec.name, lo, hi))
+                plan.takes.append((file, name, lo, hi))
                 if file not in verified and not (balanced and replicated):
-                    wanted[file].append((spec.name, lo, hi, (hi - lo) * spec.itemsize))
+                    wanted[file].append((hi - lo) * spec.itemsize)
     plan.checked.sort()
     plan.received.sort()
     for file, reads in wanted.items():
         plan.ranged[file] = len(reads)
-        plan.bytes_read += sum(r[3] for r in reads)
+        plan.bytes_read += sum(reads)
         plan.requests += len(reads)
     return plan
 
 
-def lb_owners(meta: dict, new_world: int) -> dict[tuple[str, int], int]:
-    """load_balanced: (file, checksum block) -> the rank that reads it, one deal over both kinds, as fetch.StateLoader does."""
-    return balanced_owners(meta, KINDS, new_world)
-
-
-def dealt_blocks(sizes, world: int, new_world: int, block_size: int) -> dict[str, np.ndarray]:
-    """load_balanced in closed form: every checksum block in `fetch.balanced_owners`' order (kinds,
-    then saving ranks, then blocks), with its kind, file, size and its rank (`fetch.divide_blocks`)."""
-    kind, file, first, size = [], [], [], []
-    for k, name in enumerate(KINDS):
-        for r in range(world):
-            blocks = block_bounds(int(sizes[name]["size"][r]), int(sizes[name]["header"][r]), block_size)
-            kind += [k] * len(blocks)
-            file += [k * world + r] * len(blocks)
-            first += [i == 0 for i in range(len(blocks))]
-            size += [hi - lo for lo, hi in blocks]
-    owner = np.array(divide_blocks(size, new_world), np.int64)
-    size = np.array(size, np.int64)
-    run_starts = np.array(first) | np.r_[True, owner[1:] != owner[:-1]]  # a new file, or a new owner
-    return {"kind": np.array(kind), "file": np.array(file, np.int64), "size": size, "owner": owner, "run_start": run_starts}
-
-
-def read_totals(specs: dict[str, list[TensorSpec]], world: int, new_world: int, sizes, *, fsdp: bool, balanced: bool,
-                block_size: int = CHECKSUM_BLOCK, block_cells: int = 1 << 25) -> dict[str, np.ndarray]:
-    """bytes read, requests and files touched of every loading rank: `load_plan` for all ranks at once.
-
-    The same policy as `load_plan`, in closed form over numpy arrays (one pass
-    per distinct (rows, row bytes) of the dim-0 tensors, split pieces from
-    `plan.split_replicated` (none read by range when pooled), the deal from
-    `dealt_blocks`); `--small` checks it equal to `load_plan` for every rank.
-    Memory: a bool matrix of `block_cells` (loading ranks x saved files) at a time.
-    """
-    out = {k: np.zeros(new_world, np.int64) for k in ("bytes", "requests", "files")}
-    saved = np.arange(world, dtype=np.int64)
-    ver = saved % new_world  # the loading rank that verifies (reads whole) each saved rank's files
-    dealt = dealt_blocks(sizes, world, new_world, block_size) if balanced else None
-    for k, kind in enumerate(KINDS):
-        size, header = sizes[kind]["size"], sizes[kind]["header"]
-        replicated, pooled = load_roles(specs[kind], new_world, fsdp=fsdp)
-        if balanced and replicated:
-            mine = dealt["kind"] == k
-            owner = dealt["owner"][mine]
-            pairs = np.unique(dealt["file"][mine] * new_world + owner)  # (file, rank) with blocks to read
-            touched = np.bincount(pairs % new_world, minlength=new_world)
-            out["bytes"] += np.bincount(owner, dealt["size"][mine].astype(np.float64), new_world).astype(np.int64)
-            out["requests"] += CHECKED_FILE_REQUESTS * touched + np.bincount(owner[dealt["run_start"][mine]], minlength=new_world)
-            out["files"] += touched
-            continue
-        # Verified files: saving rank s is read whole by loading rank s % W'.
-        out["bytes"] += np.bincount(ver, size.astype(np.float64), new_world).astype(np.int64)
-        out["requests"] += (CHECKED_FILE_REQUESTS + 1) * np.bincount(ver, minlength=new_world)
-        out["files"] += np.bincount(ver, minlength=new_world)
-        itemsize = {s.name: s.itemsize for s in specs[kind]}
-        split_pieces = [(r, p.numel * itemsize[p.name]) for r, share in enumerate(split_replicated(split_specs(specs[kind]), world))
-                        for p in share]
-        if replicated:
-            # Every rank needs every tensor whole: every piece of every file it does not verify.
-            npieces = np.bincount(np.array([r for r, _ in split_pieces], np.int64), minlength=world)
-            data = size - header
-            ranged = npieces > 0  # the verifying rank reads these whole instead
-            out["bytes"] += int(data[ranged].sum()) - np.bincount(ver[ranged], data[ranged].astype(np.float64), new_world).astype(np.int64)
-            out["requests"] += int(npieces[ranged].sum()) - np.bincount(ver[ranged], npieces[ranged].astype(np.float64), new_world).astype(np.int64)
-            out["files"] += int(ranged.sum()) - np.bincount(ver[ranged], minlength=new_world)
-            continue
-        groups: dict[tuple[int, int], int] = Counter((s.shape[0], s.row_numel * s.itemsize) for s in specs[kind] if s.layout == DIM0)
-        rows_per_block = max(1, block_cells // world)
-        for b0 in range(0, new_world, rows_per_block):
-            ranks = np.arange(b0, min(new_world, b0 + rows_per_block), dtype=np.int64)
-            touched = np.zeros((len(ranks), world), bool)
-            spans = np.zeros(len(ranks), np.int64)
-            got = np.zeros(len(ranks), np.int64)
-            for (rows, row_bytes), count in groups.items():
-                c = -(-rows // world)
-                need = _chunk_rows(rows, new_world, ranks)
-                a = np.minimum(ranks * -(-rows // new_world), rows)
-                e = a + need
-                has = (need > 0) & (row_bytes > 0)
-                if not has.any():
-                    continue
-                first = np.where(has, a // c, 0)
-                last = np.where(has, (e - 1) // c, -1)
-                for j in range(int((last - first).max()) + 1):
-                    s = first + j
-                    take = has & (s <= last) & (ver[np.minimum(s, world - 1)] != ranks)
-                    overlap = np.minimum(np.minimum(e, (s + 1) * c), rows) - np.maximum(a, s * c)
-                    idx = np.nonzero(take)[0]
-                    touched[idx, s[idx]] = True
-                    spans += take * count
-                    got += np.where(take, overlap, 0) * row_bytes * count
-            for source, nbytes in ([] if pooled else split_pieces):  # pooled: only verifiers copy them (no extra reads)
-                not_mine = ranks != ver[source]
-                touched[not_mine, source] = True
-                spans += not_mine
-                got += not_mine * nbytes
-            block = slice(b0, b0 + len(ranks))
-            out["bytes"][block] += got
-            out["requests"][block] += spans
-            out["files"][block] += touched.sum(1)
-    return out
-
-
 # --------------------------------------------------------------------------- correctness checks
-
-
-def check_save_coverage(specs: list[TensorSpec], world: int) -> None:
-    """Every element of every tensor is in exactly one rank's `share` (pieces tile [0, numel))."""
-    plan = SavePlan(specs, world)
-    pieces = defaultdict(list)
-    for rank in range(world):
-        for p in plan.share(rank):
-            assert p.numel > 0, f"empty piece {p} in rank {rank}'s share"
-            pieces[p.name].append((p.start, p.start + p.numel))
-    for s in specs:
-        _assert_tiles(sorted(pieces.get(s.name, [])), 0, s.numel, f"save plan W={world}: {s.name}")
 
 
 def _assert_tiles(intervals: list[tuple[int, int]], start: int, end: int, what: str) -> None:
@@ -542,20 +416,31 @@ def _assert_tiles(intervals: list[tuple[int, int]], start: int, end: int, what: 
     assert pos == end, f"{what}: covers [{start}, {pos}) of [{start}, {end})"
 
 
-def check_load_plan(meta: dict, plan: LoadPlan, new_world: int, *, fsdp: bool, balanced: bool) -> None:
+def check_save_coverage(plan: SavePlan) -> None:
+    """Every element of every tensor is in exactly one rank's share, in whole rows."""
+    for kind, specs in plan.specs.items():
+        pieces = defaultdict(list)
+        for rank in range(plan.world_size):
+            for p in plan.share(kind, rank):
+                spec = specs[p.name]
+                assert p.numel > 0 or not spec.numel, f"empty piece {p} in rank {rank}'s share"
+                assert not spec.shape or (p.start % spec.row_numel == 0 and p.numel % spec.row_numel == 0), f"{p} is not whole rows"
+                if p.numel:
+                    pieces[p.name].append((p.start, p.start + p.numel))
+        for name, spec in specs.items():
+            _assert_tiles(sorted(pieces.get(name, [])), 0, spec.numel, f"save plan W={plan.world_size}: {name}")
+
+
+def check_load_plan(it: Iteration, plan: LoadPlan, new_world: int, *, fsdp: bool, balanced: bool) -> None:
     """The plan gets exactly the elements its rank needs, each from a piece its file really holds.
 
-    Tensors it gets from the all-reduce are checked across all ranks by
-    `check_pooled`; here: it gets nothing of them itself, and what it copies
-    into the all-reduce comes from a file it verifies.
+    Tensors it gets from the all-reduce are checked across all ranks by `check_pooled`; here: it
+    gets nothing of them itself, and what it copies into the all-reduce comes from a file it verifies.
     """
-    world = meta["world_size"]
-    kinds = {paths.shard_filename(meta["prefix"], k, r, world): (k, r) for k in meta["tensors"] for r in range(world)}
-    shares = {kind: SavePlan(tensor_specs(meta, kind), world) for kind in meta["tensors"]}
+    kinds = {name: kind for kind in it.tensors for name in it.tensors[kind]}
 
     def assert_held(file: str, name: str, lo: int, hi: int) -> None:
-        kind, source = kinds[file]
-        holds = [p for p in shares[kind].share(source) if p.name == name]
+        holds = [p for f, p in it.tensors[kinds[name]][name].pieces if f == file]
         assert len(holds) == 1 and holds[0].start <= lo < hi <= holds[0].start + holds[0].numel, \
             f"rank {plan.rank}: {file} holds no piece of {name} with elements [{lo}, {hi})"
 
@@ -570,112 +455,101 @@ def check_load_plan(meta: dict, plan: LoadPlan, new_world: int, *, fsdp: bool, b
         assert file in plan.checked and file not in plan.ranged, f"rank {plan.rank}: copies {name} out of {file}, which it does not verify"
         assert name in plan.allreduced
         assert_held(file, name, lo, hi)
-    for kind in meta["tensors"]:
-        specs = tensor_specs(meta, kind)
+    for kind in it.tensors:
+        specs = it.specs(kind)
         _, pooled = load_roles(specs, new_world, fsdp=fsdp)
-        assert pooled == {n for n in plan.allreduced if n in shares[kind].specs}, f"rank {plan.rank}: pools {sorted(plan.allreduced)}"
-        for spec in specs:
-            start, numel = needed_range(spec, fsdp and spec.layout == DIM0, new_world, plan.rank)
-            if spec.name in pooled:
-                assert (start, numel) == (0, spec.numel), f"{spec.name} is pooled but rank {plan.rank} needs only part of it"
+        assert pooled == {n for n in plan.allreduced if n in specs}, f"rank {plan.rank}: pools {sorted(plan.allreduced)}"
+        for name, spec in specs.items():
+            start, numel = needed_range(spec, fsdp and bool(spec.shape), new_world, plan.rank)
+            if name in pooled:
+                assert (start, numel) == (0, spec.numel), f"{name} is pooled but rank {plan.rank} needs only part of it"
                 continue
-            _assert_tiles(sorted(got.get(spec.name, [])), start, start + numel, f"load plan rank {plan.rank}/{new_world}: {spec.name}")
+            _assert_tiles(sorted(got.get(name, [])), start, start + numel, f"load plan rank {plan.rank}/{new_world}: {name}")
     if balanced and not fsdp:
-        assert set(plan.checked) | set(plan.received) == set(meta["files"]) and not plan.ranged
+        assert set(plan.checked) | set(plan.received) == set(it.files) and not plan.ranged
 
 
-def check_pooled(meta: dict, plans: list[LoadPlan], new_world: int, *, fsdp: bool) -> int:
+def check_pooled(it: Iteration, plans: list[LoadPlan], new_world: int, *, fsdp: bool) -> int:
     """The all-reduce gives every rank its pooled tensors whole: every rank packs the same tensors into the
     same buffer (8-byte slots), every pooled piece is copied by exactly one rank (its file's verifier), and
     those copies tile each tensor. Returns the packed bytes (0: no all-reduce)."""
     assert len(plans) == new_world
     layouts = {tuple(p.allreduced.items()) for p in plans}
     assert len(layouts) == 1, "ranks pack different all-reduce buffers"
-    specs = {s.name: s for kind in meta["tensors"] for s in tensor_specs(meta, kind)}
-    expected = {n: pool_bytes(specs[n]) for kind in meta["tensors"]
-                for n in sorted(load_roles(tensor_specs(meta, kind), new_world, fsdp=fsdp)[1])}
+    specs = {n: s for kind in it.tensors for n, s in it.specs(kind).items()}
+    expected = {n: pool_bytes(specs[n]) for kind in it.tensors for n in sorted(load_roles(it.specs(kind), new_world, fsdp=fsdp)[1])}
     assert plans[0].allreduced == expected, "the all-reduce buffer is not the pooled tensors, 8-byte aligned"
     copies = Counter(c for p in plans for c in p.pooled)
     twice = [c for c, n in copies.items() if n > 1]
     assert not twice, f"pooled pieces copied by more than one rank: {twice[:3]}"
-    world = meta["world_size"]
     for file, _, _, _ in copies:
-        owner = meta["files"][file]["rank"] % new_world
+        owner = it.files[file].rank % new_world
         assert any(c[0] == file for c in plans[owner].pooled), f"{file}'s pooled pieces are not copied by its verifier {owner}"
     by_tensor = defaultdict(list)
     for file, name, lo, hi in copies:
         by_tensor[name].append((lo, hi))
     for name in expected:
-        _assert_tiles(sorted(by_tensor.get(name, [])), 0, specs[name].numel, f"all-reduce over {new_world} ranks (from {world}): {name}")
+        _assert_tiles(sorted(by_tensor.get(name, [])), 0, specs[name].numel,
+                      f"all-reduce over {new_world} ranks (from {it.world_size}): {name}")
     return sum(expected.values())
 
 
-def check_vectorised_writes(specs: dict[str, list[TensorSpec]], world: int, sizes) -> None:
-    """`share_totals` equals `SavePlan.share` (via `rank_save_plan`) for every rank."""
-    plans = {kind: SavePlan(specs[kind], world) for kind in KINDS}
-    for rank in range(world):
-        for shard in rank_save_plan(specs, world, rank, plans):
+def check_shard_sizes(plan: SavePlan, sizes) -> None:
+    """`shard_sizes` equals every rank's `rank_shards`."""
+    for rank in range(plan.world_size):
+        for shard in rank_shards(plan, rank):
             s = sizes[shard.kind]
             assert (shard.data, shard.header, len(shard.pieces)) == (s["data"][rank], s["header"][rank], s["pieces"][rank]), \
-                f"vectorised write totals differ from SavePlan.share at rank {rank} of {world} ({shard.kind})"
+                f"closed-form write totals differ from SavePlan.share at rank {rank} of {plan.world_size} ({shard.kind})"
 
 
 # Small mode's checksum block: the tiny decoder's files hold 1 to ~500 blocks each, and
-# load_balanced meets both of `fetch.divide_blocks`' cases (runs at few ranks, a deal at many).
+# load_balanced meets both of `loader.divide_blocks`' cases (runs at few ranks, a deal at many).
 SMALL_BLOCK = 4096
 
 
 def check_small(tmp: str) -> dict:
-    """Correctness only (CI): the save plan, every rank's load plan, the vectorised totals, the commit round trip."""
+    """Correctness only (CI): the save plan, the closed-form totals, the commit round trip, every rank's load plan."""
     started = time.perf_counter()
     cases = [(1, 3), (3, 1), (4, 3), (5, 7), (7, 5), (16, 12), (48, 36), (64, 48)]
     checked = Counter()
     for fsdp in (False, True):
         specs = state_specs(TINY, fsdp)
         for world, new_world in cases:
-            for kind in KINDS:
-                check_save_coverage(specs[kind], world)
-                checked["save plans"] += 1
-            sizes = shard_sizes(specs, world)
-            check_vectorised_writes(specs, world, sizes)
+            plan = SavePlan(specs, world)
+            check_save_coverage(plan)
+            sizes = shard_sizes(plan)
+            check_shard_sizes(plan, sizes)
             assert sum(int(sizes[k]["data"].sum()) for k in KINDS) == sum(s.nbytes for k in KINDS for s in specs[k])
-            manifests = manifests_for(specs, world, sizes, SMALL_BLOCK)
+            checked["save plans"] += 1
             root = os.path.join(tmp, f"{'fsdp' if fsdp else 'ddp'}-{world}-{new_world}")
-            make_sparse_files(paths.iteration_dir(root, ITERATION), manifests)
-            storage = CountingStorage(LocalStorage())
-            commit_iteration(storage, root, ITERATION, manifests, common_json(world), prefix=PREFIX, config=SIM_CONFIG, job_id="sim")
+            _, manifests, storage = commit(plan, root, SMALL_BLOCK)
             assert storage.calls["size"] == 2 * world and storage.calls["write_atomic"] == 4
-            path = paths.join(paths.iteration_dir(root, ITERATION), paths.METADATA)
-            meta = parse_json(LocalStorage().read_bytes(path), path)
-            validate_metadata(meta, path)
+            it = open_iteration(LocalStorage(), root, ITERATION)
             for kind in KINDS:
-                assert sorted(tensor_specs(meta, kind), key=str) == sorted(specs[kind], key=str), "metadata.json does not round-trip the tensor specs"
-            assert {n: f["size"] for n, f in meta["files"].items()} == {n: f["size"] for m in manifests for n, f in m["files"].items()}
+                assert it.specs(kind) == {s.name: TensorSpec(s.name, s.dtype, s.shape, s.itemsize) for s in specs[kind]}, \
+                    "metadata.json does not round-trip the tensor specs"
+                assert sum(len(t.pieces) for t in it.tensors[kind].values()) == sum(len(m["chunks"][kind]) for m in manifests)
+            assert chunk_count(plan) == sum(len(t.pieces) for kind in KINDS for t in it.tensors[kind].values())
             assert LocalStorage().read_bytes(paths.tracker_path(root)) == f"{ITERATION}\n".encode()
             checked["commits"] += 1
             for balanced in (False, True):
-                totals = read_totals(specs, world, new_world, sizes, fsdp=fsdp, balanced=balanced, block_size=SMALL_BLOCK, block_cells=world * 5)
-                owners = lb_owners(meta, new_world) if balanced else None
+                owners = balanced_owners(it, KINDS, new_world) if balanced else None
                 plans = []
                 for rank in range(new_world):
-                    plan = load_plan(meta, new_world, rank, fsdp=fsdp, balanced=balanced, owners=owners)
-                    plans.append(plan)
-                    check_load_plan(meta, plan, new_world, fsdp=fsdp, balanced=balanced)
-                    assert (plan.bytes_read, plan.requests, plan.files_touched) == \
-                        (totals["bytes"][rank], totals["requests"][rank], totals["files"][rank]), \
-                        f"vectorised read totals differ from load_plan at rank {rank} ({world}->{new_world}, fsdp={fsdp}, balanced={balanced})"
+                    plans.append(load_plan(it, new_world, rank, fsdp=fsdp, balanced=balanced, owners=owners))
+                    check_load_plan(it, plans[-1], new_world, fsdp=fsdp, balanced=balanced)
                     checked["load plans"] += 1
-                packed = check_pooled(meta, plans, new_world, fsdp=fsdp)
+                packed = check_pooled(it, plans, new_world, fsdp=fsdp)
                 assert (packed > 0) == (fsdp and new_world > 1), f"all-reduce of {packed} bytes ({world}->{new_world}, fsdp={fsdp})"
                 if packed:
-                    steps = [s for s in specs[paths.OPTIM_KIND] if s.name.endswith(".step")]
+                    steps = [s for s in specs[paths.OPTIM_KIND] if not s.shape]
                     assert sorted(plans[0].allreduced) == sorted(s.name for s in steps) and packed == 8 * len(steps)
                     checked["all-reduces"] += 1
             shutil.rmtree(root)
     # A commit that finds a file of the wrong size refuses before writing anything.
-    specs = state_specs(TINY, False)
-    sizes = shard_sizes(specs, 4)
-    manifests = manifests_for(specs, 4, sizes)
+    plan = SavePlan(state_specs(TINY, False), 4)
+    manifests = manifests_for(plan, shard_sizes(plan))
     root = os.path.join(tmp, "short")
     make_sparse_files(paths.iteration_dir(root, ITERATION), manifests)
     os.truncate(os.path.join(paths.iteration_dir(root, ITERATION), paths.shard_filename(PREFIX, "opt", 2, 4)), 10)
@@ -707,183 +581,86 @@ def best(fn, *args, **kwargs):
     return runs[0][0], min(times), [round(t, 4) for t in times]
 
 
-MIB = 1 << 20
-S3_PART = 10 * MIB  # pyarrow's S3 multipart part size (kPartUploadSize)
-
-
-def s3_requests_per_save(sizes, world: int) -> dict:
-    """Object-store requests of one save as the code makes them through pyarrow.fs (S3FileSystem defaults).
-
-    pyarrow opens every output stream as a multipart upload (allow_delayed_open
-    is off): CreateMultipartUpload + one UploadPart per 10 MiB (at least one) +
-    CompleteMultipartUpload. The driver lists the iteration prefix (1,000 keys a
-    page) and writes 4 small objects; rank 0 first checks for 2 stale JSON files.
-    """
-    shard = sum(int((2 + np.maximum(1, -(-sizes[k]["size"] // S3_PART))).sum()) for k in KINDS)
-    files = 2 * world
-    return {
-        "shard_files": files,
-        "shard_upload_requests": shard,
-        "rank0_stale_json_checks": 2,
-        "driver_list_pages": -(-(files + 3) // 1000),
-        "driver_small_object_requests": 4 * 3,
-        "driver_small_object_requests_with_allow_delayed_open": 4,
-        "driver_head_requests_before": files,  # one HEAD per file, the commit's check before it listed
-    }
-
-
 def balance(values: np.ndarray) -> float:
     mean = float(values.mean())
     return round(float(values.max()) / mean, 4) if mean else 1.0
 
 
-def hsdp_write_balance(specs: dict[str, list[TensorSpec]], world: int, group: int) -> float:
-    """What-if (not implemented): HSDP with `group`-rank shard groups, each chunk split over its world/group replicas.
-
-    Shard-group rank g holds `dim0_chunk(rows, group, g)` of each dim0 tensor;
-    the world/group replicas of g cut that chunk's byte stream as the `split`
-    layout cuts replicated state (`split_replicated`); `split` tensors stay
-    split over all ranks. Returns max/mean of bytes written per rank.
-    """
-    replicas = world // group
-    written = np.zeros(world, np.int64)
-    for kind in KINDS:
-        itemsize = {s.name: s.itemsize for s in specs[kind]}
-        for rank, share in enumerate(split_replicated(split_specs(specs[kind]), world)):
-            written[rank] += sum(p.numel * itemsize[p.name] for p in share)
-        for g in range(group):
-            local = []
-            for s in specs[kind]:
-                if s.layout == DIM0:
-                    _, rows = dim0_chunk(s.shape[0], group, g)
-                    local.append(TensorSpec(s.name, s.dtype, (rows,) + s.shape[1:], s.itemsize, SPLIT))
-            for replica, share in enumerate(split_replicated(local, replicas)):
-                by = {s.name: s.itemsize for s in local}
-                written[replica * group + g] += sum(p.numel * by[p.name] for p in share)
-    return balance(written)
+# Chunks beyond which a commit is not simulated here: every chunk is one JSON entry of about 200
+# bytes in metadata.json, and the driver and every rank hold the parsed file.
+MAX_CHUNKS = 2_000_000
 
 
-def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, all_ranks: bool) -> dict:
+def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, max_chunks: int) -> dict:
     tag = "fsdp" if fsdp else "ddp"
     specs = state_specs(LLAMA_70B, fsdp)
     new_world = world * 3 // 4
     r: dict = {"world": world, "layout": tag, "load_world": new_world}
     log = lambda msg: print(f"  [{world} {tag}] {msg}", flush=True)  # noqa: E731
 
-    # Save plan: one rank (what every rank computes), and every rank one after the other.
+    plan, r["save_plan_build_s"], r["save_plan_build_s_runs"] = best(SavePlan, specs, world)
     probe = sorted({0, world // 2, world - 1})
-    r["save_plan_rank_s"] = max(best(rank_save_plan, specs, world, rank)[1] for rank in probe)
-    sizes, r["save_totals_vectorised_s"] = timed(shard_sizes, specs, world)
-    if all_ranks:
-        start = time.perf_counter()
-        plans = {kind: SavePlan(specs[kind], world) for kind in KINDS}
-        data = {kind: np.zeros(world, np.int64) for kind in KINDS}
-        for rank in range(world):
-            for shard in rank_save_plan(specs, world, rank, plans):
-                data[shard.kind][rank] = shard.data
-        r["save_plan_all_ranks_s"] = time.perf_counter() - start
-        assert all((data[k] == sizes[k]["data"]).all() for k in KINDS), "vectorised write totals differ from SavePlan.share"
-        r["vectorised_writes_checked_ranks"] = world
-    else:
-        plans = {kind: SavePlan(specs[kind], world) for kind in KINDS}
-        for rank in random.Random(world).sample(range(world), min(world, sample_ranks)) + probe:
-            for shard in rank_save_plan(specs, world, rank, plans):
-                assert shard.data == sizes[shard.kind]["data"][rank] and shard.header == sizes[shard.kind]["header"][rank]
-        r["vectorised_writes_checked_ranks"] = min(world, sample_ranks) + len(probe)
+    r["save_plan_rank_s"] = max(best(rank_shards, plan, rank)[1] for rank in probe)
+    sizes, r["save_totals_closed_form_s"] = timed(shard_sizes, plan)
+    for rank in random.Random(world).sample(range(world), min(world, sample_ranks)) + probe:
+        for shard in rank_shards(plan, rank):
+            assert shard.data == sizes[shard.kind]["data"][rank] and shard.header == sizes[shard.kind]["header"][rank]
     written = sizes[paths.MODEL_KIND]["size"] + sizes[paths.OPTIM_KIND]["size"]
     r["checkpoint_bytes"] = int(written.sum())
     r["write_balance"] = balance(written)
     r["write_max_rank_bytes"] = int(written.max())
     r["write_mean_rank_bytes"] = float(written.mean())
     r["ranks_writing_no_data"] = int(((sizes["model"]["data"] + sizes["opt"]["data"]) == 0).sum())
-    stream = split_replicated(split_specs(specs[paths.OPTIM_KIND]), world)
-    r["split_stream_opt"] = {"bytes": sum(s.nbytes for s in split_specs(specs[paths.OPTIM_KIND])),
-                             "files_holding_it": sum(1 for share in stream if share)}
-    if fsdp:
-        r["hsdp_write_balance"] = {str(g): hsdp_write_balance(specs, world, g) for g in (64, 1024) if world % g == 0 and g < world}
-    log(f"save plan: rank {r['save_plan_rank_s']:.3f} s, all {r.get('save_plan_all_ranks_s', float('nan')):.1f} s, write balance {r['write_balance']}")
+    r["chunks"] = chunk_count(plan)
+    log(f"save plan {r['save_plan_build_s']:.2f} s, one rank's share {r['save_plan_rank_s']:.3f} s, write balance "
+        f"{r['write_balance']}, {r['chunks']:,} chunks")
+    if r["chunks"] > max_chunks:
+        r["not_committed"] = f"{r['chunks']:,} chunks: metadata.json not simulated (over --max-chunks {max_chunks:,})"
+        log(r["not_committed"])
+        return r
 
-    # Manifests as the driver holds them, and their memory.
-    tracemalloc.start()
-    manifests = manifests_for(specs, world, sizes)
-    r["driver_manifest_bytes"] = tracemalloc.get_traced_memory()[0]
-    commons = [common_json(world) for _ in range(world)]  # what the actor held before: every rank's common too
-    r["driver_manifest_bytes_with_every_common"] = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    del commons
-
-    # The commit, on a real local directory of sparse shard files.
     root = os.path.join(tmp, f"{tag}-{world}")
+    tracemalloc.start()
+    manifests = manifests_for(plan, sizes)
+    r["driver_manifest_bytes"] = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
     iter_dir = paths.iteration_dir(root, ITERATION)
-    _, r["make_sparse_files_s"] = timed(make_sparse_files, iter_dir, manifests)
+    make_sparse_files(iter_dir, manifests)
     storage = CountingStorage(LocalStorage())
     meta, r["commit_s"], r["commit_s_runs"] = best(commit_iteration, storage, root, ITERATION, manifests, common_json(world),
                                                    prefix=PREFIX, config=SIM_CONFIG, job_id="sim")
     r["commit_storage_calls"] = {k: v // REPEATS for k, v in storage.calls.items()}
-    r["s3_requests_per_save"] = s3_requests_per_save(sizes, world)
     path = paths.join(iter_dir, paths.METADATA)
-    blob, r["metadata_serialize_s"], _ = best(dumps, meta)  # schema.dumps, as the commit writes it
-    _, r["metadata_serialize_compact_s"], _ = best(lambda m: json.dumps(m, sort_keys=True, separators=(",", ":")).encode(), meta)
+    blob, r["metadata_serialize_s"], _ = best(dumps, meta)
     _, r["metadata_write_atomic_s"], _ = best(LocalStorage().write_atomic, path + ".sim", blob)
     os.unlink(path + ".sim")
     r["metadata_bytes"] = os.path.getsize(path)
-    raw, r["metadata_read_s"], _ = best(LocalStorage().read_bytes, path)
-    parsed, r["metadata_parse_s"], _ = best(parse_json, raw, path)
-    _, r["metadata_validate_s"], _ = best(validate_metadata, parsed, path)
-    assert parsed == meta
-    log(f"commit {r['commit_s']:.2f} s ({r['commit_storage_calls']}), metadata {r['metadata_bytes'] / 1e6:.1f} MB "
-        f"serialize {r['metadata_serialize_s']:.2f} s parse {r['metadata_parse_s']:.2f} s")
-    shutil.rmtree(root)
+    it, r["metadata_open_s"], _ = best(open_iteration, LocalStorage(), root, ITERATION)  # read, parse, check
+    log(f"commit {r['commit_s']:.2f} s, metadata {r['metadata_bytes'] / 1e6:.1f} MB, open {r['metadata_open_s']:.2f} s")
     del manifests
 
-    # Load on 3/4 of the ranks: one rank's plan timed, every rank's totals vectorised and sampled against it.
     load_probe = sorted({0, new_world // 2, new_world - 1})
+    sample = sorted(set(random.Random(new_world).sample(range(new_world), min(new_world, sample_ranks)) + load_probe))
+    r["load_sampled_ranks"] = len(sample)
     for key, balanced in (("direct", False), ("lb", True)):
-        times = []
-        for rank in load_probe:
-            times.append(best(load_plan, meta, new_world, rank, fsdp=fsdp, balanced=balanced)[1])
-        r[f"load_plan_rank_s_{key}"] = max(times)
-        totals, r[f"load_totals_vectorised_s_{key}"] = timed(read_totals, specs, world, new_world, sizes, fsdp=fsdp, balanced=balanced)
-        owners = lb_owners(meta, new_world) if balanced and not fsdp else None
-        check = sorted(set(random.Random(new_world).sample(range(new_world), min(new_world, sample_ranks)) + load_probe))
-        for rank in check:
-            plan = load_plan(meta, new_world, rank, fsdp=fsdp, balanced=balanced, owners=owners)
-            assert (plan.bytes_read, plan.requests, plan.files_touched) == \
-                (totals["bytes"][rank], totals["requests"][rank], totals["files"][rank]), f"vectorised read totals differ at rank {rank}"
-        r[f"vectorised_reads_checked_ranks_{key}"] = len(check)
-        worst = int(np.argmax(totals["bytes"]))
-        r[f"read_balance_{key}"] = balance(totals["bytes"])
-        r[f"read_max_rank_{key}"] = {"rank": worst, "bytes": int(totals["bytes"][worst]), "requests": int(totals["requests"][worst]),
-                                      "files": int(totals["files"][worst])}
-        r[f"read_max_requests_{key}"] = int(totals["requests"].max())
-        r[f"read_max_files_{key}"] = int(totals["files"].max())
-        r[f"read_mean_rank_{key}"] = {k: round(float(totals[k].mean()), 1) for k in ("bytes", "requests", "files")}
-        r[f"read_total_vs_checkpoint_{key}"] = round(float(totals["bytes"].sum()) / r["checkpoint_bytes"], 4)
-        r[f"read_requests_total_{key}"] = int(totals["requests"].sum())
-        log(f"load {key}: rank plan {r[f'load_plan_rank_s_{key}']:.3f} s, read balance {r[f'read_balance_{key}']}, "
-            f"worst rank {r[f'read_max_rank_{key}']}")
-    pool = load_plan(meta, new_world, 0, fsdp=fsdp, balanced=False).allreduced
+        if balanced and fsdp:
+            continue  # load_balanced applies to replicated targets only: under FSDP it changes nothing
+        owners, r[f"load_deal_s_{key}"] = timed(balanced_owners, it, KINDS, new_world) if balanced else (None, 0.0)
+        r[f"load_plan_rank_s_{key}"] = max(best(load_plan, it, new_world, rank, fsdp=fsdp, balanced=balanced, owners=owners)[1]
+                                           for rank in load_probe)
+        plans = [load_plan(it, new_world, rank, fsdp=fsdp, balanced=balanced, owners=owners) for rank in sample]
+        for name, values in (("bytes", [p.bytes_read for p in plans]), ("requests", [p.requests for p in plans]),
+                             ("files", [p.files_touched for p in plans])):
+            r[f"read_{name}_{key}"] = {"max": max(values), "mean": round(float(np.mean(values)), 1)}
+        log(f"load {key}: one rank's plan {r[f'load_plan_rank_s_{key}']:.3f} s, sampled ranks read at most "
+            f"{r[f'read_bytes_{key}']['max'] / 1e9:.1f} GB in {r[f'read_requests_{key}']['max']:,} requests")
+    pool = load_plan(it, new_world, 0, fsdp=fsdp, balanced=False).allreduced
     r["allreduce"] = {"tensors": len(pool), "bytes_per_rank": sum(pool.values()), "calls": int(bool(pool))}
-    need = needed_bytes(specs, new_world, fsdp)
-    r["read_need_balance"] = balance(need)  # what each rank must end up holding: no read policy does better
-    r["read_need_max_rank_bytes"] = int(need.max())
+    shutil.rmtree(root)
     return r
 
 
 # --------------------------------------------------------------------------- report
-
-
-def needed_bytes(specs: dict[str, list[TensorSpec]], new_world: int, fsdp: bool) -> np.ndarray:
-    """Bytes each loading rank needs (its dim-0 chunks under FSDP, everything else whole)."""
-    ranks = np.arange(new_world, dtype=np.int64)
-    need = np.zeros(new_world, np.int64)
-    for kind in KINDS:
-        for s in specs[kind]:
-            if fsdp and s.layout == DIM0:
-                need += _chunk_rows(s.shape[0], new_world, ranks) * (s.row_numel * s.itemsize)
-            else:
-                need += s.nbytes
-    return need
 
 
 def fmt_bytes(n: float) -> str:
@@ -896,61 +673,36 @@ def fmt_bytes(n: float) -> str:
 def table(results: dict) -> str:
     worlds = sorted(results["worlds"], key=int)
     cell = lambda w, tag: results["worlds"][w][tag]  # noqa: E731
-    ddp = lambda w, key: cell(w, "ddp")[key]  # noqa: E731
-    fsdp = lambda w, key: cell(w, "fsdp")[key]  # noqa: E731
 
     def row(label: str, fn) -> str:
         return f"| {label} | " + " | ".join(fn(w) for w in worlds) + " |"
 
-    def seconds(value) -> str:
-        return "-" if value is None else f"{value:.3f}"
+    def both(key: str, fmt) -> callable:
+        return lambda w: " / ".join(fmt(cell(w, tag)[key]) if key in cell(w, tag) else "-" for tag in ("ddp", "fsdp"))
 
-    lines = [
-        "| saving ranks → loading ranks | " + " | ".join(f"{int(w):,} → {ddp(w, 'load_world'):,}" for w in worlds) + " |",
+    return "\n".join([
+        "| saving ranks → loading ranks | " + " | ".join(f"{int(w):,} → {cell(w, 'ddp')['load_world']:,}" for w in worlds) + " |",
         "|---|" + "---|" * len(worlds),
-        row("save plan, one rank, s (DDP / FSDP)", lambda w: f"{ddp(w, 'save_plan_rank_s'):.4f} / {fsdp(w, 'save_plan_rank_s'):.4f}"),
-        row("save plan, every rank one after the other, s (DDP / FSDP)",
-            lambda w: f"{seconds(cell(w, 'ddp').get('save_plan_all_ranks_s'))} / {seconds(cell(w, 'fsdp').get('save_plan_all_ranks_s'))}"),
-        row("load plan, one rank, s: DDP direct / DDP load_balanced / FSDP",
-            lambda w: f"{ddp(w, 'load_plan_rank_s_direct'):.3f} / {ddp(w, 'load_plan_rank_s_lb'):.3f} / {fsdp(w, 'load_plan_rank_s_direct'):.3f}"),
-        row("metadata.json size", lambda w: fmt_bytes(ddp(w, "metadata_bytes"))),
-        row("metadata.json serialize + atomic write, s", lambda w: f"{ddp(w, 'metadata_serialize_s') + ddp(w, 'metadata_write_atomic_s'):.3f}"),
-        row("(what-if: serialize without indentation, s)", lambda w: f"{ddp(w, 'metadata_serialize_compact_s'):.3f}"),
-        row("metadata.json read + parse + validate, s",
-            lambda w: f"{ddp(w, 'metadata_read_s') + ddp(w, 'metadata_parse_s') + ddp(w, 'metadata_validate_s'):.3f}"),
-        row("driver commit, s (DDP / FSDP)", lambda w: f"{ddp(w, 'commit_s'):.2f} / {fsdp(w, 'commit_s'):.2f}"),
-        row("driver storage calls per commit", lambda w: f"{ddp(w, 'commit_storage_calls').get('size', 0):,} stat + "
-                                                         f"{ddp(w, 'commit_storage_calls').get('write_atomic', 0)} atomic writes"),
-        row("driver memory for the manifests (before: with every rank's common)",
-            lambda w: f"{fmt_bytes(ddp(w, 'driver_manifest_bytes'))} ({fmt_bytes(ddp(w, 'driver_manifest_bytes_with_every_common'))})"),
-        row("write balance max/mean: DDP / FSDP2", lambda w: f"{ddp(w, 'write_balance'):.3f} / {fsdp(w, 'write_balance'):.3f}"),
-        row("FSDP2 ranks that write no tensor data", lambda w: f"{fsdp(w, 'ranks_writing_no_data'):,}"),
-        row("what-if HSDP write balance, by shard group size",
-            lambda w: ", ".join(f"{g}: {v:.3f}" for g, v in cell(w, "fsdp").get("hsdp_write_balance", {}).items()) or "-"),
-        row("read balance max/mean: DDP direct / DDP load_balanced / FSDP2",
-            lambda w: f"{ddp(w, 'read_balance_direct'):.3f} / {ddp(w, 'read_balance_lb'):.3f} / {fsdp(w, 'read_balance_direct'):.3f}"),
-        row("FSDP2: balance of the bytes each rank needs (the floor for any read policy)",
-            lambda w: f"{fsdp(w, 'read_need_balance'):.3f}"),
-        row("largest rank read, DDP direct", lambda w: _worst(ddp(w, "read_max_rank_direct"))),
-        row("largest rank read, DDP load_balanced", lambda w: _worst(ddp(w, "read_max_rank_lb"))),
-        row("largest rank read, FSDP2", lambda w: _worst(fsdp(w, "read_max_rank_direct"))),
-        row("FSDP2 per rank, max / mean: requests; files",
-            lambda w: f"{fsdp(w, 'read_max_requests_direct'):,} / {fsdp(w, 'read_mean_rank_direct')['requests']:,.0f}; "
-                      f"{fsdp(w, 'read_max_files_direct'):,} / {fsdp(w, 'read_mean_rank_direct')['files']:,.1f}"),
-        row("FSDP2 all-reduce per load (the pooled 0-d `step` tensors)",
-            lambda w: f"{fsdp(w, 'allreduce')['calls']} × {fmt_bytes(fsdp(w, 'allreduce')['bytes_per_rank'])} "
-                      f"({fsdp(w, 'allreduce')['tensors']} tensors)"),
-        row("storage requests per load, all ranks: DDP load_balanced / FSDP2",
-            lambda w: f"{ddp(w, 'read_requests_total_lb'):,} / {fsdp(w, 'read_requests_total_direct'):,}"),
-        row("bytes read by all ranks / checkpoint: DDP direct / load_balanced / FSDP2",
-            lambda w: f"{ddp(w, 'read_total_vs_checkpoint_direct'):,.0f} / {ddp(w, 'read_total_vs_checkpoint_lb'):.2f} / "
-                      f"{fsdp(w, 'read_total_vs_checkpoint_direct'):.2f}"),
-    ]
-    return "\n".join(lines)
-
-
-def _worst(w: dict) -> str:
-    return f"{fmt_bytes(w['bytes'])}, {w['requests']:,} req, {w['files']:,} files"
+        row("save plan, built once, s (DDP / FSDP)", both("save_plan_build_s", lambda v: f"{v:.3f}")),
+        row("one rank's share in file order, s (DDP / FSDP)", both("save_plan_rank_s", lambda v: f"{v:.3f}")),
+        row("write balance max/mean (DDP / FSDP)", both("write_balance", lambda v: f"{v:.3f}")),
+        row("chunks metadata.json lists (DDP / FSDP)", both("chunks", lambda v: f"{v:,}")),
+        row("metadata.json size (DDP / FSDP)", both("metadata_bytes", fmt_bytes)),
+        row("driver commit, s (DDP / FSDP)", both("commit_s", lambda v: f"{v:.2f}")),
+        row("metadata.json read + parse + check, s (DDP / FSDP)", both("metadata_open_s", lambda v: f"{v:.2f}")),
+        row("driver storage calls per commit (DDP)", lambda w: f"{cell(w, 'ddp')['commit_storage_calls'].get('size', 0):,} stat + "
+                                                              f"{cell(w, 'ddp')['commit_storage_calls'].get('write_atomic', 0)} atomic writes"
+                                                              if "commit_storage_calls" in cell(w, "ddp") else "-"),
+        row("one rank's load plan, s: DDP direct / DDP load_balanced / FSDP",
+            lambda w: " / ".join(f"{cell(w, t).get(k, float('nan')):.3f}" for t, k in
+                                 (("ddp", "load_plan_rank_s_direct"), ("ddp", "load_plan_rank_s_lb"), ("fsdp", "load_plan_rank_s_direct")))),
+        row("largest read of a sampled rank: DDP direct / load_balanced / FSDP",
+            lambda w: " / ".join(fmt_bytes(cell(w, t)[k]["max"]) if k in cell(w, t) else "-" for t, k in
+                                 (("ddp", "read_bytes_direct"), ("ddp", "read_bytes_lb"), ("fsdp", "read_bytes_direct")))),
+        row("most requests of a sampled rank: DDP direct / load_balanced / FSDP",
+            lambda w: " / ".join(f"{cell(w, t)[k]['max']:,}" if k in cell(w, t) else "-" for t, k in
+                                 (("ddp", "read_requests_direct"), ("ddp", "read_requests_lb"), ("fsdp", "read_requests_direct")))),
+    ])
 
 
 def main(argv=None) -> int:
@@ -959,10 +711,8 @@ def main(argv=None) -> int:
     ap.add_argument("--worlds", default="1024,4096,16384", help="comma list of saving world sizes (full mode)")
     ap.add_argument("--out", default=None, help="result JSON (default benchmarks/scale_results.json; none with --small)")
     ap.add_argument("--dir", default=None, help="where the sparse shard files go (default: a temp dir)")
-    ap.add_argument("--sample-ranks", type=int, default=24, help="ranks whose plans are checked against the vectorised totals")
-    ap.add_argument("--all-ranks-upto", type=int, default=4096,
-                    help="under FSDP, compute every rank's save plan one by one (and check the vectorised totals on all) "
-                         "up to this world size (DDP: always)")
+    ap.add_argument("--sample-ranks", type=int, default=24, help="loading ranks whose plans are computed besides the probes")
+    ap.add_argument("--max-chunks", type=int, default=MAX_CHUNKS, help="simulate the commit and the load only up to this many chunks")
     args = ap.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="scale-sim-", dir=args.dir)
     try:
@@ -983,10 +733,9 @@ def main(argv=None) -> int:
             "worlds": {},
         }
         for world in (int(w) for w in args.worlds.split(",")):
-            results["worlds"][str(world)] = {}
-            for fsdp in (False, True):
-                results["worlds"][str(world)]["fsdp" if fsdp else "ddp"] = measure(
-                    world, fsdp, tmp, sample_ranks=args.sample_ranks, all_ranks=world <= args.all_ranks_upto or not fsdp)
+            results["worlds"][str(world)] = {
+                "fsdp" if fsdp else "ddp": measure(world, fsdp, tmp, sample_ranks=args.sample_ranks, max_chunks=args.max_chunks)
+                for fsdp in (False, True)}
         results["machine"]["load_average_at_end"] = os.getloadavg()
         out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_results.json")
         with open(out, "w") as f:

@@ -57,11 +57,10 @@ from .calls import call
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.loader import collective_device
 from .checkpoint.schema import CheckpointError
-from .checkpoint.state import load_optim_tensors, optim_tensors, unwrap
+from .checkpoint.state import class_path, load_optim_tensors, optim_tensors, unwrap
 from .config import Config, ConfigError
 from .data import DataError
 from .faults import FaultInjector
-from .optim import class_path
 
 INTERNAL = "_ray_resume"  # the key of our part of train_loop_config
 MAX_EXTRA = 16 << 20  # bytes of JSON extra state per rank (it shares a 64 MiB safetensors header with the RNG)

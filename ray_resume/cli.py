@@ -24,8 +24,8 @@ import sys
 from typing import Any
 
 from .checkpoint import paths
-from .checkpoint.reader import Iteration, ShardReader, check_no_extra_shards, iteration_steps, open_iteration, read_tracker, saved_pieces
-from .checkpoint.schema import CKPT_STATUS_OK, CheckpointError, parse_json
+from .checkpoint.reader import ShardReader, check_no_extra_shards, iteration_steps, open_iteration, read_tracker
+from .checkpoint.schema import AbnormalIteration, CheckpointError, Iteration, local_shape, parse_json, readable_by_mindformers
 from .checkpoint.storage import LocalStorage, storage_for
 
 PROG = "ray-resume"
@@ -119,6 +119,7 @@ def resolve_iteration(storage: LocalStorage, root: str, requested: int | None) -
 
 def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
     """Check every file metadata.json lists (size, block digests, the pieces its header holds) and look for extra shards.
+    A MindFormers iteration has no digests: its files' sizes and headers are checked.
 
     Streams one file at a time. Returns {"ok", "problems": [str], "files": {name: {...}}};
     every problem names the file it is about.
@@ -126,8 +127,8 @@ def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
     problems: list[str] = []
     files: dict[str, dict] = {}
     reader = ShardReader(storage, it)
-    for name, expected in sorted(it.metadata["files"].items()):
-        entry = {"size": expected["size"], "checksum": expected["checksum"], "digests": expected["digests"], "kind": expected.get("kind"), "rank": expected.get("rank"), "ok": False}
+    for name, f in sorted(it.files.items()):
+        entry = {"size": f.size, "checksum": f.checksum, "digests": f.digests or [], "kind": f.kind, "rank": f.rank, "ok": False}
         files[name] = entry
         try:
             reader.read_checked(name, [])
@@ -148,7 +149,7 @@ def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
 def describe_iteration(storage: LocalStorage, root: str, step: int, tracker: int | None, verify: bool) -> dict:
     path = paths.iteration_dir(root, step)
     row: dict[str, Any] = {
-        "step": step, "path": path, "status": None, "error": None, "tracker": step == tracker,
+        "step": step, "path": path, "status": None, "error": None, "tracker": step == tracker, "origin": None,
         "committed": False, "epoch_num": None, "step_num": None, "consumed_samples": None,
         "world_size": None, "global_batch_size": None, "has_optimizer": None, "job_id": None,
         "size_bytes": dir_size(storage, path),
@@ -160,21 +161,21 @@ def describe_iteration(storage: LocalStorage, root: str, step: int, tracker: int
             raw = parse_json(storage.read_bytes(common_file), common_file)
         except CheckpointError:
             raw = {}
-    for key in ("epoch_num", "step_num", "consumed_samples", "world_size", "global_batch_size", "has_optimizer", "job_id"):
+    for key in ("epoch_num", "step_num", "consumed_samples", "global_batch_size"):
         row[key] = raw.get(key)
-    missing = [n for n in (paths.METADATA, paths.COMMON) if not storage.exists(paths.join(path, n))]
     it = None
-    if missing:
+    if not storage.exists(common_file):
         row["status"] = "incomplete"
-        row["error"] = f"{paths.join(path, missing[-1])}: missing; this iteration was never committed (or is being rewritten)"
+        row["error"] = f"{common_file}: missing; this iteration was never committed (or is being rewritten)"
     else:
         try:
             it = open_iteration(storage, root, step)
-            row["status"] = it.common["ckpt_status"]
+            row.update(status="ok", origin=it.origin, world_size=it.world_size, has_optimizer=it.has_optimizer,
+                       job_id=it.ours.get("job_id"))
+        except AbnormalIteration as exc:
+            row.update(status="abnormal", error=str(exc))
         except CheckpointError as exc:
-            status = raw.get("ckpt_status")
-            row["status"] = status if isinstance(status, str) and status != CKPT_STATUS_OK else "invalid"
-            row["error"] = str(exc)
+            row.update(status="invalid", error=str(exc))
     # The tracker names the newest commit; a complete iteration above it was
     # written by a job that died before moving the tracker: never loaded.
     row["committed"] = it is not None and tracker is not None and step <= tracker
@@ -198,7 +199,7 @@ def cmd_list(args) -> int:
     rows = [describe_iteration(storage, args.root, s, tracker, args.verify) for s in iteration_steps(storage, args.root)]
     if tracker is not None and not any(r["tracker"] for r in rows):
         tracker_error = f"{paths.tracker_path(args.root)}: names iteration {tracker}, but {paths.iteration_dirname(tracker)}/ does not exist"
-    bad = tracker_error is not None or any(r["tracker"] and r["status"] != CKPT_STATUS_OK for r in rows)
+    bad = tracker_error is not None or any(r["tracker"] and r["status"] != "ok" for r in rows)
     if args.verify:
         bad = bad or any(r["verified"] is False for r in rows)
     if args.json:
@@ -212,7 +213,7 @@ def cmd_list(args) -> int:
             headers.append("verified")
         body = []
         for r in rows:
-            mark = "<- tracker" if r["tracker"] else ("not committed" if r["status"] == CKPT_STATUS_OK and not r["committed"] else "")
+            mark = "<- tracker" if r["tracker"] else ("not committed" if r["status"] == "ok" and not r["committed"] else "")
             line = [r["step"], r["epoch_num"], r["step_num"], r["consumed_samples"], r["world_size"], r["global_batch_size"],
                     human_size(r["size_bytes"]), r["status"], mark]
             if args.verify:
@@ -235,13 +236,14 @@ def cmd_list(args) -> int:
 def cmd_verify(args) -> int:
     storage = open_root(args.root)
     step, tracker = resolve_iteration(storage, args.root, args.iteration)
-    path = paths.iteration_dir(args.root, step)
+    path, origin = paths.iteration_dir(args.root, step), None
     try:
         it = open_iteration(storage, args.root, step)
+        origin = it.origin
         result = verify_iteration(storage, it)
     except CheckpointError as exc:
         result = {"ok": False, "problems": [str(exc)], "files": {}}
-    report = {"root": args.root, "iteration": step, "path": path, "tracker": step == tracker, **result}
+    report = {"root": args.root, "iteration": step, "path": path, "tracker": step == tracker, "origin": origin, **result}
     if args.json:
         _emit_json(report)
     else:
@@ -250,7 +252,11 @@ def cmd_verify(args) -> int:
             print(table(["file", "kind", "rank", "size", "blocks", "ok"],
                         [[n, f["kind"], f["rank"], f["size"], len(f["digests"]), "yes" if f["ok"] else "NO"]
                          for n, f in result["files"].items()], right={2, 3, 4}))
-        if result["ok"]:
+        if result["ok"] and origin == "mindformers":
+            total = sum(f["size"] for f in result["files"].values())
+            print(f"OK: {label}: {len(result['files'])} files, {human_size(total)}, written by MindFormers: sizes and safetensors "
+                  "headers match its metadata (MindFormers keeps no block digests: the bytes themselves cannot be checked)")
+        elif result["ok"]:
             total = sum(f["size"] for f in result["files"].values())
             checksums = "/".join(sorted({f["checksum"] for f in result["files"].values()}))
             print(f"OK: {label}: {len(result['files'])} files, {human_size(total)}, sizes and block digests ({checksums}) match metadata.json, "
@@ -273,46 +279,45 @@ def cmd_show(args) -> int:
     storage = open_root(args.root)
     step, tracker = resolve_iteration(storage, args.root, args.iteration)
     it = open_iteration(storage, args.root, step)  # CheckpointError -> exit 1
-    pieces = {kind: _pieces_by_tensor(it, kind) for kind in it.metadata["tensors"]}
     tensors = []
-    for kind, specs in it.metadata["tensors"].items():
-        for name, spec in specs.items():
-            tensors.append({"kind": kind, "name": name, "dtype": spec["dtype"], "shape": spec["shape"], "layout": spec["layout"],
-                            "pieces": sorted(pieces[kind].get(name, []), key=lambda p: p["start"])})
+    for kind, by_name in it.tensors.items():
+        for name, stored in by_name.items():
+            spec = stored.spec
+            tensors.append({"kind": kind, "name": name, "dtype": spec.dtype, "shape": list(spec.shape),
+                            "mindformers_readable": readable_by_mindformers(it, kind, name),
+                            "chunks": [{"file": file, "first_row": piece.start // spec.row_numel if spec.shape and spec.row_numel else 0,
+                                        "local_shape": list(local_shape(spec, piece)), "start": piece.start, "numel": piece.numel}
+                                       for file, piece in stored.pieces]})
+    files = {name: {"kind": f.kind, "rank": f.rank, "size": f.size, "data_start": f.data_start, "checksum": f.checksum,
+                    "digests": f.digests} for name, f in sorted(it.files.items())}
     if args.json:
-        _emit_json({"root": args.root, "iteration": step, "path": it.path, "tracker": step == tracker,
-                    "common": it.common, "prefix": it.metadata.get("prefix"), "world_size": it.metadata["world_size"],
-                    "files": it.metadata["files"], "tensors": tensors})
+        _emit_json({"root": args.root, "iteration": step, "path": it.path, "tracker": step == tracker, "origin": it.origin,
+                    "common": it.common, "ray_resume": it.ours, "world_size": it.world_size, "files": files, "tensors": tensors})
         return 0
-    print(f"iteration {step}{' (tracker)' if step == tracker else ''} at {it.path}")
+    by = {"ray_resume": "ray_resume", "mindformers": "MindFormers (no block digests: sizes and headers are what can be checked)"}
+    print(f"iteration {step}{' (tracker)' if step == tracker else ''} at {it.path}, written by {by[it.origin]}, {it.world_size} rank(s)")
     print()
     print("common.json")
-    print(table(["key", "value"], [[k, json.dumps(v)] for k, v in sorted(it.common.items())]))
+    print(table(["key", "value"], [[k, json.dumps(v)] for k, v in it.common.items()]))
+    if it.ours:
+        print()
+        print("metadata.json: ray_resume")
+        print(table(["key", "value"], [[k, json.dumps(v)[:100]] for k, v in sorted(it.ours.items())]))
     print()
     print("files")
-    print(table(["file", "kind", "rank", "size"],
-                [[n, f.get("kind"), f.get("rank"), human_size(f["size"])] for n, f in sorted(it.metadata["files"].items())], right={2, 3}))
+    print(table(["file", "kind", "rank", "size"], [[n, f["kind"], f["rank"], human_size(f["size"])] for n, f in files.items()], right={2, 3}))
     print()
-    print("tensors (layout split: replicated, byte-split across ranks; dim0: FSDP rows. Each piece: elements\n"
-          "[start, start+numel) of the flattened tensor, stored under the tensor's name)")
+    print("tensors: each chunk is a range of dim-0 rows in one file (metadata.json's global_offset / local_shape);\n"
+          "MindFormers' loader places a tensor whole in one file or cut in equal parts (its Layout)")
     rows = []
     for t in tensors:
-        first = True
-        for piece in t["pieces"] or [None]:
-            head = [t["kind"], t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", t["layout"]] if first else [""] * 5
-            rows.append(head + ([piece["file"], piece["start"], piece["numel"]] if piece else ["-", "", ""]))
-            first = False
-    print(table(["kind", "name", "dtype", "shape", "layout", "file", "start", "numel"], rows, right={6, 7}))
+        for i, chunk in enumerate(t["chunks"] or [None]):
+            head = [t["kind"], t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]",
+                    "yes" if t["mindformers_readable"] else "NO"] if i == 0 else [""] * 5
+            rows.append(head + ([chunk["file"], chunk["first_row"], "[" + ", ".join(map(str, chunk["local_shape"])) + "]"]
+                                if chunk else ["-", "", ""]))
+    print(table(["kind", "name", "dtype", "shape", "mindformers", "file", "first row", "chunk shape"], rows, right={6}))
     return 0
-
-
-def _pieces_by_tensor(it: Iteration, kind: str) -> dict[str, list[dict]]:
-    """{tensor: [{file, start, numel}]}, derived from the layout (metadata.json does not list pieces)."""
-    out: dict[str, list[dict]] = {}
-    for file, requests in saved_pieces(it, kind).items():
-        for r in requests:
-            out.setdefault(r.piece.name, []).append({"file": file, "start": r.piece.start, "numel": r.piece.numel})
-    return out
 
 
 # ----------------------------------------------------------------------------- export
@@ -335,7 +340,7 @@ def cmd_export(args) -> int:
     step, _ = resolve_iteration(storage, args.root, args.iteration)
     it = open_iteration(storage, args.root, step)
     kinds = [paths.MODEL_KIND] + ([paths.OPTIM_KIND] if args.with_optimizer else [])
-    if args.with_optimizer and paths.OPTIM_KIND not in it.metadata["tensors"]:
+    if args.with_optimizer and not it.has_optimizer:
         raise CliError(f"{paths.join(it.path, paths.METADATA)}: iteration {step} has no optimizer state (saved with no_save_optim); drop --with-optimizer")
     result = verify_iteration(storage, it)
     if not result["ok"]:

@@ -298,7 +298,7 @@ class JobController:
             before_tracker=lambda: self._before_tracker(iteration),
         )
         self.committed_by_job.append(iteration)
-        logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["files"]), paths.iteration_dir(self.root, iteration))
+        logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["ray_resume"]["files"]), paths.iteration_dir(self.root, iteration))
         self._apply_retention(iteration)
 
     def _apply_retention(self, tracked: int) -> None:

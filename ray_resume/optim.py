@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
+from .checkpoint import names
 from .checkpoint.state import dim0_sharded, load_optim_tensors, local_tensor, optim_tensors, unwrap
-
-MAIN_PARAM = "main_param"
 
 
 class LossScaler:
@@ -47,11 +46,6 @@ class LossScaler:
     def load(self, common: dict) -> None:
         self.scale = float(common["loss_scale"])
         self.clean_steps = int(common.get("loss_scale_clean_steps", 0))
-
-
-def class_path(cls: type) -> str:
-    """Where a class is defined, "module:Qualname" (what common.json records of the optimizer)."""
-    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def optimizer_kwargs(cls: type, weight_decay: float, args: dict[str, Any] | None) -> dict[str, Any]:
@@ -137,20 +131,20 @@ class MainParamsOptimizer:
         return [(name, main) for main, (name, _) in zip(self.main, self.named)]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Name-keyed optimizer slots, plus the fp32 main params when they shadow the model."""
+        """Name-keyed optimizer slots, plus the fp32 main params (`main_param.{param}`) when they shadow the model."""
         out = optim_tensors(self.named_main(), self.optimizer)
         if self.mixed:
-            out.update({f"{name}.{MAIN_PARAM}": main.detach() for name, main in self.named_main()})
+            out.update({names.state_name(name, names.MAIN_PARAM): main.detach() for name, main in self.named_main()})
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        main_suffix = f".{MAIN_PARAM}"
-        load_optim_tensors(self.named_main(), self.optimizer, {k: v for k, v in tensors.items() if not k.endswith(main_suffix)})
+        mains = {k for k in tensors if names.parse_state_name(k)[1] == names.MAIN_PARAM}
+        load_optim_tensors(self.named_main(), self.optimizer, {k: v for k, v in tensors.items() if k not in mains})
         if self.mixed:
             with torch.no_grad():
                 for name, main in self.named_main():
                     local = local_tensor(main)  # this rank's shard under FSDP
-                    local.copy_(tensors[f"{name}.{MAIN_PARAM}"].view(local.shape))
+                    local.copy_(tensors[names.state_name(name, names.MAIN_PARAM)].view(local.shape))
 
 
 def grad_norm(params) -> float:

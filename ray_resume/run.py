@@ -28,13 +28,14 @@ import torch
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .checkpoint import paths, state
-from .checkpoint.checkpointer import check_weights, refuse_optimizer_change
+from .checkpoint import names, paths, state
+from .checkpoint.checkpointer import check_optimizer_state, check_weights, refuse_optimizer_change
+from .checkpoint.state import optimizer_slots
 from .checkpoint.fallback import select_iteration
 from .checkpoint.lease import Lease
 from .checkpoint.memory import MemoryKeeper
 from .checkpoint.reader import export_specs, find_committed, is_export, open_iteration
-from .checkpoint.schema import CheckpointError, tensor_specs
+from .checkpoint.schema import CheckpointError
 from .checkpoint.storage import storage_for
 from .config import Config, ConfigError, load_config, redacted
 from .controller import CommitError, JobControllerActor
@@ -43,6 +44,7 @@ from .summary import summarize
 from .data import (DEFAULT_COLUMNS, DEFAULT_LANES, DataError, ReadUnit, check_data_map, check_eval_set, check_lanes, data_fingerprint,
                    dataset_size, ensure_dataset, fingerprint_changes, scan_units)
 from . import parallel
+from .optim import optimizer_kwargs
 from .plugins import make_model, resolve
 from .train_loop import train_func
 from .api import INTERNAL, rank_entry
@@ -274,7 +276,7 @@ def with_lanes(cfg: Config) -> Config:
     ckpt = cfg.checkpoint
     load = find_load_source(ckpt) if ckpt.load_path and not ckpt.no_load_optim else None
     if load and load[1] is not None:
-        lanes = open_iteration(storage_for(load[0], ckpt.storage), *load).common.get("data", {}).get("lanes", 1)
+        lanes = open_iteration(storage_for(load[0], ckpt.storage), *load).ours.get("data", {}).get("lanes", 1)
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"lanes": lanes})})
 
 
@@ -302,15 +304,16 @@ def preflight(cfg: Config, plugins=None, units: list[ReadUnit] | None = None) ->
         refuse_misfit_weights(cfg, plugins, export_specs(storage, load[0]), load[0])
         return load
     it = open_iteration(storage, *load)  # once, for the refusals below
-    refuse_misfit_weights(cfg, plugins, {s.name: s for s in tensor_specs(it.metadata, paths.MODEL_KIND)},
-                          paths.join(it.path, paths.METADATA))
+    refuse_misfit_weights(cfg, plugins, it.specs(paths.MODEL_KIND), paths.join(it.path, paths.METADATA),
+                          optimizer=it.specs(paths.OPTIM_KIND) if not cfg.checkpoint.no_load_optim else None)
     if cfg.checkpoint.enable_save and load[0] == cfg.checkpoint.save_path:
         refuse_step_rewind(cfg, it)
     if not cfg.checkpoint.no_load_optim:
         refuse_data_change(cfg, it, units)
         check_lanes(cfg.data.lanes, cfg.training.global_batch_size, dataset_size(units), it.common["consumed_samples"])
+        kwargs = {"lr": cfg.training.lr, **optimizer_kwargs(plugins.optimizer, cfg.training.weight_decay, cfg.training.optimizer_args)}
         refuse_optimizer_change(it, plugins.optimizer, "training.optimizer builds {now}", "{now} from its weights",
-                                "set training.optimizer back")
+                                "set training.optimizer back", slots=optimizer_slots(plugins.optimizer, kwargs))
     return load
 
 
@@ -338,9 +341,10 @@ def find_resume(cfg: Config) -> tuple[tuple[str, int | None] | None, object]:
     return load, storage_for(load[0], ckpt.storage) if load else None
 
 
-def refuse_misfit_weights(cfg: Config, plugins, saved: dict, where: str) -> None:
-    """Weights that do not fit the model (names, shapes, dtypes) are the user's to fix: found here, on
-    the model built on the meta device (no memory), not in every rank of every attempt."""
+def refuse_misfit_weights(cfg: Config, plugins, saved: dict, where: str, optimizer: dict | None = None) -> None:
+    """Weights that do not fit the model (names, shapes, dtypes), and `optimizer` state of parameters it
+    lacks, are the user's to fix: found here, on the model built on the meta device (no memory), not
+    in every rank of every attempt."""
     try:
         with torch.device("meta"):
             model = make_model(plugins, cfg)
@@ -350,13 +354,16 @@ def refuse_misfit_weights(cfg: Config, plugins, saved: dict, where: str) -> None
         logger.debug("[%s] weights not checked on the driver: the model does not build on the meta device (%s)", cfg.name, exc)
         return
     check_weights(state.model_tensors(model), saved, state.tied_aliases(model), where)
+    if optimizer:
+        per_param = {n: spec for n, spec in optimizer.items() if names.parse_state_name(n)[0] is not None}
+        check_optimizer_state(per_param, {n: tuple(p.shape) for n, p in model.named_parameters()}, where)
 
 
 def refuse_data_change(cfg: Config, it, units) -> None:
     """A full resume continues the saved data cursor; with another seed, shuffle, columns or dataset
     it would continue another order, silently. Refused unless `data.allow_change` says it is meant."""
     step = it.step
-    saved = it.common.get("data")
+    saved = it.ours.get("data")
     if saved is None:  # written before the fingerprint was kept
         return
     columns = cfg.data.columns or DEFAULT_COLUMNS
@@ -419,7 +426,7 @@ def find_load_source(ckpt) -> tuple[str, int | None] | None:
             "point it at a checkpoint root written by ray_resume or at a safetensors export"
         )
     it = open_iteration(storage, ckpt.load_path, step)
-    if not ckpt.no_load_optim and not it.common["has_optimizer"]:
+    if not ckpt.no_load_optim and not it.has_optimizer:
         raise CheckpointError(
             f"{it.path}: iteration {step} was saved without optimizer state (checkpoint.no_save_optim: true); "
             "set checkpoint.no_load_optim: true to start from its weights"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install ray_resume with its test extras. Safe to run again.
+# Create .venv and install ray_resume. `--test`: with what the test suite needs besides, MindSpore
+# Transformers' own checkpoint code among it (~1 GB more). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -12,5 +13,12 @@ fi
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q torch==2.13.0
 fi
-.venv/bin/python -m pip install -q -e '.[test]'
+if [ "${1:-}" = "--test" ]; then
+  .venv/bin/python -m pip install -q -e '.[test,mindformers]'
+  # MindFormers' own code for the format tests: --no-deps, since it declares packages PyPI does not
+  # have (pyproject.toml, the mindformers extra); its checkpoint modules need only what that extra installs.
+  .venv/bin/python -m pip install -q --no-deps mindformers==2.1.0
+else
+  .venv/bin/python -m pip install -q -e .
+fi
 echo "ray_resume installed in $(pwd)/.venv"

@@ -90,6 +90,17 @@ def tiny_config(tmp: Path, name: str = "tiny", **sections) -> dict:
     return cfg
 
 
+def commit_by_hand(root, step: int, manifests: list[dict], **common) -> dict:
+    """The driver's part of a save, for tests that write every rank's shards from one process: the
+    real commit (metadata.json, config.yaml, common.json, then the tracker); its metadata."""
+    from ray_resume.checkpoint.commit import commit_iteration
+    from ray_resume.checkpoint.storage import LocalStorage
+
+    common = {"global_step": step, "global_batch_size": 8, "step_num": step, "epoch_num": 0, "loss_scale": 1.0,
+              "consumed_samples": 8 * step, **common}
+    return commit_iteration(LocalStorage(), str(root), step, manifests, common, prefix="ckpt", config={"name": "test"}, job_id="test")
+
+
 def shard_bytes(root: str | Path, step: int) -> dict[str, bytes]:
     """Every model/opt shard file of one iteration, by name."""
     directory = Path(paths.iteration_dir(str(root), step))
@@ -181,8 +192,8 @@ def committed_as(root, step: int) -> tuple[dict, dict]:
 
     it = open_iteration(LocalStorage(), str(root), step)
     check_no_extra_shards(LocalStorage(), it)
-    files = {name: (info["size"], info["digests"]) for name, info in it.metadata["files"].items()}
-    return files, {k: v for k, v in it.common.items() if k not in ("job_id", "saved_at")}
+    files = {name: (f.size, f.digests) for name, f in it.files.items()}
+    return files, {**it.common, **{k: v for k, v in it.ours.items() if k not in ("job_id", "saved_at")}}
 
 
 def assert_resumed_once(root, step: int = 4) -> None:

@@ -80,3 +80,20 @@ def tokens_only(arrays):
     import torch
 
     return {"input_ids": torch.tensor(arrays["input_ids"])}
+
+
+class TwoDense(nn.Module):
+    """fc1 -> relu -> fc2: the parameter names and shapes of the MindSpore net of tests/mindformers_side.py
+    (a MindSpore Dense(in, out) holds weight [out, in] and bias [out], as torch's Linear does)."""
+
+    def __init__(self, features: int = 64, hidden: int = 512):
+        super().__init__()
+        self.fc1 = nn.Linear(features, hidden)
+        self.fc2 = nn.Linear(hidden, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def build_two_dense(model_section):
+    return TwoDense(**model_section["args"])

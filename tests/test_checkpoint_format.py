@@ -16,12 +16,13 @@ import pytest
 import torch
 import xxhash
 
-from ray_resume.checkpoint import paths, reader, state
+from conftest import commit_by_hand
+from ray_resume.checkpoint import names, paths, reader, state
 from ray_resume.checkpoint.digest import BlockDigests, block_bounds
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.plan import TensorSpec, split_replicated
+from ray_resume.checkpoint.plan import SavePlan, TensorSpec
 from ray_resume.checkpoint.reader import ShardReader, check_no_extra_shards, find_committed, load_rank_extras, open_iteration, plan_reads, read_verified
-from ray_resume.checkpoint.schema import CheckpointError, build_metadata, dumps
+from ray_resume.checkpoint.schema import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage, storage_for
 from ray_resume.checkpoint.writer import CHECKSUM_BLOCK, save_shards
 from ray_resume.model import GPT
@@ -33,30 +34,59 @@ def test_names_are_the_specs():
     assert paths.shard_filename("ckpt", "model", 1, 8) == "ckpt-model-0000001-0000008.safetensors"
     assert paths.shard_filename("ckpt", "opt", 7, 8) == "ckpt-opt-0000007-0000008.safetensors"
     assert paths.parse_shard_filename("ckpt-opt-0000007-0000008.safetensors") == {"prefix": "ckpt", "kind": "opt", "rank": 7, "world": 8}
+    # MindFormers' own names: the prefix is optional, and may hold dashes and the kinds' words.
+    assert paths.parse_shard_filename("model-0000000-0000001.safetensors") == {"prefix": None, "kind": "model", "rank": 0, "world": 1}
+    assert paths.parse_shard_filename("my-opt-7b-model-0000002-0000008.safetensors")["prefix"] == "my-opt-7b"
+    # Optimizer state as MindFormers names it: Adam's moments, the fp32 main param; other slots keep torch's name.
+    assert [names.state_name("fc.weight", slot) for slot in ("exp_avg", "exp_avg_sq", "main_param", "step", "momentum_buffer")] == [
+        "adam_m.fc.weight", "adam_v.fc.weight", "main_param.fc.weight", "step.fc.weight", "momentum_buffer.fc.weight"]
+    assert names.parse_state_name("adam_v.h.0.attn.weight") == ("h.0.attn.weight", "exp_avg_sq")
+    assert names.parse_state_name("global_step") == (None, "global_step")
     assert paths.parse_iteration_dirname("iteration_00000200") == 200
     assert paths.parse_iteration_dirname("iteration_200") is None
     assert paths.join("s3://bucket/run", "iteration_00000001", "common.json") == "s3://bucket/run/iteration_00000001/common.json"
     assert paths.tracker_path("/x/ckpt/") == "/x/ckpt/latest_checkpointed_iteration.txt"
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_save_plan_covers_every_element_once_and_balances_bytes(seed):
+@pytest.mark.parametrize("seed", range(8))
+def test_save_plan_covers_every_element_once_in_row_chunks_and_balances_bytes(seed, monkeypatch):
+    """Every element written by exactly one rank, in chunks of whole rows (N-d boxes); a sharded tensor
+    as torch.chunk holds it; a replicated one whole or in equal parts on distinct ranks; and no rank
+    holds more replicated bytes than the mean plus one part (what placing the largest first guarantees)."""
+    from ray_resume.checkpoint import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "MIN_PART", 64)  # small tensors, so that the cutting runs
     rng = random.Random(seed)
-    specs = [TensorSpec(f"t{i}", "F32", tuple(rng.randint(1, 40) for _ in range(rng.randint(0, 3))), rng.choice([1, 2, 4, 8]))
-             for i in range(rng.randint(1, 30))]
+    kinds = {kind: [TensorSpec(f"{kind}{i}", "F32", shape, 4, sharded=bool(shape) and rng.random() < 0.3)
+                    for i in range(rng.randint(1, 25))
+                    for shape in [tuple(rng.choice([1, 2, 3, 6, 12, 17, 40, 64]) for _ in range(rng.randint(0, 3)))]]
+             for kind in ("model", "opt")}
     for world in (1, 2, 3, 7, 64):
-        shares = split_replicated(specs, world)
-        covered = {s.name: [0] * s.numel for s in specs}
-        for share in shares:
-            for p in share:
-                for e in range(p.start, p.start + p.numel):
-                    covered[p.name][e] += 1
-        assert all(c == 1 for counts in covered.values() for c in counts)
-        sizes = {s.name: s.itemsize for s in specs}
-        written = [sum(p.numel * sizes[p.name] for p in share) for share in shares]
-        total = sum(s.nbytes for s in specs)
-        # Each rank is within one element of its exact share.
-        assert max(written) <= total / world + 8 and min(written) >= total / world - 8
+        plan = SavePlan(kinds, world)
+        for kind, specs in kinds.items():
+            covered = {s.name: [0] * s.numel for s in specs}
+            for rank in range(world):
+                for p in plan.share(kind, rank):
+                    spec = plan.specs[kind][p.name]
+                    assert p.start % spec.row_numel == 0 and p.numel % spec.row_numel == 0  # whole rows
+                    for e in range(p.start, p.start + p.numel):
+                        covered[p.name][e] += 1
+            assert all(c == 1 for counts in covered.values() for c in counts)
+            for spec in specs:
+                chunks = plan.chunks(kind, spec.name)
+                if spec.sharded:  # as FSDP2's torch.chunk gives each rank its rows
+                    held = torch.zeros(spec.shape).chunk(world)
+                    assert [(r, p.numel) for r, p in chunks] == [(r, t.numel()) for r, t in enumerate(held) if t.numel()] or not spec.numel
+                else:  # whole, or equal parts on distinct ranks
+                    assert len({p.numel for _, p in chunks}) == 1 and len({r for r, _ in chunks}) == len(chunks)
+        replicated = [(kind, s) for kind, specs in kinds.items() for s in specs if not s.sharded]
+        parts = [p.numel * s.itemsize for kind, s in replicated for _, p in plan.chunks(kind, s.name)]
+        held = [sum(p.numel * s.itemsize for kind, s in replicated for r, p in plan.chunks(kind, s.name) if r == rank)
+                for rank in range(world)]
+        # Largest first, a tensor's k parts onto the k ranks holding the least (each then holds at most
+        # 1/(W - k + 1) of the replicated bytes placed): no rank above that plus one part.
+        cut = max((len(plan.chunks(kind, s.name)) for kind, s in replicated), default=1)
+        assert max(held) <= sum(held) / (world - cut + 1) + max(parts, default=0), held
 
 
 def make_state(seed=0, dtype=torch.float32):
@@ -80,14 +110,8 @@ def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None,
                     rank_extras={"rank": str(r)}, block_size=block_size, checksum=checksum)
         for r in range(world)
     ]
-    directory = Path(paths.iteration_dir(str(root), step))
-    (directory / paths.METADATA).write_bytes(dumps(build_metadata(step, "ckpt", manifests)))
-    common = {"format_version": paths.FORMAT_VERSION, "global_step": step, "global_batch_size": 8, "step_num": step, "epoch_num": 0,
-              "loss_scale": 1.0, "ckpt_status": "ok", "consumed_samples": 8 * step, "world_size": world,
-              "has_optimizer": True, "job_id": "test"}
-    (directory / paths.COMMON).write_bytes(dumps(common))
-    storage.write_atomic(paths.tracker_path(str(root)), f"{step}\n".encode())
-    return directory
+    commit_by_hand(root, step, manifests)
+    return Path(paths.iteration_dir(str(root), step))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -108,7 +132,7 @@ def test_round_trip_restores_every_tensor_bitwise(tmp_path, world):
     assert load_rank_extras(ShardReader(storage, it), world - 1) == {"rank": str(world - 1)}
     # No file holds a byte of replicated state twice: shards add up to the state itself.
     model_bytes = sum(t.numel() * t.element_size() for t in state.model_tensors(model).values())
-    stored = sum(len(b) for n, b in read_verified(storage, it, [f for f in it.metadata["files"] if "-model-" in f]).items())
+    stored = sum(len(b) for n, b in read_verified(storage, it, it.shard_files("model")).items())
     assert model_bytes <= stored < model_bytes + world * 4096  # plus one safetensors header per file
 
 
@@ -140,11 +164,11 @@ def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(tmp_
         header = ShardReader(storage, it).header(file)
         inside = {r.piece.name for r in reads[file]}
         name = next(n for n in sorted(header) if n != "__metadata__" and (n in inside) == (flip == "requested"))
-        at = it.metadata["files"][file]["data_start"] + header[name]["data_offsets"][0] + 1
+        at = it.files[file].data_start + header[name]["data_offsets"][0] + 1
         data = bytearray(path.read_bytes())
         data[at] ^= 0xFF
         path.write_bytes(bytes(data))
-        block = next(i for i, (lo, hi) in enumerate(block_bounds(len(data), it.metadata["files"][file]["data_start"], block_size)) if lo <= at < hi)
+        block = next(i for i, (lo, hi) in enumerate(block_bounds(len(data), it.files[file].data_start, block_size)) if lo <= at < hi)
         with pytest.raises(CheckpointError, match=rf"{file}: {checksum} does not match metadata.json \(checksum block {block}, "):
             ShardReader(storage, it).read_checked(file, reads[file])
         return
@@ -162,16 +186,17 @@ def test_each_checksum_block_is_the_digest_of_its_bytes_and_any_subset_can_be_ch
     directory = write_iteration(tmp_path, 2, block_size=64, checksum=checksum)
     storage = LocalStorage()
     it = open_iteration(storage, str(tmp_path), 5)
-    assert it.metadata["block_size"] == 64
-    for name, info in it.metadata["files"].items():
+    meta = json.loads((directory / paths.METADATA).read_text())["ray_resume"]
+    assert meta["block_size"] == it.block_size == 64 and set(meta["files"]) == set(it.files) and len(it.files) == 4
+    for name, info in meta["files"].items():
         data = (directory / name).read_bytes()
         (length,) = struct.unpack("<Q", data[:8])
         assert info["data_start"] == 8 + length and info["size"] == len(data)
         bounds = block_bounds(len(data), info["data_start"], 64)
         assert bounds[0] == (0, 8 + length) and all(hi - lo == 64 for lo, hi in bounds[1:-1]) and bounds[-1][1] == len(data)
         assert info["checksum"] == checksum and info["digests"] == [CHECKSUMS[checksum](data[lo:hi]) for lo, hi in bounds]
-    file = max(it.metadata["files"], key=lambda f: it.metadata["files"][f]["size"])
-    blocks = block_bounds(it.metadata["files"][file]["size"], it.metadata["files"][file]["data_start"], 64)
+    file = max(it.files, key=lambda f: it.files[f].size)
+    blocks = block_bounds(it.files[file].size, it.files[file].data_start, 64)
     some = [1, 2, 5, len(blocks) - 1]
     one = ShardReader(storage, it)
     one.read_checked(file, [], blocks=some)
@@ -277,15 +302,17 @@ def _truncate(d: Path):
 
 def _escape(d: Path):
     meta = json.loads((d / "metadata.json").read_text())
-    meta["files"]["../../etc/passwd"] = meta["files"].pop("ckpt-model-0000000-0000002.safetensors")
+    files = meta["ray_resume"]["files"]
+    files["../../etc/passwd"] = files.pop("ckpt-model-0000000-0000002.safetensors")
     (d / "metadata.json").write_text(json.dumps(meta))
 
 
 def _meta(edit):
-    """A damage that edits metadata.json's first model shard entry (or the whole object)."""
+    """A damage that edits metadata.json: `edit(metadata, ours, the first model shard's entry)`."""
     def damage(d: Path):
         meta = json.loads((d / "metadata.json").read_text())
-        edit(meta, meta["files"]["ckpt-model-0000000-0000002.safetensors"])
+        ours = meta["ray_resume"]
+        edit(meta, ours, ours["files"]["ckpt-model-0000000-0000002.safetensors"])
         (d / "metadata.json").write_text(json.dumps(meta))
     return damage
 
@@ -304,14 +331,18 @@ def _listed_as_another_world(d: Path):
     meta = json.loads((d / "metadata.json").read_text())
     src = d / "ckpt-model-0000001-0000002.safetensors"
     (d / "ckpt-model-0000002-0000003.safetensors").write_bytes(src.read_bytes())
-    meta["files"]["ckpt-model-0000002-0000003.safetensors"] = dict(meta["files"][src.name])
+    meta["ray_resume"]["files"]["ckpt-model-0000002-0000003.safetensors"] = dict(meta["ray_resume"]["files"][src.name])
     (d / "metadata.json").write_text(json.dumps(meta))
 
 
-def _status(d: Path):
-    common = json.loads((d / "common.json").read_text())
-    common["ckpt_status"] = "saving"
-    (d / "common.json").write_text(json.dumps(common))
+def _tensor(edit):
+    """A damage that edits MindFormers' state_dict_metadata entry of the model's `tok.weight`."""
+    return _meta(lambda m, ours, f: edit(m["state_dict_metadata"]["tok.weight"], m["storage_data"]))
+
+
+def _moved_chunk(t: dict, storage: dict):
+    key = next(k for k in storage if k.startswith("('tok.weight'"))
+    storage[key] = [{"file_name": "elsewhere-model-0000000-0000002.safetensors", "storage_rank": 0, "rank_group": [0]}]
 
 
 @pytest.mark.parametrize(
@@ -322,27 +353,33 @@ def _status(d: Path):
         (lambda d: (d / "ckpt-opt-0000001-0000002.safetensors").unlink(), "shard listed in metadata.json is missing"),
         (lambda d: (d / "ckpt-opt-0000002-0000003.safetensors").write_bytes(b"x"), "ckpt-opt-0000002-0000003.safetensors: shard file not listed in metadata.json"),
         (_escape, "file name '../../etc/passwd' points outside the iteration directory"),
-        (_meta(lambda m, f: f.update(digests=["ab" * 16])),  # one digest for the whole file
+        (_meta(lambda m, ours, f: f.update(digests=["ab" * 16])),  # one digest for the whole file
          "files['ckpt-model-0000000-0000002.safetensors']: 'digests' must list 2 lowercase hex xxh3-128 digests, one per checksum block"),
-        (_meta(lambda m, f: f.update(checksum="sha256")),  # digests of another length than the named algorithm's
+        (_meta(lambda m, ours, f: f.update(checksum="sha256")),  # digests of another length than the named algorithm's
          "files['ckpt-model-0000000-0000002.safetensors']: 'digests' must list 2 lowercase hex sha256 digests, one per checksum block"),
-        (_meta(lambda m, f: f.update(checksum="crc32c")),
+        (_meta(lambda m, ours, f: f.update(checksum="crc32c")),
          "files['ckpt-model-0000000-0000002.safetensors']: checksum 'crc32c' is not one this ray_resume knows (xxh3-128, sha256); "
          "use the ray_resume release that wrote it"),
-        (_meta(lambda m, f: [f.pop("checksum"), f.update(sha256=f.pop("digests"))]),  # a format-3 entry
+        (_meta(lambda m, ours, f: [f.pop("checksum"), f.update(sha256=f.pop("digests"))]),  # a format-3 entry
          "files['ckpt-model-0000000-0000002.safetensors']: checksum None is not one this ray_resume knows"),
-        (_meta(lambda m, f: f.update(data_start=f["size"] + 1)), "needs integers 'size' and 'data_start' (8 <= data_start <= size"),
-        (_meta(lambda m, f: m.update(format_version=3)), "format_version 3 is not supported by this ray_resume (it reads version 4)"),
-        (_status, "ckpt_status is 'saving', not 'ok'"),
+        (_meta(lambda m, ours, f: f.update(data_start=f["size"] + 1)), "needs 8 <= data_start <= size"),
+        (_meta(lambda m, ours, f: ours.update(format_version=3)), "format_version 3 is not supported by this ray_resume (it reads 4 and 5)"),
+        (_common(ckpt_status=1), "common.json: ckpt_status is 1 (abnormal, not 0: normal); MindFormers passes such an iteration over"),
         (lambda d: (d / "common.json").write_text("{not json"), "common.json: not valid JSON"),
-        (lambda d: (d / "metadata.json").unlink(), "metadata.json: missing"),
-        (lambda d: (d / "common.json").write_text('{"format_version": 1}'), "common.json: missing field 'global_step'"),
-        # A committed iteration must agree with itself: its step, world size and optimizer files.
+        (lambda d: (d / "metadata.json").unlink(), "metadata.json: missing; iteration 5 was never committed or was damaged"),
+        (lambda d: (d / "common.json").write_text('{"global_step": 5}'), "common.json: missing field 'epoch_num'"),
+        # MindFormers builds CommonInfo(**common.json): a key of ours there would break its loader.
+        (_common(world_size=2), "common.json: field 'world_size' is not one of MindFormers' CommonInfo, whose loader refuses it"),
+        # A committed iteration must agree with itself: its step, world size, files and chunks.
         (_common(global_step=4), "common.json: global_step 4 is not this directory's iteration 5"),
-        (_common(world_size=3), "common.json: world_size 3, but metadata.json lists the shards of 2 ranks"),
-        (_common(has_optimizer=False), "common.json: has_optimizer is false, but metadata.json lists optimizer state"),
-        (_meta(lambda m, f: m.update(iteration=4)), "metadata.json: iteration 4 is not this directory's iteration 5"),
+        (_meta(lambda m, ours, f: ours.update(world_size=3)), "files['ckpt-model-0000000-0000002.safetensors'] is not a shard of this 3-rank iteration"),
+        (_meta(lambda m, ours, f: ours.update(iteration=4)), "metadata.json: iteration 4 is not this directory's iteration 5"),
         (_listed_as_another_world, "metadata.json: files['ckpt-model-0000002-0000003.safetensors'] is not a shard of this 2-rank iteration"),
+        (_tensor(lambda t, storage: t.update(global_shape=[33, 16])), "state_dict_metadata['tok.weight']: its chunks cover 512 of its 528 elements"),
+        (_tensor(lambda t, storage: t["properties"].update(dtype="Float8E4M3FN")), "state_dict_metadata['tok.weight'] needs a known properties.dtype"),
+        (_tensor(lambda t, storage: t["chunk"][0].update(global_offset=[0, 8])),
+         "state_dict_metadata['tok.weight']: a chunk is cut along dimension 1 (tensor parallel), not in rows"),
+        (_tensor(_moved_chunk), "chunk ('tok.weight', (0, 0)) is in ['elsewhere-model-0000000-0000002.safetensors'], which this iteration does not hold"),
         (lambda d: (d.parent / paths.TRACKER).write_text(""), "tracker is empty"),
         (lambda d: (d.parent / paths.TRACKER).write_text("abc"), "tracker must hold a non-negative iteration number, got 'abc'"),
         (lambda d: (d.parent / paths.TRACKER).write_text("-3"), "tracker must hold a non-negative iteration number, got '-3'"),
@@ -412,3 +449,40 @@ def test_every_slot_of_a_torch_optimizer_round_trips(make):
         assert sorted(before) == sorted(after) and before
         for slot in before:
             assert torch.equal(torch.as_tensor(before[slot]), torch.as_tensor(after[slot])), slot
+
+
+FORMAT4 = Path(__file__).resolve().parent / "data" / "format4"
+
+
+@pytest.mark.invariant(2)
+def test_a_root_of_format_4_is_still_read_bit_for_bit(tmp_path, capsys):
+    """A root the released format 4 wrote (tests/data/format4: 2 ranks, replicated state byte-split
+    across them, `{param}.{slot}` names): read with its own rules, every tensor as the ranks held it,
+    the optimizer's under today's names, and restored into a live model and optimizer."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from ray_resume import cli
+    from ray_resume.checkpoint.checkpointer import Checkpointer
+    from ray_resume.config import Config
+    from conftest import tiny_config
+
+    root = tmp_path / "root"
+    shutil.copytree(FORMAT4 / "root", root)
+    held = load_file(str(FORMAT4 / "held.safetensors"))
+    storage = LocalStorage()
+    it = open_iteration(storage, str(root), 2)
+    assert (it.origin, it.world_size, it.common["consumed_samples"], it.ours["job_id"]) == ("ray_resume", 2, 16, "format4")
+    loaded = {**{f"model/{n}": t for n, t in load_state(storage, it, "model").items()},
+              **{f"opt/{n}": t for n, t in load_state(storage, it, "opt").items()}}
+    renamed = {k if k.startswith("model/") else "opt/" + names.state_name(*k[4:].rsplit(".", 1)): t for k, t in held.items()}
+    assert loaded.keys() == renamed.keys()
+    assert all(torch.equal(loaded[k], renamed[k]) for k in renamed)
+    model, opt = make_state(seed=3)
+    cfg = Config.from_dict(tiny_config(tmp_path))
+    point = Checkpointer(cfg, None, 0, 1, 0, None).restore(model, opt, (str(root), 2), full=True)
+    assert (point.global_step, point.consumed_samples) == (2, 16)
+    assert all(torch.equal(t, held[f"model/{n}"]) for n, t in state.model_tensors(model).items())
+    assert all(torch.equal(t, renamed[f"opt/{n}"]) for n, t in opt.state_tensors().items())
+    assert cli.main(["verify", str(root)]) == 0 and "sizes and block digests (xxh3-128) match" in capsys.readouterr().out

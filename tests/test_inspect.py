@@ -124,9 +124,10 @@ def test_show_json_lists_every_tensor_with_its_pieces(root, capsys):
     for t in shown["tensors"]:
         tensor = expected[(t["kind"], t["name"])]
         assert t["shape"] == list(tensor.shape) and t["dtype"] == "F32"
-        assert t["pieces"] and all(p["file"] in shown["files"] for p in t["pieces"])
-        assert sum(p["numel"] for p in t["pieces"]) == tensor.numel()
-        assert [p["start"] for p in t["pieces"]] == sorted(p["start"] for p in t["pieces"])
+        chunks = t["chunks"]  # ranges of whole rows, in order, tiling the tensor
+        assert chunks and all(c["file"] in shown["files"] for c in chunks) and t["mindformers_readable"]
+        assert sum(c["numel"] for c in chunks) == tensor.numel() and [c["local_shape"][1:] for c in chunks] == [list(tensor.shape[1:])] * len(chunks)
+        assert [c["start"] for c in chunks] == sorted(c["start"] for c in chunks)
 
     code, out, _ = cli(capsys, "show", root["root"], "--iteration", 4)
     assert code == 0
@@ -164,7 +165,8 @@ def test_export_writes_plain_safetensors_equal_to_the_model(root, capsys, tmp_pa
     assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before
     code, _, err = cli(capsys, "export", root["root"], out_dir, "--iteration", 4, "--force")
     assert code == 0, err
-    assert sorted(p.name for p in out_dir.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["config.yaml", "model.safetensors"]  # no stale optimizer.safetensors
+    assert (out_dir / "config.yaml").read_text() == "name: test\n"  # iteration 4's, as its commit wrote it
 
 
 @pytest.mark.invariant(6)

@@ -117,7 +117,8 @@ def test_a_commit_is_fenced_by_the_lease(tmp_path):
                            optim_state=opt.state_tensors(), rank_extras={})
     shards = sorted(p.name for p in (tmp_path / "iteration_00000008").iterdir())
     with pytest.raises(LeaseLost, match="job-stalled.* no longer holds the writer lease.*job job-new took it over"):
-        commit_iteration(storage, str(tmp_path), 8, [manifest], {}, prefix="ckpt", config={}, job_id="job-stalled", fence=stalled.check)
+        common = {"global_step": 8, "global_batch_size": 8, "step_num": 8, "epoch_num": 0, "loss_scale": 1.0, "consumed_samples": 64}
+        commit_iteration(storage, str(tmp_path), 8, [manifest], common, prefix="ckpt", config={}, job_id="job-stalled", fence=stalled.check)
     assert sorted(p.name for p in tmp_path.iterdir()) == [LEASE_DIR, "iteration_00000008"]  # no tracker
     assert sorted(p.name for p in (tmp_path / "iteration_00000008").iterdir()) == shards  # no JSON
     with pytest.raises(LeaseLost):

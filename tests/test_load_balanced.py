@@ -17,7 +17,7 @@ import harness
 from benchmarks import scale_sim
 from ray_resume.checkpoint.loader import StateLoader, balanced_owners, deal_by_size, divide_blocks, even_runs, open_shared, owned_parts
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
-from ray_resume.checkpoint.schema import CheckpointError, tensor_specs
+from ray_resume.checkpoint.schema import CheckpointError, Iteration, StoredFile
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import CHECKSUM_BLOCK
 from storage_faults import FileProxy
@@ -35,7 +35,7 @@ def _load(rank: int, root: str, init: str, out: str) -> None:
         loader = StateLoader(storage, it, rank, WORLD, balanced)
         tensors = {}
         for kind in ("model", "opt"):
-            whole = {s.name: (0, s.numel) for s in tensor_specs(it.metadata, kind)}
+            whole = {s.name: (0, s.numel) for s in it.specs(kind).values()}
             tensors.update({f"{kind}/{n}": t for n, t in loader.load(kind, whole, shared=set(whole)).items()})
         data_bytes = loader.bytes_read
         extras = load_rank_extras(loader.reader, rank)
@@ -58,18 +58,17 @@ def test_load_balanced_reads_each_byte_once_and_loads_the_same_state(tmp_path, b
     init = f"file://{tmp_path / 'pg'}"
     harness.spawn(_load, (str(tmp_path / "root"), init, str(tmp_path)), WORLD)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    meta = open_iteration(LocalStorage(), str(tmp_path / "root"), 5).metadata
-    files = meta["files"]
+    it = open_iteration(LocalStorage(), str(tmp_path / "root"), 5)
+    files = it.files
     total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    assert total == sum(info["size"] for info in files.values())
-    direct = [sum(info["size"] if info["rank"] % WORLD == r else info["size"] - info["data_start"] for info in files.values())
-              for r in range(WORLD)]
+    assert total == sum(f.size for f in files.values())
+    direct = [sum(f.size if f.rank % WORLD == r else f.size - f.data_start for f in files.values()) for r in range(WORLD)]
     assert [r["False"]["bytes_read"] for r in reports] == direct
     balanced = [r["True"]["bytes_read"] for r in reports]
     assert sum(balanced) == total and min(balanced) > 0  # each byte once in total, both ranks share the work
     assert max(balanced) - min(balanced) < 2 * block_size  # each within one block of the mean
-    owners = balanced_owners(meta, ("model", "opt"), WORLD)
-    split = [f for f in files if len({owners[f, i] for i in range(1, len(files[f]["digests"]))}) == WORLD]  # data blocks
+    owners = balanced_owners(it, ("model", "opt"), WORLD)
+    split = [f for f in files if len({owners[f, i] for i in range(1, len(files[f].digests))}) == WORLD]  # data blocks
     assert bool(split) == (block_size == 256)
     for r, report in enumerate(reports):
         assert report["True"]["bits"] == report["False"]["bits"]  # bit-identical state
@@ -106,7 +105,9 @@ def test_one_cut_over_both_kinds_gives_each_rank_a_consecutive_run_within_a_bloc
 
     files = {f"ckpt-{kind}-{r:07d}-0000004.safetensors": {"size": size, "data_start": 8, "checksum": "xxh3-128", "digests": ["0" * 32] * blocks(size)}
              for kind, size in (("model", 100), ("opt", 200)) for r in range(4)}
-    meta = {"world_size": 4, "prefix": "ckpt", "block_size": 10, "files": files}
+    stored = {name: StoredFile(name, name.split("-")[1], int(name.split("-")[2]), f["size"], 8, "xxh3-128", f["digests"])
+              for name, f in files.items()}
+    meta = Iteration("root", 5, "root/iteration_00000005", {}, {}, "ray_resume", 4, 10, stored, {}, {})
     owners = balanced_owners(meta, ("model", "opt"), 3)
     order = [(f"ckpt-{kind}-{r:07d}-0000004.safetensors", i) for kind, size in (("model", 100), ("opt", 200))
              for r in range(4) for i in range(blocks(size))]
@@ -174,7 +175,7 @@ def _count(rank: int, root: str, init: str, out: str) -> None:
         storage = RequestCountingStorage()
         loader = StateLoader(storage, it, rank, WORLD, balanced)
         for kind in ("model", "opt"):
-            whole = {s.name: (0, s.numel) for s in tensor_specs(it.metadata, kind)}
+            whole = {s.name: (0, s.numel) for s in it.specs(kind).values()}
             loader.load(kind, whole, shared=set(whole))
         report[str(balanced)] = [loader.bytes_read, len(storage.calls), len(storage.opened)]
     Path(out, f"count{rank}.json").write_text(json.dumps(report))
@@ -187,11 +188,11 @@ def test_scale_simulation_counts_what_the_real_loader_does(tmp_path):
     ranks, 256-byte checksum blocks, load_balanced off and on)."""
     write_iteration(tmp_path / "root", world=3, block_size=256)
     harness.spawn(_count, (str(tmp_path / "root"), f"file://{tmp_path / 'pg'}", str(tmp_path)), WORLD)
-    meta = open_iteration(LocalStorage(), str(tmp_path / "root"), 5).metadata
+    it = open_iteration(LocalStorage(), str(tmp_path / "root"), 5)
     for rank in range(WORLD):
         real = json.loads((tmp_path / f"count{rank}.json").read_text())
         for balanced in (False, True):
-            plan = scale_sim.load_plan(meta, WORLD, rank, fsdp=False, balanced=balanced)
+            plan = scale_sim.load_plan(it, WORLD, rank, fsdp=False, balanced=balanced)
             assert real[str(balanced)] == [plan.bytes_read, plan.requests, plan.files_touched], (rank, balanced)
 
 
@@ -215,7 +216,7 @@ def _open(rank: int, root: str, init: str, out: str) -> None:
     storage = CountingStorage()
     try:
         it = open_shared(storage, root, 5, rank, WORLD)
-        report = {"metadata": it.metadata, "common": it.common, "path": it.path}
+        report = {"raw": it.raw, "common": it.common, "path": it.path}
     except CheckpointError as exc:
         report = {"error": str(exc)}
     report["calls"] = storage.calls
@@ -232,7 +233,7 @@ def test_only_rank_0_reads_the_iteration_json_and_every_rank_gets_its_verdict(tm
     directory = write_iteration(tmp_path / "root", world=3, model=model, opt=opt)
     if damaged:
         common = json.loads((directory / "common.json").read_text())
-        common["ckpt_status"] = "saving"
+        common["ckpt_status"] = 1
         (directory / "common.json").write_text(json.dumps(common))
     harness.spawn(_open, (str(tmp_path / "root"), f"file://{tmp_path / 'pg'}", str(tmp_path)), WORLD)
     reports = [json.loads((tmp_path / f"open{r}.json").read_text()) for r in range(WORLD)]
@@ -240,9 +241,9 @@ def test_only_rank_0_reads_the_iteration_json_and_every_rank_gets_its_verdict(tm
     assert all(r["calls"] == [] for r in reports[1:])  # nothing read from storage by the other ranks
     if damaged:
         errors = {r["error"] for r in reports}  # one message, rank 0's, on every rank
-        assert len(errors) == 1 and "common.json: ckpt_status is 'saving', not 'ok'" in errors.pop()
+        assert len(errors) == 1 and "common.json: ckpt_status is 1 (abnormal, not 0: normal)" in errors.pop()
         return
     assert reports[0]["calls"] == ["common.json", "metadata.json", "list iteration_00000005"]
     expected = open_iteration(LocalStorage(), str(tmp_path / "root"), 5)
     for r in reports:
-        assert (r["metadata"], r["common"], r["path"]) == (expected.metadata, expected.common, expected.path)
+        assert (r["raw"], r["common"], r["path"]) == (expected.raw, expected.common, expected.path)

@@ -9,16 +9,15 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, run_on_harness, shard_bytes
+from conftest import REPO, commit_by_hand, run_on_harness, shard_bytes
 from ray_resume import parallel, train
 from ray_resume.run import run
-from ray_resume.checkpoint import paths, state
+from ray_resume.checkpoint import state
 from ray_resume.checkpoint.checkpointer import load_weights
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import save_shards
-from ray_resume.checkpoint.schema import build_metadata, dumps
 from ray_resume.config import Config, ConfigError, load_config
 from ray_resume.plugins import make_model, resolve
 from examples.tabular_mlp import build, loss, make_data
@@ -80,10 +79,7 @@ def test_tied_weights_are_stored_once_and_restored_tied(tmp_path):
     storage = LocalStorage()
     manifests = [save_shards(storage, str(tmp_path), 1, prefix="ckpt", rank=r, world_size=2, model_state=saved,
                              optim_state=None, rank_extras={}) for r in range(2)]
-    (tmp_path / "iteration_00000001" / "metadata.json").write_bytes(dumps(build_metadata(1, "ckpt", manifests)))
-    (tmp_path / "iteration_00000001" / "common.json").write_bytes(dumps({
-        "format_version": paths.FORMAT_VERSION, "global_step": 1, "global_batch_size": 1, "step_num": 1, "epoch_num": 0, "loss_scale": 1.0,
-        "ckpt_status": "ok", "consumed_samples": 1, "world_size": 2, "has_optimizer": False, "job_id": "t"}))
+    commit_by_hand(tmp_path, 1, manifests)
     loaded = load_state(storage, open_iteration(storage, str(tmp_path), 1), "model")
     torch.manual_seed(1)
     fresh = TiedLM(vocab=16, width=8)

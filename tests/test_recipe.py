@@ -69,7 +69,7 @@ def test_grad_clip_is_torch_clip_grad_norm_on_the_whole_gradient():
         assert float(norm) == pytest.approx(ours.grad_norm, rel=1e-5) and ours.grad_norm > 0.05  # the clip acted
         for (name, p), (_, q) in zip(reference.named_parameters(), model.named_parameters()):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=name)
-    assert set(ours.state_tensors()) == {f"{n}.momentum_buffer" for n, _ in model.named_parameters()}
+    assert set(ours.state_tensors()) == {f"momentum_buffer.{n}" for n, _ in model.named_parameters()}
 
 
 def test_grad_clip_acts_on_the_unscaled_main_gradients_of_a_low_precision_model():
@@ -181,10 +181,11 @@ def test_a_resume_into_another_optimizer_is_refused_on_the_driver(tmp_path):
     with pytest.raises(CheckpointError) as err:
         harness.run_job(again)
     assert str(err.value) == (
-        f"{root}/iteration_00000004/common.json: iteration 4 holds the state of optimizer torch.optim.adamw:AdamW, but "
+        f"{root}/iteration_00000004/metadata.json: iteration 4 holds the state of optimizer torch.optim.adamw:AdamW, but "
         "training.optimizer builds torch.optim.sgd:SGD; set checkpoint.no_load_optim: true to start torch.optim.sgd:SGD "
         "from its weights, or set training.optimizer back")
-    assert json.loads((tmp_path / "ckpt" / "iteration_00000004" / "common.json").read_text())["optimizer"] == "torch.optim.adamw:AdamW"
+    assert json.loads((tmp_path / "ckpt" / "iteration_00000004" / "metadata.json").read_text())["ray_resume"]["optimizer"] == \
+        "torch.optim.adamw:AdamW"
     # As the message says: weights only, SGD from step 0 (a new save_path), its first loss the loaded weights'.
     losses = {}
     for name, load in (("from-weights", {"load_path": root, "no_load_optim": True}), ("fresh", {})):

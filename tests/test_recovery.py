@@ -181,15 +181,17 @@ def lie_about_offsets(directory: Path) -> None:
     shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
     meta = json.loads((directory / "metadata.json").read_text())
     data = shard.read_bytes()
-    bounds = block_bounds(len(data), 8 + len(raw), meta["block_size"])
-    meta["files"][shard.name].update(size=len(data), data_start=8 + len(raw),
-                                   digests=[xxhash.xxh3_128(data[lo:hi]).hexdigest() for lo, hi in bounds])
+    ours = meta["ray_resume"]
+    bounds = block_bounds(len(data), 8 + len(raw), ours["block_size"])
+    ours["files"][shard.name].update(size=len(data), data_start=8 + len(raw),
+                                     digests=[xxhash.xxh3_128(data[lo:hi]).hexdigest() for lo, hi in bounds])
     (directory / "metadata.json").write_text(json.dumps(meta))
 
 
 def shape_mismatch(directory: Path) -> None:
     meta = json.loads((directory / "metadata.json").read_text())
-    meta["tensors"]["model"]["head.weight"]["shape"] = [16, 32]
+    head = meta["state_dict_metadata"]["head.weight"]
+    head["global_shape"] = head["chunk"][0]["local_shape"] = [16, 32]  # the same bytes, another shape
     (directory / "metadata.json").write_text(json.dumps(meta))
 
 
@@ -344,8 +346,10 @@ def test_a_restore_into_another_optimizer_class_is_refused_by_the_ranks_too(tmp_
     """What the driver checks for the built-in job (test_recipe.py) the ranks check for any job
     (ray_resume.fit's), before a foreign slot is loaded."""
     write_iteration(tmp_path / "ckpt", world=1)
-    common = tmp_path / "ckpt" / "iteration_00000005" / "common.json"
-    common.write_text(json.dumps({**json.loads(common.read_text()), "optimizer": "torch.optim.sgd:SGD"}))
+    meta = tmp_path / "ckpt" / "iteration_00000005" / "metadata.json"
+    saved = json.loads(meta.read_text())
+    saved["ray_resume"]["optimizer"] = "torch.optim.sgd:SGD"
+    meta.write_text(json.dumps(saved))
     with pytest.raises(CheckpointError, match=r"iteration 5 holds the state of optimizer torch.optim.sgd:SGD, but this job's "
                                               r"optimizer is torch.optim.adamw:AdamW; set checkpoint.no_load_optim: true"):
         restore(tmp_path / "ckpt", 5)

@@ -52,7 +52,7 @@ def test_uninterrupted_run_commits_every_interval(reference):
     it = open_iteration(storage, root, FINAL)
     assert it.common["global_step"] == FINAL and it.common["consumed_samples"] == FINAL * 16
     assert it.common["epoch_num"] == 1 and it.common["step_num"] == 2  # 160 samples = 10 steps per epoch
-    read_verified(storage, it, list(it.metadata["files"]))  # sizes and block digests hold
+    read_verified(storage, it, list(it.files))  # sizes and block digests hold
     # Replicated state is split: each tensor element is stored exactly once, by one of the ranks.
     for kind in ("model", "opt"):
         state = load_state(storage, it, kind)
@@ -61,7 +61,7 @@ def test_uninterrupted_run_commits_every_interval(reference):
             for r in requests:
                 stored[r.piece.name] = stored.get(r.piece.name, 0) + r.piece.numel
         assert stored == {name: t.numel() for name, t in state.items()}
-        assert {f["rank"] for f in it.metadata["files"].values() if f["kind"] == kind} == {0, 1}
+        assert {f.rank for f in it.files.values() if f.kind == kind} == {0, 1}
     # Samples: every step a fresh global batch; the first 10 steps are one full epoch.
     ids = [i for s in range(1, 11) for i in reference["steps"][s][0]["ids"]]
     assert sorted(ids) == list(range(160))

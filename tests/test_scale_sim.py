@@ -13,95 +13,92 @@ import pytest
 from benchmarks import scale_sim
 from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.commit import commit_iteration
-from ray_resume.checkpoint.plan import DIM0, SPLIT, SavePlan, TensorSpec, split_replicated, split_specs
-from ray_resume.checkpoint.schema import build_metadata, parse_json, validate_metadata
-from ray_resume.checkpoint.storage import storage_for
+from ray_resume.checkpoint.plan import SavePlan, TensorSpec, format4_pieces, overlaps
+from ray_resume.checkpoint.reader import open_iteration
+from ray_resume.checkpoint.schema import parse_iteration, parse_json
+from ray_resume.checkpoint.storage import LocalStorage, storage_for
 
 
 def test_small_mode_covers_every_byte_and_every_rank_need(tmp_path):
-    """`--small`: save plans tile every tensor, every rank's load plan (DDP/FSDP, load_balanced on/off,
-    shrinking and growing) gets exactly what it needs (FSDP's 0-d steps: copied once each by their
-    file's verifier, then one all-reduce), the vectorised totals equal the per-rank plans, and
-    metadata.json round-trips through the real commit."""
+    """`--small`: save plans tile every tensor in whole rows, the closed-form write totals equal every
+    rank's share, metadata.json round-trips through the real commit and reader, and every rank's load
+    plan (DDP/FSDP, load_balanced on/off, shrinking and growing) gets exactly what it needs (FSDP's 0-d
+    steps: copied once each by their file's verifier, then one all-reduce)."""
     assert scale_sim.main(["--small", "--dir", str(tmp_path)]) == 0
     assert not list(tmp_path.iterdir())  # the sparse shard files are cleaned up
 
 
-def _fsdp_meta(world: int) -> tuple[dict, dict]:
+def _fsdp_iteration(world: int, tmp_path) -> tuple:
     specs = scale_sim.state_specs(scale_sim.TINY, fsdp=True)
-    sizes = scale_sim.shard_sizes(specs, world)
-    manifests = scale_sim.manifests_for(specs, world, sizes)
-    return build_metadata(scale_sim.ITERATION, scale_sim.PREFIX, manifests), specs
+    root = str(tmp_path / f"fsdp-{world}")
+    scale_sim.commit(SavePlan(specs, world), root)
+    return open_iteration(LocalStorage(), root, scale_sim.ITERATION), specs
 
 
 @pytest.mark.parametrize("world", [2, 5, 16])
-def test_fsdp_load_on_the_saving_world_size_reads_only_own_files(world):
+def test_fsdp_load_on_the_saving_world_size_reads_only_own_files(world, tmp_path):
     """As loader.StateLoader since the steps are pooled (tests/test_fsdp.py checks the real loader):
     on the saving world size each FSDP rank reads its own two files whole and touches no other file,
     and the 0-d steps come from one all-reduce of 8 bytes per step."""
-    meta, specs = _fsdp_meta(world)
-    steps = sorted(s.name for s in specs[paths.OPTIM_KIND] if s.name.endswith(".step"))
-    plans = [scale_sim.load_plan(meta, world, r, fsdp=True, balanced=False) for r in range(world)]
+    it, specs = _fsdp_iteration(world, tmp_path)
+    steps = sorted(s.name for s in specs[paths.OPTIM_KIND] if not s.shape)
+    plans = [scale_sim.load_plan(it, world, r, fsdp=True, balanced=False) for r in range(world)]
     for rank, plan in enumerate(plans):
         own = sorted(paths.shard_filename(scale_sim.PREFIX, k, rank, world) for k in scale_sim.KINDS)
         assert plan.checked == own and not plan.ranged and plan.files_touched == 2
-        assert plan.bytes_read == sum(meta["files"][f]["size"] for f in own)
+        assert plan.bytes_read == sum(it.files[f].size for f in own)
         assert plan.requests == 2 * (scale_sim.CHECKED_FILE_REQUESTS + 1)
         assert sorted(plan.allreduced) == steps and plan.allreduce_bytes == 8 * len(steps)
-    assert scale_sim.check_pooled(meta, plans, world, fsdp=True) == 8 * len(steps)
+    assert scale_sim.check_pooled(it, plans, world, fsdp=True) == 8 * len(steps)
 
 
-def test_check_pooled_refuses_a_step_copied_twice_or_by_nobody():
-    meta, _ = _fsdp_meta(6)
+def test_check_pooled_refuses_a_step_copied_twice_or_by_nobody(tmp_path):
+    it, _ = _fsdp_iteration(6, tmp_path)
     new_world = 4
-    plans = [scale_sim.load_plan(meta, new_world, r, fsdp=True, balanced=False) for r in range(new_world)]
-    scale_sim.check_pooled(meta, plans, new_world, fsdp=True)
+    plans = [scale_sim.load_plan(it, new_world, r, fsdp=True, balanced=False) for r in range(new_world)]
+    scale_sim.check_pooled(it, plans, new_world, fsdp=True)
     copy = next(p.pooled[0] for p in plans if p.pooled)
     twice = [scale_sim.LoadPlan(p.rank, p.checked, p.received, p.takes, p.ranged, list(p.pooled), dict(p.allreduced)) for p in plans]
     twice[(next(i for i, p in enumerate(plans) if copy in p.pooled) + 1) % new_world].pooled.append(copy)
     with pytest.raises(AssertionError, match="more than one rank"):
-        scale_sim.check_pooled(meta, twice, new_world, fsdp=True)
+        scale_sim.check_pooled(it, twice, new_world, fsdp=True)
     for p in plans:
         if copy in p.pooled:
             p.pooled.remove(copy)
     with pytest.raises(AssertionError, match=r"all-reduce over 4 ranks \(from 6\): .*: covers \[0, 0\) of \[0, 1\)"):
-        scale_sim.check_pooled(meta, plans, new_world, fsdp=True)
+        scale_sim.check_pooled(it, plans, new_world, fsdp=True)
 
 
-def _random_specs(rng: random.Random) -> list[TensorSpec]:
-    specs = []
-    for i in range(rng.randint(0, 25)):
-        shape = tuple(rng.choice([0, 1, 2, 3, 5, 17, 40]) for _ in range(rng.randint(0, 3)))
-        how = DIM0 if shape and rng.random() < 0.3 else SPLIT
-        specs.append(TensorSpec(f"t{rng.randrange(10**6)}.{i}", "F32", shape, rng.choice([1, 2, 4, 8]), how))
-    return specs
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_save_plan_without_every_rank_equals_split_replicated(seed):
-    """SavePlan computes one rank's split share and a range's owners directly (O(tensors) to build,
-    not O(tensors + W)); it must give exactly `split_replicated`'s pieces, including when the stream
-    has fewer bytes than there are ranks."""
+@pytest.mark.parametrize("seed", range(20))
+def test_format_4_split_layout_gives_every_element_one_rank_within_one_element_of_its_share(seed):
+    """Roots of format 4 are still read: its `split` layout laid the replicated tensors, sorted by name,
+    end to end and cut the byte stream in W equal ranges; `format4_pieces` must find every element
+    there exactly once (also when the stream has fewer bytes than there are ranks) and `overlaps`
+    every piece that holds a range."""
     rng = random.Random(seed)
-    specs = _random_specs(rng)
-    for world in (1, 2, 3, 7, 64, 1000, rng.randint(1, 5000)):
-        plan = SavePlan(specs, world)
-        shares = split_replicated(split_specs(specs), world)
-        ranks = range(world) if world <= 64 else [0, 1, world - 1, *rng.sample(range(world), 40)]
-        for rank in ranks:
-            assert [p for p in plan.share(rank) if plan.specs[p.name].layout == SPLIT] == shares[rank]
-        holders = {}
-        for rank, share in enumerate(shares):
-            for p in share:
-                holders.setdefault(p.name, []).append((rank, p))
+    specs = [TensorSpec(f"t{rng.randrange(10**6)}.{i}", "F32", tuple(rng.choice([0, 1, 2, 3, 5, 17, 40]) for _ in range(rng.randint(0, 3))),
+                        rng.choice([1, 2, 4, 8])) for i in range(rng.randint(0, 25))]
+    layouts = {s.name: "dim0" if s.shape and rng.random() < 0.3 else "split" for s in specs}
+    for world in (1, 2, 3, 7, 64, rng.randint(1, 500)):
+        placed = format4_pieces(specs, layouts, world)
+        written = [0] * world
         for spec in specs:
-            if spec.layout != SPLIT or not spec.numel:
-                continue
-            for _ in range(5):
+            pieces = sorted(placed.get(spec.name, []), key=lambda rp: rp[1].start)
+            at = 0
+            for rank, piece in pieces:
+                assert piece.start == at and piece.numel > 0
+                at += piece.numel
+                written[rank] += piece.numel * spec.itemsize
+            assert at == spec.numel
+            if spec.numel:
                 start = rng.randrange(spec.numel)
                 numel = rng.randint(1, spec.numel - start)
-                expected = [(r, p) for r, p in holders[spec.name] if p.start < start + numel and p.start + p.numel > start]
-                assert plan.overlaps(spec.name, start, numel) == expected
+                expected = [(str(r), p) for r, p in pieces if p.start < start + numel and p.start + p.numel > start]
+                assert overlaps([(str(r), p) for r, p in pieces], start, numel) == expected
+        split = sum(s.nbytes for s in specs if layouts[s.name] == "split")
+        dim0 = [sum(p.numel * s.itemsize for s in specs if layouts[s.name] == "dim0" for r, p in placed.get(s.name, []) if r == rank)
+                for rank in range(world)]
+        assert all(abs(w - d - split / world) <= 8 for w, d in zip(written, dim0))  # within one element of its share
 
 
 @pytest.mark.invariant(4)
@@ -110,10 +107,10 @@ def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
     missing from the listing or of the wrong size still fails the commit before the tracker moves."""
     root = "s3://ckpts/scale-run"
     storage = storage_for(root, s3)
-    specs = scale_sim.state_specs(scale_sim.TINY, fsdp=False)
     world = 3
-    sizes = scale_sim.shard_sizes(specs, world)
-    manifests = scale_sim.manifests_for(specs, world, sizes)
+    plan = SavePlan(scale_sim.state_specs(scale_sim.TINY, fsdp=False), world)
+    sizes = scale_sim.shard_sizes(plan)
+    manifests = scale_sim.manifests_for(plan, sizes)
     iter_dir = paths.iteration_dir(root, scale_sim.ITERATION)
     for manifest in manifests:
         for name, info in manifest["files"].items():
@@ -136,7 +133,8 @@ def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
     meta = commit_iteration(storage, root, scale_sim.ITERATION, manifests, scale_sim.common_json(world), prefix="ckpt",
                             config=scale_sim.SIM_CONFIG, job_id="t")
     on_disk = parse_json(storage.read_bytes(paths.join(iter_dir, paths.METADATA)), "metadata.json")
-    validate_metadata(on_disk, "metadata.json")
+    parse_iteration({"common": parse_json(storage.read_bytes(paths.join(iter_dir, paths.COMMON)), "common.json"), "metadata": on_disk},
+                    root, scale_sim.ITERATION)
     assert on_disk == meta and storage.read_bytes(paths.tracker_path(root)) == f"{scale_sim.ITERATION}\n".encode()
     # The commit checked every size from the listing (and listed once more to remove what it does not list).
     assert calls == {"listings": 2, "sizes": []}

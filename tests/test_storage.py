@@ -154,7 +154,7 @@ def test_exact_resume_on_object_storage(tmp_path, reference, s3):
     assert find_committed(storage, root) == FINAL
     for step in (4, 8, FINAL):
         it = open_iteration(storage, root, step)
-        files = read_verified(storage, it, sorted(it.metadata["files"]))
+        files = read_verified(storage, it, sorted(it.files))
         assert files == shard_bytes(reference["root"], step), f"iteration {step} differs from the local run"
     load_state(storage, it, "opt")
     records = read_metrics(root, s3)
@@ -187,6 +187,6 @@ def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, lo
     assert iterations(root) == [12, 14, 20]
     assert (root / paths.TRACKER).read_text().strip() == "20"
     for step in (12, 14):
-        assert json.loads((root / paths.iteration_dirname(step) / "common.json").read_text())["job_id"] != \
-            json.loads((root / paths.iteration_dirname(20) / "common.json").read_text())["job_id"]
+        assert json.loads((root / paths.iteration_dirname(step) / "metadata.json").read_text())["ray_resume"]["job_id"] != \
+            json.loads((root / paths.iteration_dirname(20) / "metadata.json").read_text())["ray_resume"]["job_id"]
 

@@ -48,8 +48,8 @@ def test_mixed_precision_checkpoint_carries_the_main_params(tmp_path):
     write_iteration(tmp_path, world=2, model=model, opt=opt)
     storage = LocalStorage()
     it = open_iteration(storage, str(tmp_path), 5)
-    assert {t["dtype"] for t in it.metadata["tensors"]["model"].values()} == {"BF16"}
-    mains = {n: t for n, t in load_state(storage, it, "opt").items() if n.endswith(".main_param")}
+    assert {spec.dtype for spec in it.specs("model").values()} == {"BF16"}
+    mains = {n: t for n, t in load_state(storage, it, "opt").items() if n.startswith("main_param.")}
     assert mains and all(t.dtype == torch.float32 for t in mains.values())
     fresh, fresh_opt = make_state(seed=3, dtype=torch.bfloat16)
     fresh_opt.load_state_tensors(load_state(storage, it, "opt"))
@@ -195,8 +195,8 @@ def test_no_save_optim_then_full_resume_is_refused_by_name(tmp_path, local_refer
     run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
     it = open_iteration(LocalStorage(), root, 4)
-    assert it.common["has_optimizer"] is False and "opt" not in it.metadata["tensors"]
-    assert not [n for n in it.metadata["files"] if "-opt-" in n] and not list(Path(it.path).glob("*-opt-*"))
+    assert it.has_optimizer is False and "opt" not in it.tensors
+    assert not it.shard_files("opt") and not list(Path(it.path).glob("*-opt-*"))
     resume = tiny_config(tmp_path / "again", checkpoint={"load_path": root})
     resume["data"]["path"] = local_reference["data"]
     monkeypatch.setattr(run_module, "init_ray", lambda *args: pytest.fail("refused only after Ray was asked to start"))

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..calls import call
-from ..optim import class_path
-from . import memory, paths, state
+from . import memory, names, paths, state
 from .fallback import fall_back
 from .loader import StateLoader, collective_device, decided_by_rank0, open_shared
 from .plan import TensorSpec, needed_range
 from .reader import load_rank_extras, read_export
-from .schema import DTYPE_TAGS, DTYPES, CheckpointError, DamagedShards, tensor_specs
+from .schema import CheckpointError, DamagedShards
+from .state import DTYPE_TAGS, DTYPES, class_path, optimizer_slots
 from .async_save import BackgroundSave
 from .storage import storage_for
 from .writer import SnapshotBuffers, live_data, shard_layouts, write_shards
@@ -95,11 +95,11 @@ class Checkpointer:
                 # restart falls back the same way, where the driver and controller still name it.
                 raise DamagedShards(str(exc)) from exc
             raise
-        kinds = (paths.MODEL_KIND, paths.OPTIM_KIND) if full and it.common["has_optimizer"] else (paths.MODEL_KIND,)
+        kinds = (paths.MODEL_KIND, paths.OPTIM_KIND) if full and it.has_optimizer else (paths.MODEL_KIND,)
         loader = StateLoader(storage, it, self.rank, self.world_size, self.ckpt.load_balanced, kinds)
         where = paths.join(it.path, paths.METADATA)
         live = state.model_tensors(model)
-        specs = {s.name: s for s in tensor_specs(it.metadata, paths.MODEL_KIND)}
+        specs = it.specs(paths.MODEL_KIND)
         check_weights(live, specs, state.tied_aliases(model), where)
         assign(live, self._load(loader, paths.MODEL_KIND, specs, live, into=live))
         if not full:
@@ -109,21 +109,27 @@ class Checkpointer:
             raise CheckpointError(f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only")
         point = self._progress(it, gbs)
         refuse_optimizer_change(it, type(optimizer.optimizer), "this job's optimizer is {now}", "it from the weights",
-                                "build the optimizer that saved it")
-        if it.common["has_optimizer"]:
-            specs = {s.name: s for s in tensor_specs(it.metadata, paths.OPTIM_KIND)}
+                                "build the optimizer that saved it", slots=optimizer_slots(optimizer.optimizer))
+        if it.has_optimizer:
+            specs = {n: spec for n, spec in it.specs(paths.OPTIM_KIND).items() if names.parse_state_name(n)[0] is not None}
             params = dict(optimizer.named_main())  # a slot is sharded like its parameter
-            flat = self._load(loader, paths.OPTIM_KIND, specs, {n: params.get(n.rsplit(".", 1)[0]) for n in specs},
+            check_optimizer_state(specs, {n: tuple(p.shape) for n, p in params.items()}, where)
+            flat = self._load(loader, paths.OPTIM_KIND, specs, {n: params[names.parse_state_name(n)[0]] for n in specs},
                               into=optimizer.state_tensors())  # slots that exist already (a live optimizer) load in place
-            optimizer.load_state_tensors({n: _shaped(flat[n], specs[n]) for n in specs})
+            tensors = {n: _shaped(flat[n], specs[n]) for n in specs}
+            if it.origin == "mindformers":
+                tensors = from_mindformers(tensors, it, loader, optimizer)
+            optimizer.load_state_tensors(tensors)
             if optimizer.scaler:
-                optimizer.scaler.load(it.common)
-            if it.common["world_size"] == self.world_size:
+                optimizer.scaler.load({**it.ours, **it.common})
+            if it.origin == "mindformers":
+                logger.warning("%s was written by MindFormers: it holds no RNG streams, which are reseeded, not restored", it.path)
+            elif it.world_size == self.world_size:
                 point.extras = load_rank_extras(loader.reader, self.rank)
                 state.restore_rng(point.extras)
             else:  # the RNG streams stay as they are
                 point.extras = load_rank_extras(loader.reader, 0) if rank0_extras else {}
-                logger.warning("world size changed (%d -> %d): RNG streams are reseeded, not restored", it.common["world_size"], self.world_size)
+                logger.warning("world size changed (%d -> %d): RNG streams are reseeded, not restored", it.world_size, self.world_size)
         else:
             # Only reachable on a restart inside a job saved with no_save_optim: keep
             # the progress, but the optimizer starts over (nothing else to resume).
@@ -313,15 +319,62 @@ def check_weights(live: dict[str, torch.Tensor], saved: dict[str, TensorSpec], a
         raise CheckpointError(f"{where}: tensor {extra[0]!r} is not a tensor of the model")
 
 
-def refuse_optimizer_change(it, cls: type, ours: str, start: str, back: str) -> None:
+def refuse_optimizer_change(it, cls: type, ours: str, start: str, back: str, *, slots: set[str] | None) -> None:
     """Another optimizer class cannot take the saved state (AdamW's moments are not SGD's momentum):
     torch would load the foreign slots without a word. Refused (the driver says it for the built-in
-    job, the ranks for any), naming both classes; weights alone carry over."""
-    saved, now = it.common.get("optimizer"), class_path(cls)
-    if saved is not None and saved != now:  # None: written before the class was kept
+    job, the ranks for any), naming both classes; weights alone carry over. A checkpoint MindFormers
+    wrote names no class: its slots must be ones the optimizer keeps (`slots`, None: unknown)."""
+    saved, now = it.ours.get("optimizer"), class_path(cls)
+    if saved is not None and saved != now:  # None: written before the class was kept, or by MindFormers
         raise CheckpointError(
-            f"{paths.join(it.path, paths.COMMON)}: iteration {it.step} holds the state of optimizer {saved}, but "
+            f"{paths.join(it.path, paths.METADATA)}: iteration {it.step} holds the state of optimizer {saved}, but "
             f"{ours.format(now=now)}; set checkpoint.no_load_optim: true to start {start.format(now=now)}, or {back}")
+    if it.origin != "mindformers" or slots is None or not it.has_optimizer:
+        return
+    for name in it.specs(paths.OPTIM_KIND):
+        param, slot = names.parse_state_name(name)
+        if param is not None and slot not in slots | {names.MAIN_PARAM}:
+            raise CheckpointError(
+                f"{paths.join(it.path, paths.METADATA)}: iteration {it.step} holds optimizer state {name!r} (torch's {slot!r}), "
+                f"but {ours.format(now=now)}, which keeps {sorted(slots)}; set checkpoint.no_load_optim: true to start "
+                f"{start.format(now=now)}, or {back}")
+
+
+def check_optimizer_state(saved: dict[str, TensorSpec], params: dict[str, tuple[int, ...]], where: str) -> None:
+    """Every saved slot belongs to a parameter of the model: a moment or a main param of its shape (a
+    0-d step of any). Found on the driver for the built-in job, by the ranks for any."""
+    for name, spec in saved.items():
+        param, slot = names.parse_state_name(name)
+        if param not in params:
+            raise CheckpointError(f"{where}: optimizer tensor {name!r} is of parameter {param!r}, which the model lacks; "
+                                  "the model config differs from the one that saved it")
+        if spec.shape and spec.shape != params[param]:
+            raise CheckpointError(f"{where}: optimizer tensor {name!r} is {list(spec.shape)} there but parameter {param!r} is "
+                                  f"{list(params[param])} in the model; the model config differs from the one that saved it")
+
+
+def from_mindformers(tensors: dict[str, torch.Tensor], it, loader: StateLoader, optimizer) -> dict[str, torch.Tensor]:
+    """A MindFormers optimizer's state as the torch optimizer keeps it. Its Adam keeps one step count
+    for every parameter (`global_step`, else common.json's): each parameter with moments gets it as
+    torch's `step`. Without main params (saved by an fp32 model) a low-precision model's are its weights."""
+    if names.GLOBAL_STEP in it.tensors[paths.OPTIM_KIND]:
+        whole = loader.load(paths.OPTIM_KIND, {names.GLOBAL_STEP: (0, 1)}, shared={names.GLOBAL_STEP})[names.GLOBAL_STEP]
+        count = float(whole.reshape(-1)[0].item())
+    else:
+        count = float(it.common["global_step"])
+    out = dict(tensors)
+    for name in tensors:
+        param, slot = names.parse_state_name(name)
+        step = names.state_name(param, names.STEP)
+        if slot == "exp_avg" and step not in out:
+            out[step] = torch.tensor(count, dtype=torch.float32)
+    mains = [n for n, _ in optimizer.named_main() if names.state_name(n, names.MAIN_PARAM) not in out]
+    if getattr(optimizer, "mixed", False) and mains:
+        logger.warning("%s holds no fp32 main params (saved by an fp32 model): they start from the loaded weights", it.path)
+        with torch.no_grad():
+            for name, main in optimizer.named_main():
+                out[names.state_name(name, names.MAIN_PARAM)] = state.local_tensor(dict(optimizer.named)[name]).detach().float()
+    return out
 
 
 def prefix_hint(model_names: set[str], saved_names: set[str]) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import yaml
 
 from . import paths
-from .schema import CKPT_STATUS_OK, build_metadata, dumps, validate_metadata
+from .schema import build_metadata, dumps, parse_iteration, split_common
 
 
 def commit_iteration(
@@ -35,12 +35,14 @@ def commit_iteration(
     """Commit `iteration` from every rank's manifest (`manifests[r]` is rank r's); return its metadata.
 
     Checks that every reported file is on storage with its reported size and
-    that the metadata lists every rank's shard of every kind, calls `fence`
-    (raises if this job lost the writer lease), removes every other file of
-    the directory (`remove_unlisted`), then writes metadata.json, config.yaml
-    and common.json (rank 0's `common` completed here), calls `before_tracker`
-    (fault injection) and `fence` again, and moves the tracker last. Raises
-    on any mismatch, before the tracker moves.
+    that the iteration reads back as a reader reads it (every rank's shard of
+    every kind, every tensor's chunks tiling it), calls `fence` (raises if this
+    job lost the writer lease), removes every other file of the directory
+    (`remove_unlisted`), then writes metadata.json, config.yaml and
+    common.json (rank 0's `common`: MindFormers' CommonInfo there, the rest of
+    it, with the job and the time, in metadata.json's `ray_resume`), calls
+    `before_tracker` (fault injection) and `fence` again, and moves the tracker
+    last. Raises on any mismatch, before the tracker moves.
     """
     world = len(manifests)
     for rank, manifest in enumerate(manifests):
@@ -52,13 +54,9 @@ def commit_iteration(
     for name, (rank, size) in reported.items():
         if on_storage[name] != size:
             raise RuntimeError(f"rank {rank} reported {name} with {size} bytes, storage has {on_storage[name]}")
-    metadata = build_metadata(iteration, prefix, manifests)
-    validate_metadata(metadata, paths.join(iter_dir, paths.METADATA))  # refuse to commit what a reader would refuse
-    common = dict(common)
-    common.update(
-        format_version=paths.FORMAT_VERSION, ckpt_status=CKPT_STATUS_OK, world_size=world,
-        job_id=job_id, saved_at=time.time(), has_optimizer=paths.OPTIM_KIND in metadata["tensors"],
-    )
+    common, ours = split_common(common)
+    metadata = build_metadata(iteration, prefix, manifests, {**ours, "job_id": job_id, "saved_at": time.time()})
+    parse_iteration({"common": common, "metadata": metadata}, root, iteration)  # refuse to commit what a reader would refuse
     fence()
     remove_unlisted(storage, iter_dir, set(reported))
     storage.write_atomic(paths.join(iter_dir, paths.METADATA), dumps(metadata))

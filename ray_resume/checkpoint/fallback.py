@@ -11,7 +11,9 @@ not trip over it again. `checkpoint.fallback: false` turns this into an
 error that lists the iterations that do check out.
 
 A storage error (OSError: EIO, a timeout, a 5xx) is not damage: it is raised,
-and nothing is set aside because a read failed.
+and nothing is set aside because a read failed. Nor is an iteration whose
+common.json says `ckpt_status` 1 (abnormal, as MindFormers marks one): it is
+passed over for an older one, as MindFormers' own loader does, and left where it is.
 """
 
 from __future__ import annotations
@@ -21,25 +23,25 @@ import time
 
 from . import paths
 from .reader import check_no_extra_shards, find_committed, iteration_steps, open_iteration
-from .schema import CheckpointError
+from .schema import AbnormalIteration, CheckpointError
 
 logger = logging.getLogger(__name__)
 
 
-def check_metadata(storage, root: str, step: int) -> str | None:
+def check_metadata(storage, root: str, step: int) -> CheckpointError | None:
     """None if iteration `step`'s JSON, listing and shard sizes are intact, else what is wrong with it."""
     try:
         it = open_iteration(storage, root, step)
         check_no_extra_shards(storage, it)
-        sizes = storage.sizes(it.path, sorted(it.metadata["files"]))
+        sizes = storage.sizes(it.path, sorted(it.files))
         for name, actual in sizes.items():
-            listed = it.metadata["files"][name]["size"]
+            listed = it.files[name].size
             if actual != listed:
                 path = paths.join(it.path, name)
-                return (f"{path}: shard listed in metadata.json is missing" if actual is None
-                        else f"{path}: size is {actual} bytes, metadata.json says {listed}; the shard is truncated or replaced")
+                return CheckpointError(f"{path}: shard listed in metadata.json is missing" if actual is None else
+                                       f"{path}: size is {actual} bytes, metadata.json says {listed}; the shard is truncated or replaced")
     except CheckpointError as exc:
-        return str(exc)
+        return exc
     return None
 
 
@@ -60,13 +62,14 @@ def select_iteration(storage, root: str, *, fallback: bool) -> int | None:
                 return None
             failure = f"{paths.tracker_path(root)}: missing, but iterations {sorted(present)} are present"
     except CheckpointError as exc:  # a garbled tracker, or one naming a missing iteration
-        tracked, failure = None, str(exc)
+        tracked, failure = None, exc
     return fall_back(storage, root, tracked, failure, fallback=fallback)
 
 
-def fall_back(storage, root: str, damaged: int | None, failure: str, *, fallback: bool) -> int:
+def fall_back(storage, root: str, damaged: int | None, failure: CheckpointError | str, *, fallback: bool) -> int:
     """Iteration `damaged` (None: the tracker) cannot be used because of `failure`: the newest older
-    iteration that checks out, with `damaged` set aside; or, without `fallback`, an error listing them."""
+    iteration that checks out, with `damaged` set aside (never an abnormal one: not damage); or,
+    without `fallback`, an error listing them."""
     candidates = [s for s in newest_first(storage, root) if damaged is None or s < damaged]
     valid = [s for s in candidates if check_metadata(storage, root, s) is None]
     if not fallback:
@@ -78,7 +81,7 @@ def fall_back(storage, root: str, damaged: int | None, failure: str, *, fallback
         raise CheckpointError(f"{failure}; and no older iteration under {root} checks out, so there is nothing safe to resume")
     chosen = valid[0]
     logger.warning("CHECKPOINT FALLBACK: %s. Resuming from iteration %d instead, the newest older one that checks out.", failure, chosen)
-    if damaged is not None:
+    if damaged is not None and not isinstance(failure, AbnormalIteration):
         set_aside(storage, root, damaged)
     return chosen
 

@@ -33,9 +33,9 @@ import json
 import torch
 import torch.distributed as dist
 
-from . import paths
-from .reader import Iteration, ShardReader, check_no_extra_shards, open_iteration, plan_reads, shard_files
-from .schema import DTYPES, CheckpointError, DamagedShards, file_blocks, tensor_specs
+from .reader import ShardReader, check_no_extra_shards, open_iteration, plan_reads
+from .schema import CheckpointError, DamagedShards, Iteration, parse_iteration
+from .state import DTYPES
 
 
 def collective_device() -> torch.device:
@@ -54,10 +54,9 @@ def open_shared(storage, root: str, step: int, rank: int, world_size: int) -> It
     def read() -> dict:
         it = open_iteration(storage, root, step)
         check_no_extra_shards(storage, it)
-        return {"common": it.common, "metadata": it.metadata}
+        return it.raw
 
-    got = decided_by_rank0(read, rank, world_size, f"read iteration {step} under {root}")
-    return Iteration(root, step, paths.iteration_dir(root, step), got["common"], got["metadata"])
+    return parse_iteration(decided_by_rank0(read, rank, world_size, f"read iteration {step} under {root}"), root, step)
 
 
 def decided_by_rank0(decide, rank: int, world_size: int, what: str):
@@ -95,15 +94,15 @@ def _broadcast_bytes(data: bytes) -> bytes:
     return buf.cpu().numpy().tobytes()
 
 
-def balanced_owners(metadata: dict, kinds, world_size: int) -> dict[tuple[str, int], int]:
+def balanced_owners(it: Iteration, kinds, world_size: int) -> dict[tuple[str, int], int]:
     """load_balanced: (shard file, checksum block) -> the rank that reads it (`divide_blocks`).
 
     The checksum blocks of all files of all `kinds`, in order (kind, saving
     rank, block), are divided in one go, not kind by kind: per kind, the
     same ranks would draw the extra block of each kind.
     """
-    blocks = [(f, i, hi - lo) for kind in kinds for f in shard_files(metadata, kind)
-              for i, (lo, hi, _) in enumerate(file_blocks(metadata, f))]
+    blocks = [(f, i, hi - lo) for kind in kinds for f in it.shard_files(kind)
+              for i, (lo, hi, _) in enumerate(it.files[f].blocks(it.block_size))]
     owners = divide_blocks([size for _, _, size in blocks], world_size)
     return {(f, i): owner for (f, i, _), owner in zip(blocks, owners)}
 
@@ -204,8 +203,9 @@ class StateLoader:
     def __init__(self, storage, it: Iteration, rank: int = 0, world_size: int = 1, balanced: bool = False, kinds=None):
         self.it = it
         self.rank, self.world_size = rank, world_size
-        self.balanced = balanced and world_size > 1
-        self.kinds = tuple(kinds or it.metadata["tensors"])
+        # Dealing checksum blocks needs them: a MindFormers checkpoint has none, and is read directly.
+        self.balanced = balanced and world_size > 1 and all(f.digests is not None for f in it.files.values())
+        self.kinds = tuple(kinds or it.tensors)
         self.reader = ShardReader(storage, it)
         self.device = collective_device()
         self._dealt: dict[tuple[str, int], int] | None = None
@@ -213,7 +213,7 @@ class StateLoader:
     def dealt(self) -> dict[tuple[str, int], int]:
         """load_balanced: who reads each checksum block (`balanced_owners` over `kinds`), computed once."""
         if self._dealt is None:
-            self._dealt = balanced_owners(self.it.metadata, self.kinds, self.world_size)
+            self._dealt = balanced_owners(self.it, self.kinds, self.world_size)
         return self._dealt
 
     @property
@@ -243,13 +243,13 @@ class StateLoader:
         pooled = set() if replicated or self.world_size == 1 or not dist.is_initialized() else shared & set(ranges)
         packed, pool = self._pool(kind, {n: ranges[n] for n in sorted(pooled)})  # same layout on every rank
         dests, reads = plan_reads(self.it, kind, ranges, {**{n: t for n, t in (into or {}).items() if n in ranges}, **pool})
-        files = shard_files(self.it.metadata, kind)
+        files = self.it.shard_files(kind)
         dealt = self.dealt() if balanced else {}
         error = None
         try:
             for saver, file in enumerate(files):
                 if balanced:
-                    mine = [i for i in range(len(self.it.metadata["files"][file]["digests"])) if dealt[file, i] == self.rank]
+                    mine = [i for i in range(len(self.reader.blocks(file))) if dealt[file, i] == self.rank]
                     if mine:
                         self.reader.read_checked(file, reads.get(file, []), blocks=mine)
                 elif saver % self.world_size == self.rank:
@@ -276,15 +276,15 @@ class StateLoader:
 
     def _pool(self, kind: str, ranges: dict[str, tuple[int, int]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One zeroed byte buffer holding a destination for each range (8-byte aligned), and the views."""
-        specs = self.it.metadata["tensors"][kind]
+        specs = self.it.specs(kind)
         offsets, total = {}, 0
         for name, (_, numel) in ranges.items():
             offsets[name] = total
-            total += -(-numel * DTYPES[specs[name]["dtype"]].itemsize // 8) * 8
+            total += -(-numel * specs[name].itemsize // 8) * 8
         packed = torch.zeros(total, dtype=torch.uint8)
         views = {}
         for name, (_, numel) in ranges.items():
-            dtype = DTYPES[specs[name]["dtype"]]
+            dtype = DTYPES[specs[name].dtype]
             views[name] = packed[offsets[name] : offsets[name] + numel * dtype.itemsize].view(dtype)
         return packed, views
 
@@ -315,9 +315,9 @@ class StateLoader:
 
 def load_state(storage, it: Iteration, kind: str) -> dict[str, torch.Tensor]:
     """Every tensor of `kind`, whole and shaped, in this process (tools, tests, exports)."""
-    if kind not in it.metadata["tensors"]:
+    if kind not in it.tensors:
         raise CheckpointError(f"{it.path}/metadata.json: holds no {kind!r} tensors")
-    specs = tensor_specs(it.metadata, kind)
+    specs = list(it.specs(kind).values())
     ranges = {s.name: (0, s.numel) for s in specs}
     flat = StateLoader(storage, it).load(kind, ranges, shared=set(ranges))
     return {s.name: flat[s.name].reshape(s.shape) for s in specs}

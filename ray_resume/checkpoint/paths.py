@@ -23,11 +23,14 @@ CONFIG = "config.yaml"
 MODEL_KIND = "model"
 OPTIM_KIND = "opt"
 # 2: tensors carry a layout (split | dim0); 3: a sha256 per checksum block, not per file;
-# 4: each file names its checksum algorithm (xxh3-128 by default), its digests under "digests"
-FORMAT_VERSION = 4
+# 4: each file names its checksum algorithm (xxh3-128 by default), its digests under "digests";
+# 5: MindSpore Transformers' own schema: common.json is its CommonInfo, metadata.json its
+#    state_dict_metadata and storage_data (chunks of dim-0 rows), ours under "ray_resume"
+FORMAT_VERSION = 5
 
 _ITERATION_RE = re.compile(r"^iteration_(\d{8})$")
-_SHARD_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9._-]+)-(?P<kind>model|opt)-(?P<rank>\d{7})-(?P<world>\d{7})\.safetensors$")
+# MindFormers names its shards the same way, the prefix optional (`model-0000000-0000001.safetensors`).
+_SHARD_RE = re.compile(r"^(?:(?P<prefix>[A-Za-z0-9._-]+)-)?(?P<kind>model|opt)-(?P<rank>\d{7})-(?P<world>\d{7})\.safetensors$")
 
 
 def join(*parts: str) -> str:

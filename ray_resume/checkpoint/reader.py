@@ -4,6 +4,10 @@ Order matters: the tracker names an iteration, its JSON is validated, every
 file it lists is checked for size and the digest of each checksum block,
 and only then is any tensor used. Nothing here writes, so a failed load
 leaves storage as it was. Shards are parsed by safetensors (no pickle).
+
+An iteration MindFormers wrote has no block digests: its files are checked
+for size and by their safetensors headers (`schema.parse_iteration`), and
+their bytes are read unchecked.
 """
 
 from __future__ import annotations
@@ -18,23 +22,13 @@ import torch
 
 from . import paths
 from .digest import BlockDigests, hexdigest
-from .plan import Piece, SavePlan, TensorSpec
-from .schema import DTYPES, MAX_HEADER, CheckpointError, file_blocks, parse_json, tensor_specs, validate_common, validate_iteration, validate_metadata
+from .plan import Piece, TensorSpec, overlaps
+from .schema import MAX_HEADER, CheckpointError, Iteration, StoredFile, parse_iteration, parse_json
+from .state import DTYPES
 from .storage import READ_BLOCK, LocalStorage, retried
-from .writer import RANK_EXTRAS_KEY, Entry, shard_layout
+from .writer import RANK_EXTRAS_KEY
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Iteration:
-    """A validated iteration: where it is, and its two JSON files."""
-
-    root: str
-    step: int
-    path: str
-    common: dict
-    metadata: dict
 
 
 def read_tracker(storage: LocalStorage, root: str) -> int | None:
@@ -63,36 +57,61 @@ def find_committed(storage: LocalStorage, root: str) -> int | None:
 
 
 def open_iteration(storage: LocalStorage, root: str, step: int) -> Iteration:
+    """The iteration's JSON files read and checked (and, for one MindFormers wrote, its shards'
+    safetensors headers): O(metadata), no shard byte beyond the headers."""
     path = paths.iteration_dir(root, step)
-    docs = {}
-    for name in (paths.COMMON, paths.METADATA):
+    raw = {}
+    for key, name in (("common", paths.COMMON), ("metadata", paths.METADATA)):
         file = paths.join(path, name)
-        if not storage.exists(file):
-            raise CheckpointError(f"{file}: missing; iteration {step} was never committed or was damaged")
-        docs[name] = parse_json(storage.read_bytes(file), file)
-    validate_common(docs[paths.COMMON], paths.join(path, paths.COMMON))
-    validate_metadata(docs[paths.METADATA], paths.join(path, paths.METADATA))
-    validate_iteration(docs[paths.COMMON], docs[paths.METADATA], step, path)
-    return Iteration(root, step, path, docs[paths.COMMON], docs[paths.METADATA])
+        raw[key] = parse_json(storage.read_bytes(file), file) if storage.exists(file) else None
+    if raw["common"] is None:
+        raise CheckpointError(f"{paths.join(path, paths.COMMON)}: missing; iteration {step} was never committed or was damaged")
+    ours = raw["metadata"] is not None and ("ray_resume" in raw["metadata"] or "format_version" in raw["metadata"])
+    if not ours:  # written by MindFormers: its shards are described by their headers
+        raw["headers"] = read_headers(storage, path)
+        if raw["metadata"] is None and any(paths.parse_shard_filename(n)["world"] != 1 for n in raw["headers"]):
+            raise CheckpointError(f"{paths.join(path, paths.METADATA)}: missing; iteration {step} was never committed or was "
+                                  "damaged (only a one-card MindFormers checkpoint goes without it)")
+    return parse_iteration(raw, root, step)
 
 
-def read_verified(storage: LocalStorage, it: Iteration, names: list[str]) -> dict[str, bytes]:
+def read_headers(storage: LocalStorage, directory: str) -> dict[str, dict]:
+    """{shard file: {"size", "data_start", "header"}} of every shard file in `directory`."""
+    out = {}
+    for name in storage.listdir(directory):
+        if paths.parse_shard_filename(name) is None:
+            continue
+        file = paths.join(directory, name)
+        size = storage.size(file)
+        if size is None or size < 8:
+            raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, no room for its header's length)")
+        (length,) = struct.unpack("<Q", storage.read_range(file, 0, 8))
+        if not 8 + length <= size or length > MAX_HEADER:
+            raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, a header of {length})")
+        out[name] = {"size": size, "data_start": 8 + length, "header": parse_json(storage.read_range(file, 8, length), file)}
+    return out
+
+
+def read_verified(storage: LocalStorage, it: Iteration, files: list[str]) -> dict[str, bytes]:
     """Whole files as bytes (tools and tests), each checked as a loader checks it: size, every block's digest, the header."""
     reader = ShardReader(storage, it)
     out = {}
-    for name in names:
+    for name in files:
         reader.check_size(name)
         out[name] = storage.read_bytes(reader.path(name))
         for index, (lo, hi, _) in enumerate(reader.blocks(name)):
             reader.check_block(name, index, hexdigest(reader.checksum(name), out[name][lo:hi]))
-        reader.check_header(name, out[name][: it.metadata["files"][name]["data_start"]])
+        reader.check_header(name, out[name][: it.files[name].data_start])
     return out
 
 
 def check_no_extra_shards(storage: LocalStorage, it: Iteration) -> None:
-    listed = set(it.metadata["files"])
+    """No shard file of ours beside the ones the commit listed (a leftover of another world size or attempt).
+    MindFormers' iterations may hold copies its metadata does not pick: they are its own."""
+    if it.origin != "ray_resume":
+        return
     for name in storage.listdir(it.path):
-        if paths.parse_shard_filename(name) and name not in listed:
+        if paths.parse_shard_filename(name) and name not in it.files:
             raise CheckpointError(f"{paths.join(it.path, name)}: shard file not listed in metadata.json; remove it or restore the matching metadata.json")
 
 
@@ -110,14 +129,16 @@ class Request:
 class ShardReader:
     """Reads shard bytes of one iteration into destination tensors, counting the bytes read.
 
-    Where each piece sits in its file follows from metadata.json (the
-    layout, via `writer.shard_layout`, and the file's `data_start`), so no
-    read needs the file's header first. Two ways to read a file:
+    Where each piece sits in its file is in the iteration (`StoredFile.entries`:
+    from metadata.json alone for ours, so no read needs the file's header first).
+    Two ways to read a file:
 
     - `read_checked` reads whole checksum blocks (all of the file unless
       told which), checks each one's digest, and for the header block that
-      the header places every piece where the layout says; requested bytes
+      the header places every piece where the metadata says; requested bytes
       inside land straight in their tensors (no copy of the file is held).
+      A file without digests (MindFormers') has its header checked and the
+      requested bytes read.
     - `read_ranges` fetches only the requested byte ranges, unchecked: the
       rank that reads those blocks checks them, and all ranks agree that
       every check passed before any tensor is used (`loader.StateLoader`).
@@ -128,16 +149,16 @@ class ShardReader:
         self.bytes_read = 0
         self._sized: set[str] = set()
         self._headers: dict[str, dict] = {}
-        self._plans: dict[str, SavePlan] = {}
-        self._layouts: dict[str, dict[str, Entry]] = {}
-        self._blocks: dict[str, list[tuple[int, int, str]]] = {}
 
     def path(self, file: str) -> str:
         return paths.join(self.it.path, file)
 
+    def file(self, name: str) -> StoredFile:
+        return self.it.files[name]
+
     def check_size(self, file: str) -> int:
         """The listed size, after checking it against storage (once per file)."""
-        path, size = self.path(file), self.it.metadata["files"][file]["size"]
+        path, size = self.path(file), self.file(file).size
         if file in self._sized:
             return size
         self._sized.add(file)
@@ -148,26 +169,12 @@ class ShardReader:
             raise CheckpointError(f"{path}: size is {actual} bytes, metadata.json says {size}; the shard is truncated or replaced")
         return size
 
-    def layout(self, file: str) -> dict[str, Entry]:
-        """Piece name -> where the piece sits in the data section of shard `file` (from metadata.json alone)."""
-        if file not in self._layouts:
-            shard = paths.parse_shard_filename(file)
-            if shard["kind"] not in self._plans:
-                self._plans[shard["kind"]] = SavePlan(tensor_specs(self.it.metadata, shard["kind"]), self.it.metadata["world_size"])
-            placed = shard_layout(shard["kind"], self._plans[shard["kind"]], shard["rank"])
-            info = self.it.metadata["files"][file]
-            if info["data_start"] + placed.nbytes != info["size"]:
-                raise CheckpointError(f"{self.path(file)}: metadata.json lists {info['size']} bytes, but its header and the tensors "
-                                      f"placed in it take {info['data_start'] + placed.nbytes}; the metadata is inconsistent")
-            self._layouts[file] = {e.piece.name: e for e in placed.entries}
-        return self._layouts[file]
-
     def spans(self, file: str, requests: list[Request]) -> list[tuple[int, int, Request]]:
         """(first byte, end byte) in `file` of each request, with the request, sorted by position."""
-        start, placed = self.it.metadata["files"][file]["data_start"], self.layout(file)
+        stored = self.file(file)
         out = []
         for r in requests:
-            first = start + placed[r.piece.name].offset + (r.lo - r.piece.start) * r.spec.itemsize
+            first = stored.data_start + stored.entries[r.piece.name].offset + (r.lo - r.piece.start) * r.spec.itemsize
             out.append((first, first + (r.hi - r.lo) * r.spec.itemsize, r))
         return sorted(out, key=lambda s: s[0])
 
@@ -178,29 +185,28 @@ class ShardReader:
         return self._headers[file]
 
     def check_header(self, file: str, head: bytes) -> dict:
-        """The header (the file's bytes before `data_start`) must place every piece exactly where the layout does."""
-        path, placed = self.path(file), self.layout(file)
+        """The header (the file's bytes before `data_start`) must place every piece exactly where the metadata does."""
+        path, stored = self.path(file), self.file(file)
         (length,) = struct.unpack("<Q", head[:8])
         if 8 + length != len(head):
             raise CheckpointError(f"{path}: safetensors header length {length} disagrees with data_start {len(head)} in metadata.json")
         header = parse_json(head[8:], path)
-        for name, e in placed.items():
-            if header.get(name) != {"dtype": e.dtype, "shape": [e.piece.numel], "data_offsets": [e.offset, e.offset + e.nbytes]}:
-                raise CheckpointError(f"{path}[{name!r}]: piece does not match metadata.json (dtype, size or position)")
-        extra = sorted(set(header) - set(placed) - {"__metadata__"})
+        for name, e in stored.entries.items():
+            if header.get(name) != {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.offset, e.offset + e.nbytes]}:
+                raise CheckpointError(f"{path}[{name!r}]: piece does not match metadata.json (dtype, shape or position)")
+        extra = sorted(set(header) - set(stored.entries) - {"__metadata__"})
         if extra:
             raise CheckpointError(f"{path}[{extra[0]!r}]: the header holds a tensor that metadata.json does not place in this file")
         self._headers[file] = header
         return header
 
     def blocks(self, file: str) -> list[tuple[int, int, str]]:
-        """(first byte, end byte, digest) of each checksum block of `file` (`schema.file_blocks`, cached)."""
-        if file not in self._blocks:
-            self._blocks[file] = file_blocks(self.it.metadata, file)
-        return self._blocks[file]
+        """(first byte, end byte, digest) of each checksum block of `file`; none where it has no digests."""
+        stored = self.file(file)
+        return stored.blocks(self.it.block_size) if stored.digests is not None else []
 
     def checksum(self, file: str) -> str:
-        return self.it.metadata["files"][file]["checksum"]
+        return self.file(file).checksum
 
     def check_block(self, file: str, index: int, digest: str) -> None:
         lo, hi, expected = self.blocks(file)[index]
@@ -213,9 +219,13 @@ class ShardReader:
 
         Consecutive blocks are read as one stream, in READ_BLOCK reads, so
         that hashing one read overlaps the next; only bytes no request wants
-        pass through scratch buffers.
+        pass through scratch buffers. A file without digests: its header is
+        checked and the requested bytes read.
         """
-        self._retried(file, lambda: self._read_checked(file, requests, blocks))
+        if self.file(file).digests is None:
+            self._retried(file, lambda: self._read_headed(file, requests))
+        else:
+            self._retried(file, lambda: self._read_checked(file, requests, blocks))
 
     def _retried(self, file: str, read) -> None:
         """`read()` of `file`, read again from its start after a transient error (`retried`),
@@ -227,6 +237,16 @@ class ShardReader:
             read()
 
         retried(attempt, f"read of {self.path(file)}")
+
+    def _read_headed(self, file: str, requests: list[Request]) -> None:
+        self.check_size(file)
+        with self.storage.open_read(self.path(file)) as f:
+            self.check_header(file, _read_exactly(f, self.file(file).data_start, self.path(file)))
+            self.bytes_read += self.file(file).data_start
+            for first, last, r in self.spans(file, requests):
+                f.seek(first)
+                _readinto_exactly(f, _writable_bytes(r.dest), self.path(file))
+                self.bytes_read += last - first
 
     def _read_checked(self, file: str, requests: list[Request], blocks: list[int] | None) -> None:
         self.check_size(file)
@@ -249,7 +269,7 @@ class ShardReader:
         f.seek(lo)
         pos, head = lo, None
         if lo == 0:
-            head = _read_exactly(f, self.it.metadata["files"][file]["data_start"], path)
+            head = _read_exactly(f, self.file(file).data_start, path)
             digest.update(head)
             pos = len(head)
         for first, last, r in spans:
@@ -338,35 +358,26 @@ def plan_reads(it: Iteration, kind: str, ranges: dict[str, tuple[int, int]],
                dests: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, list[Request]]]:
     """Destination tensors for the element `ranges` wanted of each tensor (new ones unless given
     in `dests`), and the reads (by file) that fill them."""
-    meta = it.metadata
-    if kind not in meta["tensors"]:
+    if kind not in it.tensors:
         raise CheckpointError(f"{paths.join(it.path, paths.METADATA)}: holds no {kind!r} tensors")
-    specs = {s.name: s for s in tensor_specs(meta, kind)}
-    plan = SavePlan(list(specs.values()), meta["world_size"])
-    files = shard_files(meta, kind)
     dests, reads = dict(dests or {}), {}
     for name, (start, numel) in ranges.items():
-        spec = specs[name]
+        stored = it.tensors[kind][name]
+        spec = stored.spec
         dest = dests[name] if name in dests else dests.setdefault(name, torch.empty(numel, dtype=DTYPES[spec.dtype]))
-        for rank, piece in plan.overlaps(name, start, numel):
+        for file, piece in overlaps(list(stored.pieces), start, numel):
             lo, hi = max(start, piece.start), min(start + numel, piece.start + piece.numel)
-            reads.setdefault(files[rank], []).append(Request(piece, spec, lo, hi, dest[lo - start : hi - start]))
+            reads.setdefault(file, []).append(Request(piece, spec, lo, hi, dest[lo - start : hi - start]))
     return dests, reads
-
-
-def shard_files(metadata: dict, kind: str) -> list[str]:
-    """The kind's shard files in saving-rank order."""
-    return [paths.shard_filename(metadata.get("prefix", "ckpt"), kind, r, metadata["world_size"])
-            for r in range(metadata["world_size"])]
 
 
 def saved_pieces(it: Iteration, kind: str) -> dict[str, list[Request]]:
     """Every saved piece of `kind`, by file, as whole-piece requests without a destination (verification)."""
-    specs = tensor_specs(it.metadata, kind)
-    by_name = {s.name: s for s in specs}
-    plan = SavePlan(specs, it.metadata["world_size"])
-    return {file: [Request(p, by_name[p.name], p.start, p.start + p.numel) for p in plan.share(rank)]
-            for rank, file in enumerate(shard_files(it.metadata, kind))}
+    out: dict[str, list[Request]] = {file: [] for file in it.shard_files(kind)}
+    for stored in it.tensors.get(kind, {}).values():
+        for file, piece in stored.pieces:
+            out[file].append(Request(piece, stored.spec, piece.start, piece.start + piece.numel))
+    return out
 
 
 def _parse_shard(data: bytes, where: str) -> dict[str, torch.Tensor]:
@@ -378,8 +389,7 @@ def _parse_shard(data: bytes, where: str) -> dict[str, torch.Tensor]:
 
 def load_rank_extras(reader: ShardReader, rank: int) -> dict[str, str]:
     """This rank's RNG strings from its opt shard's header (same world size only)."""
-    meta = reader.it.metadata
-    name = paths.shard_filename(meta.get("prefix", "ckpt"), paths.OPTIM_KIND, rank, meta["world_size"])
+    name = reader.it.shard_files(paths.OPTIM_KIND)[rank]
     header = reader.header(name)
     extras = (header.get("__metadata__") or {}).get(RANK_EXTRAS_KEY)
     if not isinstance(extras, str):

@@ -1,46 +1,46 @@
-"""`common.json` and `metadata.json`: what they hold, how they are checked.
+"""`common.json` and `metadata.json`: what they hold, how they are checked, and what an iteration is.
 
-Both carry `format_version`; a reader refuses a version it does not know
-rather than guess. Validation returns plain errors that name the file and
-the key, because these files are exactly what a user edits by hand or a
-broken disk garbles.
+Format 5 is MindSpore Transformers' own (mindformers 2.1: `checkpoint/checkpoint.py`,
+`metadata.py`), so that its `load_checkpoint` opens what we commit:
+
+- `common.json` is exactly its `CommonInfo`: `epoch_num`, `step_num`, `global_step`,
+  `loss_scale`, `global_batch_size`, `consumed_samples`, `ckpt_status` (0 normal, 1 abnormal).
+  MindFormers builds `CommonInfo(**json)`, which takes no other key.
+- `metadata.json` holds its `state_dict_metadata` (each tensor's dtype, global shape, chunks as
+  `global_offset`/`local_shape`, and the `layout` of a tensor cut in equal parts) and
+  `storage_data` (which file holds each chunk); and, under `ray_resume`, what is ours alone: the
+  format version, every file's size and block digests, and what a resume checks (the job, the
+  world size, the optimizer's class, the data's fingerprint).
+
+`parse_iteration` turns three kinds of iteration into one `Iteration`: format 5, format 4 (ours
+before MindFormers' schema; read, never written) and one MindFormers' `save_checkpoint` wrote
+(with metadata.json, or a single card's shards alone, which its loader reads by their headers).
+Pure: the caller reads the files. Errors name the file and the key: these are files people edit
+and disks garble.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from . import paths
+from . import names, paths
 from .digest import CHECKSUMS, block_bounds
-from .plan import DIM0, LAYOUTS, TensorSpec
+from .plan import Piece, TensorSpec, format4_pieces, rows_piece
 
-CKPT_STATUS_OK = "ok"
-
-# safetensors dtype tags <-> torch dtypes (the tags the safetensors format defines).
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
-DTYPE_TAGS = {v: k for k, v in DTYPES.items()}
-
-# Keys a reader needs, with their JSON types.
+# MindFormers' CommonInfo, field by field, with the JSON types it holds (mindformers 2.1).
 COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "format_version": int, "global_step": int, "global_batch_size": int, "step_num": int,
-    "epoch_num": int, "loss_scale": (int, float), "ckpt_status": str, "consumed_samples": int,
-    "world_size": int, "has_optimizer": bool, "job_id": str,
+    "epoch_num": int, "step_num": int, "global_step": int, "loss_scale": (int, float), "global_batch_size": int,
+    "consumed_samples": int, "ckpt_status": int,
 }
-METADATA_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "format_version": int, "iteration": int, "world_size": int, "block_size": int, "files": dict, "tensors": dict,
-}
-_HEX = re.compile(r"[0-9a-f]+")
+CKPT_NORMAL, CKPT_ABNORMAL = 0, 1  # MindFormers' CkptHealthStatus
+LAYOUT_ALIAS = "dp"  # the device-matrix axis name of a cut in equal dim-0 parts
 
 # A safetensors header larger than this is not one we wrote (ours are ~100 bytes per tensor).
 MAX_HEADER = 64 << 20
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 class CheckpointError(ValueError):
@@ -52,8 +52,15 @@ class DamagedShards(CheckpointError):
     ranks fall back to an older iteration, as the driver does for damaged metadata."""
 
 
+class AbnormalIteration(CheckpointError):
+    """common.json says `ckpt_status` 1 (abnormal): MindFormers passes such an iteration over for an
+    older healthy one, and so do we; it is not damage, and is never set aside."""
+
+
 def dumps(obj: dict) -> bytes:
-    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+    """JSON as we write it: keys in the order they were built (MindFormers reads a layout's values in
+    its order: device_matrix, tensor_map, interleaved_parallel, alias_name, rank_list)."""
+    return (json.dumps(obj, indent=1) + "\n").encode()
 
 
 def parse_json(data: bytes, where: str) -> dict:
@@ -66,93 +73,132 @@ def parse_json(data: bytes, where: str) -> dict:
     return obj
 
 
+def _kind_name(kind: Any) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "an object",
+                        list: "a list"}[k] for k in kinds)
+
+
 def check_fields(obj: dict, fields: dict[str, Any], where: str) -> None:
     for key, kind in fields.items():
         if key not in obj:
-            raise CheckpointError(f"{where}: missing field {key!r}; the file is incomplete or not ours")
+            raise CheckpointError(f"{where}: missing field {key!r}; the file is incomplete or not a checkpoint's")
         value = obj[key]
-        if isinstance(value, bool) and kind is not bool:
+        if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
             raise CheckpointError(f"{where}: field {key!r} must be {_kind_name(kind)}, got {value!r}")
-        if not isinstance(value, kind):
-            raise CheckpointError(f"{where}: field {key!r} must be {_kind_name(kind)}, got {value!r}")
-    version = obj["format_version"]
-    if version != paths.FORMAT_VERSION:
-        raise CheckpointError(
-            f"{where}: format_version {version} is not supported by this ray_resume "
-            f"(it reads version {paths.FORMAT_VERSION}); use the ray_resume release that wrote it"
-        )
 
 
-def _kind_name(kind: Any) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "an object"}[k] for k in kinds)
+# ----------------------------------------------------------------------------- what an iteration is
 
 
-def validate_common(common: dict, where: str) -> None:
+@dataclass(frozen=True)
+class Entry:
+    """A tensor piece in a shard file: bytes [offset, offset + nbytes) of its data section, as its
+    safetensors header gives it."""
+
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class StoredFile:
+    """A shard file: who wrote it, its size, where its data starts, the digest of each block (None
+    where the writer kept none: MindFormers), and the pieces it holds."""
+
+    name: str
+    kind: str
+    rank: int
+    size: int
+    data_start: int
+    checksum: str | None
+    digests: list[str] | None
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+    def blocks(self, block_size: int) -> list[tuple[int, int, str]]:
+        """(first byte, end byte, digest) of each checksum block (`digest.block_bounds`)."""
+        return [(lo, hi, d) for (lo, hi), d in zip(block_bounds(self.size, self.data_start, block_size), self.digests)]
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A saved tensor and its pieces, (file, piece) sorted by start, tiling it."""
+
+    spec: TensorSpec
+    pieces: tuple[tuple[str, Piece], ...]
+
+
+@dataclass
+class Iteration:
+    """A validated iteration of any origin, and what was read to make it (`raw`, for the ranks)."""
+
+    root: str
+    step: int
+    path: str
+    common: dict  # CommonInfo's fields
+    ours: dict  # what ray_resume keeps besides (job_id, optimizer, data, ...); {} for MindFormers'
+    origin: str  # "ray_resume" or "mindformers"
+    world_size: int
+    block_size: int
+    files: dict[str, StoredFile]
+    tensors: dict[str, dict[str, Stored]]  # kind -> name -> the saved tensor
+    raw: dict  # {"common", "metadata", "headers"}: parse_iteration(raw, ...) gives this iteration again
+
+    @property
+    def has_optimizer(self) -> bool:
+        return paths.OPTIM_KIND in self.tensors
+
+    def specs(self, kind: str) -> dict[str, TensorSpec]:
+        return {name: t.spec for name, t in self.tensors.get(kind, {}).items()}
+
+    def shard_files(self, kind: str) -> list[str]:
+        """The kind's shard files, in saving-rank order."""
+        return sorted((f.name for f in self.files.values() if f.kind == kind), key=lambda n: self.files[n].rank)
+
+
+def parse_iteration(raw: dict, root: str, step: int) -> Iteration:
+    """The iteration `raw` describes: `common` (common.json), `metadata` (metadata.json, None where
+    MindFormers wrote none) and `headers` (file -> {"size", "header"}: MindFormers' shards only)."""
+    directory = paths.iteration_dir(root, step)
+    meta = raw.get("metadata")
+    if meta is not None and "ray_resume" in meta:
+        return _parse_ours(raw, root, step, directory)
+    if meta is not None and "format_version" in meta:
+        return _parse_format4(raw, root, step, directory)
+    return _parse_mindformers(raw, root, step, directory)
+
+
+def _common_of(common: dict, where: str, *, exact: bool) -> dict:
+    """CommonInfo's fields, checked; `exact`: no other key (MindFormers' loader would refuse one)."""
     check_fields(common, COMMON_FIELDS, where)
-    if common["ckpt_status"] != CKPT_STATUS_OK:
-        raise CheckpointError(f"{where}: ckpt_status is {common['ckpt_status']!r}, not {CKPT_STATUS_OK!r}; this iteration is not complete")
-    for key in ("global_step", "global_batch_size", "consumed_samples", "world_size"):
-        if common[key] < (1 if key in ("global_batch_size", "world_size") else 0):
+    if exact and set(common) != set(COMMON_FIELDS):
+        extra = sorted(set(common) - set(COMMON_FIELDS))[0]
+        raise CheckpointError(f"{where}: field {extra!r} is not one of MindFormers' CommonInfo, whose loader refuses it")
+    if common["ckpt_status"] != CKPT_NORMAL:
+        why = "abnormal" if common["ckpt_status"] == CKPT_ABNORMAL else "unknown"
+        raise AbnormalIteration(f"{where}: ckpt_status is {common['ckpt_status']} ({why}, not {CKPT_NORMAL}: normal); "
+                                "MindFormers passes such an iteration over, and so does ray_resume")
+    for key in ("global_step", "consumed_samples", "global_batch_size"):
+        if common[key] < (1 if key == "global_batch_size" else 0):
             raise CheckpointError(f"{where}: field {key!r} has the impossible value {common[key]}")
+    return {key: common[key] for key in COMMON_FIELDS}
 
 
-def validate_metadata(meta: dict, where: str) -> None:
-    """Structure checks: no file name can leave the iteration dir, every layout is known, every shard is listed."""
-    check_fields(meta, METADATA_FIELDS, where)
-    prefix, world = meta.get("prefix", "ckpt"), meta["world_size"]
-    for key in ("world_size", "block_size"):
-        if meta[key] < 1:
-            raise CheckpointError(f"{where}: field {key!r} has the impossible value {meta[key]}")
-    for name, info in meta["files"].items():
-        if not paths.is_plain_filename(name):
-            raise CheckpointError(f"{where}: file name {name!r} points outside the iteration directory; refusing to read it")
-        _check_file_entry(info, meta["block_size"], f"{where}: files[{name!r}]")
-    for kind, tensors in meta["tensors"].items():
-        if kind not in (paths.MODEL_KIND, paths.OPTIM_KIND) or not isinstance(tensors, dict):
-            raise CheckpointError(f"{where}: tensors[{kind!r}] is not a known kind (model, opt)")
-        for name, t in tensors.items():
-            label = f"{where}: tensors.{kind}[{name!r}]"
-            if not isinstance(t, dict) or t.get("dtype") not in DTYPES or not isinstance(t.get("shape"), list):
-                raise CheckpointError(f"{label} needs a known 'dtype' and a 'shape' list")
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in t["shape"]):
-                raise CheckpointError(f"{label}: 'shape' must be a list of non-negative integers, got {t['shape']!r}")
-            if t.get("layout") not in LAYOUTS or (t["layout"] == DIM0 and not t["shape"]):
-                raise CheckpointError(f"{label}: 'layout' must be one of {list(LAYOUTS)} (dim0 needs a shape), got {t.get('layout')!r}")
-        for rank in range(world):
-            name = paths.shard_filename(prefix, kind, rank, world)
-            if name not in meta["files"]:
-                raise CheckpointError(f"{where}: shard {name!r} of rank {rank} is not listed in 'files'; the iteration is incomplete")
-
-
-def validate_iteration(common: dict, meta: dict, step: int, directory: str) -> None:
-    """A committed iteration agrees with itself: its directory's step, common.json and metadata.json.
-
-    Each file may pass its own checks and still belong elsewhere (a copied or
-    hand-edited common.json): a resume from it would redo or skip steps and
-    then save over committed iterations, so any mismatch is damage.
-    """
-    common_file, meta_file = paths.join(directory, paths.COMMON), paths.join(directory, paths.METADATA)
+def _check_step(common: dict, step: int, where: str) -> None:
     if common["global_step"] != step:
-        raise CheckpointError(f"{common_file}: global_step {common['global_step']} is not this directory's iteration {step}")
-    if meta["iteration"] != step:
-        raise CheckpointError(f"{meta_file}: iteration {meta['iteration']} is not this directory's iteration {step}")
-    world = meta["world_size"]
-    if common["world_size"] != world:
-        raise CheckpointError(f"{common_file}: world_size {common['world_size']}, but metadata.json lists the shards of {world} ranks")
-    for name in meta["files"]:
-        shard = paths.parse_shard_filename(name)
-        if shard is None or shard["world"] != world or shard["rank"] >= world or shard["kind"] not in meta["tensors"]:
-            raise CheckpointError(f"{meta_file}: files[{name!r}] is not a shard of this {world}-rank iteration")
-    if common["has_optimizer"] != (paths.OPTIM_KIND in meta["tensors"]):
-        lists = "lists" if paths.OPTIM_KIND in meta["tensors"] else "lists no"
-        raise CheckpointError(f"{common_file}: has_optimizer is {str(common['has_optimizer']).lower()}, but metadata.json {lists} optimizer state")
+        raise CheckpointError(f"{where}: global_step {common['global_step']} is not this directory's iteration {step}")
+
+
+FILE_FIELDS = {"size": int, "data_start": int, "checksum": str, "digests": list}
 
 
 def _check_file_entry(info: Any, block_size: int, label: str) -> None:
-    sizes = [info.get(k) for k in ("size", "data_start")] if isinstance(info, dict) else [None]
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) or not 8 <= sizes[1] <= min(sizes[0], 8 + MAX_HEADER):
-        raise CheckpointError(f"{label} needs integers 'size' and 'data_start' (8 <= data_start <= size, a header of at most {MAX_HEADER} bytes)")
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{label} must be an object")
+    check_fields(info, {"size": int, "data_start": int}, label)
+    if not 8 <= info["data_start"] <= min(info["size"], 8 + MAX_HEADER):
+        raise CheckpointError(f"{label} needs 8 <= data_start <= size, a header of at most {MAX_HEADER} bytes")
     checksum = info.get("checksum")
     if not isinstance(checksum, str) or checksum not in CHECKSUMS:
         raise CheckpointError(f"{label}: checksum {checksum!r} is not one this ray_resume knows ({', '.join(CHECKSUMS)}); "
@@ -164,36 +210,346 @@ def _check_file_entry(info: Any, block_size: int, label: str) -> None:
         raise CheckpointError(f"{label}: 'digests' must list {expected} lowercase hex {checksum} digests, one per checksum block")
 
 
-def file_blocks(meta: dict, name: str) -> list[tuple[int, int, str]]:
-    """(first byte, end byte, digest) of each checksum block of a listed (validated) file."""
-    info = meta["files"][name]
-    return [(lo, hi, d) for (lo, hi), d in zip(block_bounds(info["size"], info["data_start"], meta["block_size"]), info["digests"])]
+def _listed_files(files: dict, ours: dict, where: str, *, prefix: str | None) -> dict[str, StoredFile]:
+    """The shard files metadata.json lists (with digests), each checked; every rank's of every kind present."""
+    world, block = ours["world_size"], ours["block_size"]
+    out = {}
+    for name, info in files.items():
+        if not paths.is_plain_filename(name):
+            raise CheckpointError(f"{where}: file name {name!r} points outside the iteration directory; refusing to read it")
+        shard = paths.parse_shard_filename(name)
+        if shard is None or shard["world"] != world or shard["rank"] >= world or (prefix and shard["prefix"] != prefix):
+            raise CheckpointError(f"{where}: files[{name!r}] is not a shard of this {world}-rank iteration")
+        _check_file_entry(info, block, f"{where}: files[{name!r}]")
+        out[name] = StoredFile(name, shard["kind"], shard["rank"], info["size"], info["data_start"], info["checksum"], info["digests"])
+    for kind in {f.kind for f in out.values()}:
+        for rank in range(world):
+            name = paths.shard_filename(prefix or "ckpt", kind, rank, world)
+            if name not in out:
+                raise CheckpointError(f"{where}: shard {name!r} of rank {rank} is not listed in 'files'; the iteration is incomplete")
+    return out
 
 
-def tensor_specs(meta: dict, kind: str) -> list[TensorSpec]:
-    """The saved tensors of `kind` (validated metadata), as plan specs."""
-    return [TensorSpec(name, t["dtype"], tuple(t["shape"]), DTYPES[t["dtype"]].itemsize, t["layout"])
-            for name, t in meta["tensors"][kind].items()]
+def _place_entries(files: dict[str, StoredFile], tensors: dict[str, dict[str, Stored]], where: str, flat: bool) -> None:
+    """Each file's entries where the writer put them: its pieces in the order safetensors writes a
+    file (dtype, largest first, then name), back to back. `flat`: format 4 stored each piece 1-D."""
+    held: dict[str, list[tuple[TensorSpec, Piece]]] = {name: [] for name in files}
+    for stored in (t for by_name in tensors.values() for t in by_name.values()):
+        for file, piece in stored.pieces:
+            held[file].append((stored.spec, piece))
+    for name, pieces in held.items():
+        offset = 0
+        for spec, piece in sorted(pieces, key=lambda sp: (-SAFETENSORS_ORDER[sp[0].dtype], sp[1].name.encode())):
+            nbytes = piece.numel * spec.itemsize
+            files[name].entries[piece.name] = Entry(offset, nbytes, spec.dtype, (piece.numel,) if flat else local_shape(spec, piece))
+            offset += nbytes
+        f = files[name]
+        if f.data_start + offset != f.size:
+            raise CheckpointError(f"{paths.join(where, name)}: metadata.json lists {f.size} bytes, but its header and the "
+                                  f"tensors placed in it take {f.data_start + offset}; the metadata is inconsistent")
 
 
-def build_metadata(iteration: int, prefix: str, manifests: list[dict]) -> dict:
-    """metadata.json from every rank's manifest (ordered by rank): files and tensor layouts.
+# safetensors orders a file's tensors by dtype, largest first (the order of its Rust `Dtype` enum,
+# descending), then by name; data offsets follow that order.
+SAFETENSORS_ORDER = {"BOOL": 0, "U8": 1, "I8": 2, "I16": 3, "F16": 4, "BF16": 5, "I32": 6, "F32": 7, "F64": 8, "I64": 9}
 
-    Pieces are not listed: the layout of each tensor and `world_size` fix
-    them (plan.SavePlan), so the file stays O(tensors + files) at any scale.
-    """
-    files = {}
+
+def local_shape(spec: TensorSpec, piece: Piece) -> tuple[int, ...]:
+    """The shape of a chunk of rows of `spec`: its rows, then the tensor's other dimensions."""
+    if not spec.shape:
+        return ()
+    rows = piece.numel // spec.row_numel if spec.row_numel else spec.rows
+    return (rows, *spec.shape[1:])
+
+
+def _shard_id(name: str, offset: list[int]) -> str:
+    """MindFormers' key of a chunk in storage_data (its utils.get_sharded_tensor_shard_id)."""
+    return str(tuple((name, tuple(offset))))
+
+
+def _chunks_of(meta: dict, where: str, file_of) -> dict[str, dict[str, Stored]]:
+    """The tensors of MindFormers' `state_dict_metadata`, each chunk placed by `storage_data` in the
+    file `file_of(entries)` picks (None: none of them is here). Chunks must be ranges of dim-0 rows."""
+    state, storage = meta.get("state_dict_metadata"), meta.get("storage_data")
+    if not isinstance(state, dict) or not isinstance(storage, dict):
+        raise CheckpointError(f"{where}: needs the objects 'state_dict_metadata' and 'storage_data' (MindFormers' schema)")
+    tensors: dict[str, dict[str, Stored]] = {}
+    for name, t in state.items():
+        label = f"{where}: state_dict_metadata[{name!r}]"
+        dtype = names.tag_of((t.get("properties") or {}).get("dtype")) if isinstance(t, dict) else None
+        shape = t.get("global_shape") if isinstance(t, dict) else None
+        if dtype is None or not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise CheckpointError(f"{label} needs a known properties.dtype and a 'global_shape' list of non-negative integers")
+        spec = TensorSpec(name, dtype, tuple(shape), names.itemsize(dtype))
+        chunks = t.get("chunk")
+        if not isinstance(chunks, list) or not chunks:
+            raise CheckpointError(f"{label} needs a non-empty 'chunk' list")
+        pieces, kind = [], None
+        for c in chunks:
+            offset, local = (c.get("global_offset"), c.get("local_shape")) if isinstance(c, dict) else (None, None)
+            if not (isinstance(offset, list) and isinstance(local, list) and all(isinstance(n, int) for n in offset + local)):
+                raise CheckpointError(f"{label}: a chunk needs 'global_offset' and 'local_shape' lists of integers")
+            key = _shard_id(name, offset)
+            if not shape and offset == [0] and local in ([], [1]):  # a scalar, keyed as MindFormers keys a whole tensor
+                offset, local = [], []
+            if len(offset) != len(shape) or len(local) != len(shape):
+                raise CheckpointError(f"{label}: chunk {offset} {local} does not have the tensor's {len(shape)} dimensions")
+            cut = [d for d in range(1, len(shape)) if offset[d] != 0 or local[d] != shape[d]]
+            if cut:
+                raise CheckpointError(f"{label}: a chunk is cut along dimension {cut[0]} (tensor parallel), not in rows; "
+                                      "ray_resume reads tensors cut along dimension 0 only: merge it with MindFormers' "
+                                      "own conversion first")
+            entries = storage.get(key)
+            if not isinstance(entries, list) or not entries:
+                raise CheckpointError(f"{where}: storage_data has no file for chunk {key}")
+            file = file_of(entries)
+            if file is None:
+                files = sorted({e.get('file_name') for e in entries if isinstance(e, dict)})
+                raise CheckpointError(f"{where}: chunk {key} is in {files}, which this iteration does not hold")
+            shard = paths.parse_shard_filename(file)
+            if kind is not None and shard["kind"] != kind:
+                raise CheckpointError(f"{label}: its chunks are in both model and opt files")
+            kind = shard["kind"]
+            first, rows = (offset[0], local[0]) if shape else (0, 1)
+            pieces.append((file, rows_piece(spec, first, rows) if shape else Piece(name, 0, 1)))
+        pieces.sort(key=lambda fp: fp[1].start)
+        _check_tiles(spec, [p for _, p in pieces], label)
+        tensors.setdefault(kind, {})[name] = Stored(spec, tuple(pieces))
+    return tensors
+
+
+def _check_tiles(spec: TensorSpec, pieces: list[Piece], label: str) -> None:
+    """The pieces cover the tensor exactly once, in order."""
+    at = 0
+    for p in pieces:
+        if p.start != at or p.numel < 0:
+            raise CheckpointError(f"{label}: its chunks {'overlap' if p.start < at else 'leave a gap'} at element {at}")
+        at += p.numel
+    if at != spec.numel:
+        raise CheckpointError(f"{label}: its chunks cover {at} of its {spec.numel} elements")
+
+
+OURS_FIELDS = {"format_version": int, "iteration": int, "world_size": int, "block_size": int, "prefix": str, "files": dict}
+
+
+def _parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
+    meta_file, common_file = paths.join(directory, paths.METADATA), paths.join(directory, paths.COMMON)
+    meta = raw["metadata"]
+    ours = meta["ray_resume"]
+    if not isinstance(ours, dict):
+        raise CheckpointError(f"{meta_file}: 'ray_resume' must be an object")
+    check_fields(ours, {"format_version": int}, f"{meta_file}: ray_resume")
+    if ours["format_version"] != paths.FORMAT_VERSION:
+        raise CheckpointError(f"{meta_file}: format_version {ours['format_version']} is not supported by this ray_resume "
+                              f"(it reads 4 and {paths.FORMAT_VERSION}); use the ray_resume release that wrote it")
+    check_fields(ours, OURS_FIELDS, f"{meta_file}: ray_resume")
+    for key in ("world_size", "block_size"):
+        if ours[key] < 1:
+            raise CheckpointError(f"{meta_file}: ray_resume.{key} has the impossible value {ours[key]}")
+    if ours["iteration"] != step:
+        raise CheckpointError(f"{meta_file}: iteration {ours['iteration']} is not this directory's iteration {step}")
+    common = _common_of(raw["common"], common_file, exact=True)
+    _check_step(common, step, common_file)
+    files = _listed_files(ours["files"], ours, meta_file, prefix=ours["prefix"])
+    tensors = _chunks_of(meta, meta_file, lambda entries: next((e["file_name"] for e in entries if isinstance(e, dict)
+                                                                 and e.get("file_name") in files), None))
+    _place_entries(files, tensors, directory, flat=False)
+    facts = {k: v for k, v in ours.items() if k not in OURS_FIELDS}
+    return Iteration(root, step, directory, common, facts, "ray_resume", ours["world_size"], ours["block_size"], files, tensors, raw)
+
+
+FORMAT4_FIELDS = {"format_version": int, "iteration": int, "world_size": int, "block_size": int, "files": dict, "tensors": dict}
+FORMAT4_COMMON = {"global_step": int, "global_batch_size": int, "step_num": int, "epoch_num": int, "loss_scale": (int, float),
+                  "ckpt_status": str, "consumed_samples": int, "world_size": int, "has_optimizer": bool, "job_id": str}
+FORMAT4_LAYOUTS = ("split", "dim0")
+
+
+def _parse_format4(raw: dict, root: str, step: int, directory: str) -> Iteration:
+    """Format 4 (ray_resume before MindFormers' schema): pieces fixed by each tensor's layout."""
+    meta_file, common_file = paths.join(directory, paths.METADATA), paths.join(directory, paths.COMMON)
+    meta, old = raw["metadata"], raw["common"]
+    check_fields(meta, {"format_version": int}, meta_file)
+    if meta["format_version"] != 4:
+        raise CheckpointError(f"{meta_file}: format_version {meta['format_version']} is not supported by this ray_resume "
+                              f"(it reads 4 and {paths.FORMAT_VERSION}); use the ray_resume release that wrote it")
+    check_fields(meta, FORMAT4_FIELDS, meta_file)
+    check_fields(old, {**FORMAT4_COMMON, "format_version": int}, common_file)
+    if old["ckpt_status"] != "ok":
+        raise CheckpointError(f"{common_file}: ckpt_status is {old['ckpt_status']!r}, not 'ok'; this iteration is not complete")
+    if meta["iteration"] != step:
+        raise CheckpointError(f"{meta_file}: iteration {meta['iteration']} is not this directory's iteration {step}")
+    if old["world_size"] != meta["world_size"]:
+        raise CheckpointError(f"{common_file}: world_size {old['world_size']}, but metadata.json lists the shards of {meta['world_size']} ranks")
+    common = _common_of({**{k: old[k] for k in COMMON_FIELDS if k != "ckpt_status"}, "ckpt_status": CKPT_NORMAL}, common_file, exact=False)
+    _check_step(common, step, common_file)
+    ours = {"world_size": meta["world_size"], "block_size": meta["block_size"]}
+    files = _listed_files(meta["files"], ours, meta_file, prefix=meta.get("prefix", "ckpt"))
+    tensors: dict[str, dict[str, Stored]] = {}
+    for kind, by_name in meta["tensors"].items():
+        if kind not in (paths.MODEL_KIND, paths.OPTIM_KIND) or not isinstance(by_name, dict):
+            raise CheckpointError(f"{meta_file}: tensors[{kind!r}] is not a known kind (model, opt)")
+        specs, layouts = [], {}
+        for name, t in by_name.items():
+            label = f"{meta_file}: tensors.{kind}[{name!r}]"
+            if not isinstance(t, dict) or t.get("dtype") not in names.DTYPES or not isinstance(t.get("shape"), list) \
+                    or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in t["shape"]):
+                raise CheckpointError(f"{label} needs a known 'dtype' and a 'shape' list of non-negative integers")
+            if t.get("layout") not in FORMAT4_LAYOUTS or (t["layout"] == "dim0" and not t["shape"]):
+                raise CheckpointError(f"{label}: 'layout' must be one of {list(FORMAT4_LAYOUTS)} (dim0 needs a shape), got {t.get('layout')!r}")
+            specs.append(TensorSpec(name, t["dtype"], tuple(t["shape"]), names.itemsize(t["dtype"])))
+            layouts[name] = t["layout"]
+        world = meta["world_size"]
+        shard = {r: paths.shard_filename(meta.get("prefix", "ckpt"), kind, r, world) for r in range(world)}
+        missing = sorted(set(shard.values()) - set(files))
+        if missing:
+            raise CheckpointError(f"{meta_file}: shard {missing[0]!r} is not listed in 'files'; the iteration is incomplete")
+        placed = format4_pieces(specs, layouts, world)
+        tensors[kind] = {}
+        for s in specs:  # optimizer state under today's names (`{param}.{slot}` then): the pieces keep the files' keys
+            name = names.state_name(*s.name.rsplit(".", 1)) if kind == paths.OPTIM_KIND else s.name
+            pieces = tuple((shard[r], p) for r, p in sorted(placed.get(s.name, []), key=lambda rp: rp[1].start))
+            tensors[kind][name] = Stored(TensorSpec(name, s.dtype, s.shape, s.itemsize), pieces)
+    if old["has_optimizer"] != (paths.OPTIM_KIND in tensors):
+        raise CheckpointError(f"{common_file}: has_optimizer is {str(old['has_optimizer']).lower()}, but metadata.json "
+                              f"{'lists' if paths.OPTIM_KIND in tensors else 'lists no'} optimizer state")
+    for name in files:
+        if files[name].kind not in tensors:
+            raise CheckpointError(f"{meta_file}: files[{name!r}] is not a shard of this {meta['world_size']}-rank iteration")
+    _place_entries(files, tensors, directory, flat=True)
+    facts = {k: v for k, v in old.items() if k not in COMMON_FIELDS and k not in ("format_version", "ckpt_status", "has_optimizer")}
+    return Iteration(root, step, directory, common, facts, "ray_resume", meta["world_size"], meta["block_size"], files, tensors, raw)
+
+
+def _parse_mindformers(raw: dict, root: str, step: int, directory: str) -> Iteration:
+    """A root MindFormers' save_checkpoint wrote: its shards (`raw["headers"]`, read by their safetensors
+    headers), placed by its metadata.json, or, with none (one card), each file holding whole tensors."""
+    common_file, meta_file = paths.join(directory, paths.COMMON), paths.join(directory, paths.METADATA)
+    common = dict(raw["common"])
+    if common.get("consumed_samples") is None and isinstance(common.get("global_step"), int) \
+            and isinstance(common.get("global_batch_size"), int):
+        common["consumed_samples"] = common["global_step"] * common["global_batch_size"]  # not kept by every MindFormers trainer
+    common = _common_of(common, common_file, exact=False)
+    _check_step(common, step, common_file)
+    headers = raw.get("headers") or {}
+    if not headers:
+        raise CheckpointError(f"{directory}: holds no shard file ({{prefix-}}model|opt-RANK-WORLD.safetensors); "
+                              "not a MindFormers checkpoint either")
+    files: dict[str, StoredFile] = {}
+    worlds = set()
+    for name, h in sorted(headers.items()):
+        shard = paths.parse_shard_filename(name)
+        if shard is None or not paths.is_plain_filename(name):
+            raise CheckpointError(f"{paths.join(directory, name)}: not a MindFormers shard file name")
+        worlds.add(shard["world"])
+        files[name] = _header_file(name, shard, h, paths.join(directory, name))
+    if len(worlds) != 1:
+        raise CheckpointError(f"{directory}: shard files of world sizes {sorted(worlds)}; a checkpoint is saved by one")
+    (world,) = worlds
+    meta = raw.get("metadata")
+    if meta is not None:
+        tensors = _chunks_of(meta, meta_file, lambda entries: next(
+            (e["file_name"] for e in sorted((e for e in entries if isinstance(e, dict)), key=lambda e: e.get("storage_rank", 0))
+             if e.get("file_name") in files), None))
+        for kind, by_name in tensors.items():
+            for name, stored in by_name.items():
+                for file, piece in stored.pieces:
+                    _check_header_entry(files[file], stored.spec, piece, paths.join(directory, file))
+    else:  # one card: every tensor whole in one file, as MindFormers' own loader then reads them
+        tensors = {}
+        for name, f in files.items():
+            for tensor, e in f.entries.items():
+                if any(tensor in by_name for by_name in tensors.values()):
+                    raise CheckpointError(f"{paths.join(directory, name)}: tensor {tensor!r} is in another shard file too; "
+                                          "without metadata.json each must be in one")
+                spec = TensorSpec(tensor, e.dtype, e.shape, names.itemsize(e.dtype))
+                tensors.setdefault(f.kind, {})[tensor] = Stored(spec, ((name, Piece(tensor, 0, spec.numel)),))
+    return Iteration(root, step, directory, common, {}, "mindformers", world, 0, files, tensors, raw)
+
+
+def _header_file(name: str, shard: dict, h: dict, where: str) -> StoredFile:
+    """A shard file as its safetensors header describes it (no digests: MindFormers keeps none)."""
+    size, header = h.get("size"), h.get("header")
+    if not isinstance(size, int) or not isinstance(header, dict):
+        raise CheckpointError(f"{where}: not a valid safetensors file")
+    data_start = h.get("data_start")
+    f = StoredFile(name, shard["kind"], shard["rank"], size, data_start, None, None)
+    for tensor, t in header.items():
+        if tensor == "__metadata__":
+            continue
+        ok = isinstance(t, dict) and t.get("dtype") in names.DTYPES and isinstance(t.get("shape"), list) \
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+        if ok:
+            begin, end = t["data_offsets"]
+            shape = tuple(t["shape"])
+            numel = 1
+            for d in shape:
+                numel *= d
+            ok = 0 <= begin <= end <= size - data_start and end - begin == numel * names.itemsize(t["dtype"])
+        if not ok:
+            raise CheckpointError(f"{where}[{tensor!r}]: the safetensors header does not place it inside the file "
+                                  "(dtype, shape and data_offsets disagree)")
+        f.entries[tensor] = Entry(begin, end - begin, t["dtype"], shape)
+    return f
+
+
+def _check_header_entry(f: StoredFile, spec: TensorSpec, piece: Piece, where: str) -> None:
+    e = f.entries.get(spec.name)
+    if e is None or e.dtype != spec.dtype or e.shape != local_shape(spec, piece):
+        got = "is missing" if e is None else f"is {e.dtype} {list(e.shape)}"
+        raise CheckpointError(f"{where}[{spec.name!r}]: {got} there, but metadata.json has a chunk of "
+                              f"{spec.dtype} {list(local_shape(spec, piece))}")
+
+
+# ----------------------------------------------------------------------------- what a commit writes
+
+
+def split_common(reported: dict) -> tuple[dict, dict]:
+    """Rank 0's account of a save into common.json (CommonInfo's fields, ckpt_status normal) and what
+    is ours alone (for metadata.json's `ray_resume`)."""
+    common = {key: reported[key] for key in COMMON_FIELDS if key != "ckpt_status"}
+    common["loss_scale"] = float(common["loss_scale"])
+    common["ckpt_status"] = CKPT_NORMAL
+    return common, {k: v for k, v in reported.items() if k not in COMMON_FIELDS}
+
+
+def build_metadata(iteration: int, prefix: str, manifests: list[dict], facts: dict) -> dict:
+    """metadata.json from every rank's manifest (ordered by rank): MindFormers' schema for every tensor
+    and chunk, and ours (the files and their digests, `facts`) under `ray_resume`."""
+    world = len(manifests)
+    files, chunks = {}, {}
     for manifest in manifests:
         for name, info in manifest["files"].items():
-            files[name] = {**info, "rank": manifest["rank"]}
-    tensors = {kind: {name: {"dtype": dtype, "shape": shape, "layout": how} for name, dtype, shape, how in specs}
-               for kind, specs in manifests[0]["specs"].items()}
-    return {
-        "format_version": paths.FORMAT_VERSION,
-        "iteration": iteration,
-        "world_size": len(manifests),
-        "block_size": manifests[0]["block_size"],
-        "prefix": prefix,
-        "files": files,
-        "tensors": tensors,
-    }
+            files[name] = {k: info[k] for k in FILE_FIELDS}
+        for kind, held in manifest["chunks"].items():
+            file = paths.shard_filename(prefix, kind, manifest["rank"], world)
+            for name, first, rows in held:
+                chunks.setdefault(name, []).append((first, rows, manifest["rank"], file))
+    state, storage = {}, {}
+    for kind, specs in manifests[0]["specs"].items():
+        for name, dtype, shape in specs:
+            parts = sorted(chunks.get(name, []))
+            cut = len(parts) > 1 and len({rows for _, rows, _, _ in parts}) == 1
+            state[name] = {
+                "properties": {"dtype": names.mindspore_dtype(dtype), "replica_id": 0, "allow_shape_mismatch": False,
+                               "allow_to_save": True},
+                "global_shape": shape,
+                "axis_fragmentations": [len(parts)] + [1] * (len(shape) - 1) if shape else [],
+                "layout": {"device_matrix": [len(parts)], "tensor_map": [0] + [-1] * (len(shape) - 1),
+                           "interleaved_parallel": False, "alias_name": [LAYOUT_ALIAS],
+                           "rank_list": [rank for _, _, rank, _ in parts]} if cut else None,
+                "chunk": [],
+            }
+            for first, rows, rank, file in parts:
+                offset = [first] + [0] * (len(shape) - 1) if shape else []
+                state[name]["chunk"].append({"global_offset": offset, "local_shape": [rows, *shape[1:]] if shape else []})
+                storage[_shard_id(name, offset)] = [{"file_name": file, "storage_rank": rank, "rank_group": [rank]}]
+    return {"state_dict_metadata": state, "storage_data": storage, "ray_resume": {
+        "format_version": paths.FORMAT_VERSION, "iteration": iteration, "world_size": world, "prefix": prefix,
+        "block_size": manifests[0]["block_size"], "files": files, **facts}}
+
+
+def readable_by_mindformers(it: Iteration, kind: str, name: str) -> bool:
+    """Whether MindFormers' loader can place this tensor: whole in one file, or cut in equal dim-0 parts
+    (its Layout cannot say torch.chunk's uneven ones, which FSDP2 makes when the rows do not divide)."""
+    pieces = it.tensors[kind][name].pieces
+    return len(pieces) == 1 or len({p.numel for _, p in pieces}) == 1

@@ -15,7 +15,16 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from . import names
 from .schema import CheckpointError
+
+# safetensors dtype tags <-> torch dtypes (the tags the safetensors format defines).
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+DTYPE_TAGS = {v: k for k, v in DTYPES.items()}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -87,24 +96,25 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 
 
 def optim_tensors(named_params, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """`{param_name}.{slot}` for every slot the optimizer keeps for every (name, param): any
-    torch.optim optimizer (AdamW's `max_exp_avg_sq` with amsgrad, SGD's `momentum_buffer`...).
-    A number becomes a 0-d tensor; any other value is refused by name."""
+    """Every slot the optimizer keeps for every (name, param), named as MindFormers names optimizer
+    state (`names.state_name`: `adam_m.{param}`, `step.{param}`...): any torch.optim optimizer
+    (AdamW's `max_exp_avg_sq` with amsgrad, SGD's `momentum_buffer`...). A number becomes a 0-d
+    tensor; any other value is refused by name."""
     out: dict[str, torch.Tensor] = {}
     for name, param in named_params:
         for slot, value in optimizer.state.get(param, {}).items():
             if isinstance(value, bool) or not isinstance(value, (torch.Tensor, int, float)):
-                raise CheckpointError(f"optimizer state {name}.{slot} is a {type(value).__name__}; only tensors and numbers are "
-                                      "checkpointed")
-            out[f"{name}.{slot}"] = value if torch.is_tensor(value) else torch.tensor(value)
+                raise CheckpointError(f"optimizer state {names.state_name(name, slot)} is a {type(value).__name__}; only tensors "
+                                      "and numbers are checkpointed")
+            out[names.state_name(name, slot)] = value if torch.is_tensor(value) else torch.tensor(value)
     return out
 
 
 def load_optim_tensors(named_params, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
-    """Rebuild torch's positional optimizer state from name-keyed tensors."""
+    """Rebuild torch's positional optimizer state from tensors named as `optim_tensors` names them."""
     slots_of: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
-        name, slot = key.rsplit(".", 1)
+        name, slot = names.parse_state_name(key)
         slots_of.setdefault(name, {})[slot] = value
     state = {}
     for index, (name, param) in enumerate(named_params):
@@ -119,6 +129,28 @@ def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         local = value.to(local_tensor(param).device)
         return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False)
     return value
+
+
+def class_path(cls: type) -> str:
+    """Where a class is defined, "module:Qualname" (what a checkpoint records of the optimizer)."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def optimizer_slots(optimizer: torch.optim.Optimizer | type, kwargs: dict | None = None) -> set[str] | None:
+    """The state slots an optimizer keeps for a parameter (torch's names: AdamW's `step`, `exp_avg`,
+    `exp_avg_sq`), from one step of its class, built as it was (or with `kwargs`), on a one-element
+    parameter; None if that cannot run (an optimizer that wants more than parameters)."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    if kwargs is None:
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k not in ("params", "differentiable")}
+    param = torch.nn.Parameter(torch.zeros(1))
+    param.grad = torch.ones(1)
+    try:
+        probe = cls([param], **kwargs)
+        probe.step()
+    except Exception:  # noqa: BLE001  (a check that cannot run is no check)
+        return None
+    return set(probe.state[param])
 
 
 def capture_rng() -> dict[str, str]:

@@ -2,8 +2,9 @@
 
 Each rank computes the same save plan from the same tensor list and writes
 only its own share, so no byte is written twice (replicated DDP state) and
-every rank does 1/W of the work. The returned manifest is what the driver
-needs to commit: file sizes and checksums, and which pieces went where.
+every rank does about 1/W of the work (`plan.SavePlan`). The returned manifest is
+what the driver needs to commit: file sizes and block digests, and which rows of
+which tensors each file holds.
 
 A shard file is a safetensors file that we stream ourselves: the header is
 built here (byte for byte what `safetensors.torch.save` writes, which
@@ -29,9 +30,9 @@ import torch
 
 from . import paths
 from .digest import DEFAULT_CHECKSUM, BlockDigests, block_bounds
-from .plan import DIM0, SPLIT, Piece, SavePlan, TensorSpec
-from .schema import DTYPE_TAGS, DTYPES
-from .state import dim0_sharded, local_tensor
+from .plan import Piece, SavePlan, TensorSpec
+from .schema import SAFETENSORS_ORDER, local_shape
+from .state import DTYPE_TAGS, DTYPES, dim0_sharded, local_tensor
 from .storage import LocalStorage, retried
 
 logger = logging.getLogger(__name__)
@@ -43,20 +44,15 @@ RANK_EXTRAS_KEY = "rank_extras"
 # costs ~70 bytes of metadata.json (16 MB for a 1 TB checkpoint).
 CHECKSUM_BLOCK = 4 << 20
 
-# safetensors orders a file's tensors by dtype, largest first (the order of its
-# Rust `Dtype` enum, descending), then by name; data offsets follow that order.
-_SAFETENSORS_DTYPE_RANK = {"BOOL": 0, "U8": 1, "I8": 2, "I16": 3, "F16": 4, "BF16": 5, "I32": 6, "F32": 7, "F64": 8, "I64": 9}
-
 
 def tensor_specs(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
-    """Specs in the state's own (deterministic) key order; FSDP2 dim-0 shards get the dim0 layout."""
-    return [TensorSpec(name, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size(), DIM0 if dim0_sharded(t) else SPLIT)
-            for name, t in state.items()]
+    """Specs in the state's own (deterministic) key order; FSDP2 dim-0 shards are `sharded`."""
+    return [TensorSpec(name, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size(), dim0_sharded(t)) for name, t in state.items()]
 
 
 def piece_data(t: torch.Tensor, spec: TensorSpec, piece: Piece) -> torch.Tensor:
     """The elements of `piece` as a flat view of this rank's tensor (its own chunk, for a dim-0 shard)."""
-    if spec.layout == DIM0:
+    if spec.sharded:
         flat = local_tensor(t).reshape(-1)
         if flat.numel() != piece.numel:
             raise RuntimeError(f"{spec.name}: local shard has {flat.numel()} elements, the dim-0 plan expects {piece.numel}")
@@ -65,7 +61,7 @@ def piece_data(t: torch.Tensor, spec: TensorSpec, piece: Piece) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Entry:
+class Placed:
     """One tensor piece in a shard file: bytes [offset, offset + nbytes) of its data section."""
 
     piece: Piece
@@ -80,6 +76,16 @@ class Entry:
     def nbytes(self) -> int:
         return self.piece.numel * self.spec.itemsize
 
+    @property
+    def rows(self) -> tuple[int, int]:
+        """(first row, rows) of this chunk of its tensor (a 0-d tensor is one row)."""
+        spec, piece = self.spec, self.piece
+        if not spec.shape:
+            return 0, 1
+        if not spec.row_numel:  # no element in a row: the whole tensor, in one chunk
+            return 0, spec.rows
+        return piece.start // spec.row_numel, piece.numel // spec.row_numel
+
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -87,7 +93,7 @@ class ShardLayout:
 
     kind: str
     specs: tuple[TensorSpec, ...]  # every tensor of the kind (rank 0 reports them)
-    entries: tuple[Entry, ...]  # the same pieces in safetensors file order, with offsets
+    entries: tuple[Placed, ...]  # the pieces in safetensors file order, with offsets
     nbytes: int  # size of the data section
 
     @property
@@ -97,25 +103,22 @@ class ShardLayout:
 
 
 def shard_layouts(states: dict[str, dict[str, torch.Tensor] | None], rank: int, world_size: int) -> list[ShardLayout]:
-    """The layout of every shard file this rank writes, model first, for the kinds present."""
-    return [shard_layout(kind, SavePlan(tensor_specs(state), world_size), rank)
-            for kind, state in states.items() if state is not None]
+    """The layout of every shard file this rank writes, model first, for the kinds present: one plan
+    over every kind, so the ranks' bytes balance over the model and the optimizer together."""
+    specs = {kind: tensor_specs(state) for kind, state in states.items() if state is not None}
+    plan = SavePlan(specs, world_size)
+    return [shard_layout(kind, plan, rank) for kind in specs]
 
 
 def shard_layout(kind: str, plan: SavePlan, rank: int) -> ShardLayout:
-    """Where `rank`'s pieces sit in its file: safetensors order, offsets from the data section's start.
-
-    A pure function of the plan, so a reader finds any piece's bytes from
-    metadata.json alone, and checks the file's header against it.
-    """
-    share = plan.share(rank)
-    order = sorted(share, key=lambda p: (-_SAFETENSORS_DTYPE_RANK[plan.specs[p.name].dtype], p.name.encode()))
+    """Where `rank`'s pieces of `kind` sit in its file: safetensors order, offsets from the data section's start."""
+    specs = plan.specs[kind]
+    order = sorted(plan.share(kind, rank), key=lambda p: (-SAFETENSORS_ORDER[specs[p.name].dtype], p.name.encode()))
     entries, offset = [], 0
     for p in order:
-        spec = plan.specs[p.name]
-        entries.append(Entry(p, spec, offset))
-        offset += p.numel * spec.itemsize
-    return ShardLayout(kind, tuple(plan.specs.values()), tuple(entries), offset)
+        entries.append(Placed(p, specs[p.name], offset))
+        offset += p.numel * specs[p.name].itemsize
+    return ShardLayout(kind, tuple(specs.values()), tuple(entries), offset)
 
 
 def safetensors_header(shard: ShardLayout, metadata: dict[str, str] | None) -> bytes:
@@ -127,10 +130,9 @@ def safetensors_header(shard: ShardLayout, metadata: dict[str, str] | None) -> b
     if metadata is not None:
         items.append(_json("__metadata__") + ":{" + ",".join(f"{_json(k)}:{_json(v)}" for k, v in metadata.items()) + "}")
     for e in shard.entries:
-        items.append(
-            f'{_json(e.piece.name)}:{{"dtype":"{e.dtype}","shape":[{e.piece.numel}],'
-            f'"data_offsets":[{e.offset},{e.offset + e.nbytes}]}}'
-        )
+        shape = ",".join(map(str, local_shape(e.spec, e.piece)))
+        items.append(f'{_json(e.piece.name)}:{{"dtype":"{e.dtype}","shape":[{shape}],'
+                     f'"data_offsets":[{e.offset},{e.offset + e.nbytes}]}}')
     header = ("{" + ",".join(items) + "}").encode()
     header += b" " * (-len(header) % 8)  # safetensors pads the header to 8 bytes with spaces
     return struct.pack("<Q", len(header)) + header
@@ -220,7 +222,7 @@ def write_shards(
         # earlier attempt. Its JSON must not describe the shards we write now.
         for name in (paths.METADATA, paths.COMMON):
             storage.remove(paths.join(iter_dir, name))
-    manifest: dict = {"rank": rank, "world_size": world_size, "block_size": block_size, "files": {}, "specs": {}}
+    manifest: dict = {"rank": rank, "world_size": world_size, "block_size": block_size, "files": {}, "chunks": {}, "specs": {}}
     for shard, data in shards:
         # One header key: safetensors writes header maps in hash order, and a
         # single entry keeps the file bytes reproducible (exact-resume tests
@@ -236,9 +238,10 @@ def write_shards(
             return storage.write_durable(path, _halves(chunks, on_mid_write), digest), digest
 
         size, digest = retried(write, f"write of {paths.join(iter_dir, name)}")
-        manifest["files"][name] = {"size": size, "data_start": len(head), "checksum": checksum, "digests": digest.hexdigests(), "kind": shard.kind, "rank": rank}
+        manifest["files"][name] = {"size": size, "data_start": len(head), "checksum": checksum, "digests": digest.hexdigests()}
+        manifest["chunks"][shard.kind] = [[e.piece.name, *e.rows] for e in sorted(shard.entries, key=lambda e: e.piece.name)]
         if rank == 0:
-            manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape), s.layout] for s in shard.specs]
+            manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape)] for s in shard.specs]
     logger.debug("rank %d wrote %s", rank, json.dumps(manifest["files"]))
     return manifest
 
