@@ -124,7 +124,7 @@ class BenchWorker:
         from ray_resume.faults import FaultInjector
 
         cfg = Config.from_dict(_config(root, self.size, **kw))
-        return Checkpointer(cfg, coordinator or self.coordinator, self.rank, self.world, 0, FaultInjector(None, self.rank, lambda: False))
+        return Checkpointer(cfg.checkpoint, coordinator or self.coordinator, self.rank, self.world, 0, FaultInjector(None, self.rank, lambda: False))
 
     def _state(self) -> dict:
         from ray_resume.checkpoint import state
@@ -139,9 +139,8 @@ class BenchWorker:
                                                                self._checkpointer(self.root, async_save=async_save, checksum=checksum))
         self._barrier()
         start = time.perf_counter()
-        ck.maybe_save(step, self.model, self.optimizer, {"global_step": step, "global_batch_size": 4,
-                                                         "consumed_samples": 4 * step, "epoch_num": 0,
-                                                         "step_num": step, "loss_scale": 1.0}, force=True)
+        ck.save(step, self.model, self.optimizer, {"global_step": step, "global_batch_size": 4, "consumed_samples": 4 * step,
+                                                    "epoch_num": 0, "step_num": step, "loss_scale": 1.0})
         stall = time.perf_counter() - start
         ck.finish()
         total = time.perf_counter() - start
@@ -187,7 +186,9 @@ class BenchWorker:
         gc.collect()
         self._barrier()
         before, start = _rchar(), time.perf_counter()
-        point = ck.restore(self.model, self.optimizer, (ck.ckpt.save_path, step), full=True)
+        from ray_resume.checkpoint.root import CommittedIteration
+
+        point, _ = ck.restore(self.model, self.optimizer, CommittedIteration(ck.ckpt.save_path, step), full=True)
         elapsed = time.perf_counter() - start
         read = _rchar() - before
         gc.collect()
@@ -292,10 +293,9 @@ class BenchWorker:
             self.optimizer.zero_grad()
             self.optimizer.backward(self.lm_loss(self.ddp, ids))
             self.optimizer.step()
-            if ck:
-                ck.maybe_save(step, self.ddp, self.optimizer, {"global_step": step, "global_batch_size": 4,
-                                                              "consumed_samples": 4 * step, "epoch_num": 0,
-                                                              "step_num": step, "loss_scale": 1.0})
+            if ck and step % save_every == 0:
+                ck.save(step, self.ddp, self.optimizer, {"global_step": step, "global_batch_size": 4, "consumed_samples": 4 * step,
+                                                         "epoch_num": 0, "step_num": step, "loss_scale": 1.0})
         if ck:
             ck.finish()
         elapsed = time.perf_counter() - start
@@ -328,12 +328,11 @@ def _fits(nbytes: float) -> bool:
 
 def _controller(cfg, job_id: str):
     """The job's controller for `cfg`'s save_path, with the writer lease its commits check (as `run` takes it)."""
-    from ray_resume.checkpoint.lease import Lease
-    from ray_resume.checkpoint.storage import storage_for
-    from ray_resume.controller import JobControllerActor
+    from ray_resume.checkpoint.root import root_for
+    from ray_resume.driver import JobControllerActor
 
     os.makedirs(cfg.checkpoint.save_path)
-    lease = Lease(storage_for(cfg.checkpoint.save_path), cfg.checkpoint.save_path, job_id, cfg.checkpoint.lease_ttl_s)
+    lease = root_for(cfg.checkpoint.save_path).lease(job_id, cfg.checkpoint.lease_ttl_s)
     lease.acquire()
     lease.keep_renewed()
     controller = JobControllerActor.remote(cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid())

@@ -20,6 +20,7 @@ import signal
 import tempfile
 
 import numpy as np
+import ray.train
 import torch
 
 import ray_resume
@@ -75,7 +76,7 @@ def train_func(config: dict) -> None:
         if step == config.get("kill_at") and rank == 1 and not os.path.exists(config["marker"]):
             open(config["marker"], "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
-        ck.maybe_save(step, consumed_samples=step * BATCH, force=step == STEPS)
+        ck.maybe_save(step, consumed_samples=step * BATCH, global_batch_size=BATCH)
         if rank == 0 and step % 10 == 0:
             log.info("step %d/%d | loss %.4f | lr %.4f | rank 0 saw %d samples", step, STEPS, loss.item(), sched.get_last_lr()[0], counter.seen)
 
@@ -87,17 +88,18 @@ def main() -> None:
     args = p.parse_args()
     root = os.path.abspath(args.root)
     marker = os.path.join(tempfile.gettempdir(), f"own_train_func-killed-{os.getpid()}")
-    result = ray_resume.fit(
-        train_func,
-        checkpoint={"save_path": root, "load_path": root, "save_interleaved_steps": 20},
-        scaling={"num_workers": 2},
-        failure={"max_failures": 2},
-        train_loop_config={"kill_at": args.kill_at, "marker": marker},
-        name="own-train-func",
-    )
-    if result.error is not None:
-        print(f"error: {result.error}")
-    elif result.committed_iteration is None:
+    try:
+        result = ray_resume.fit(
+            train_func,
+            train_loop_config={"kill_at": args.kill_at, "marker": marker},
+            checkpoint={"save_path": root, "load_path": root, "save_interleaved_steps": 20},
+            scaling_config=ray.train.ScalingConfig(num_workers=2),
+            run_config=ray.train.RunConfig(name="own-train-func", failure_config=ray.train.FailureConfig(max_failures=2)),
+        )
+    except ray.train.TrainingFailedError as exc:
+        print(f"error: {exc}")
+        return
+    if result.committed_iteration is None:
         print(f"nothing left to do: {root} already holds step {STEPS} (rm -rf it to start over)")
     else:
         print(f"committed iteration {result.committed_iteration} at {result.checkpoint_path}")

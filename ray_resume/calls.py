@@ -13,6 +13,8 @@ import sys
 # the per-step calls (should_stop, last_committed, stepped), however many ranks report.
 SERIAL = frozenset({"report", "start_attempt", "claim_fault", "user_failed"})
 
+SAVE_AND_STOP, STOP_NOW = 1, 2  # should_stop's answers, ordered: the ranks agree on the largest
+
 
 def _ray_actor(controller):
     """Ray, when `controller` is one of its actor handles (none can exist before Ray is imported)."""
@@ -37,3 +39,29 @@ def tell(controller, method: str, *args) -> None:
         getattr(controller, method)(*args)
     else:
         getattr(controller, method).remote(*args)
+
+
+class Polled:
+    """`method`'s answer, asked in the background: `latest()` returns the newest answer received (never
+    waiting for one; `default` until the first) and asks again. For what a progress line shows, which
+    must not stall a step on a round trip to the driver."""
+
+    def __init__(self, controller, method: str, default=None):
+        self.controller, self.method, self.value = controller, method, default
+        self.pending = None
+        self._ask()
+
+    def _ask(self) -> None:
+        if _ray_actor(self.controller) is None:
+            self.value = getattr(self.controller, self.method)()
+        else:
+            self.pending = getattr(self.controller, self.method).remote()
+
+    def latest(self):
+        ray = _ray_actor(self.controller)
+        if ray is None:
+            self._ask()
+        elif ray.wait([self.pending], timeout=0)[0]:
+            self.value = ray.get(self.pending)
+            self._ask()
+        return self.value

@@ -25,8 +25,10 @@ from typing import Any
 
 from .checkpoint import paths
 from .checkpoint.reader import ShardReader, check_no_extra_shards, iteration_steps, open_iteration, read_tracker
-from .checkpoint.schema import AbnormalIteration, CheckpointError, Iteration, local_shape, parse_json, readable_by_mindformers
-from .checkpoint.storage import LocalStorage, storage_for
+from .checkpoint.root import root_for
+from .checkpoint.schema import AbnormalIteration, Iteration, local_shape, parse_json, readable_by_mindformers
+from .checkpoint.storage import LocalStorage
+from .errors import CheckpointError
 
 PROG = "ray-resume"
 
@@ -76,7 +78,7 @@ def _emit_json(obj: Any) -> None:
 def open_root(root: str) -> LocalStorage:
     """The storage of `root`; a missing root or an unsupported scheme is a usage error."""
     try:
-        storage = storage_for(root)
+        storage = root_for(root).storage
     except ValueError as exc:
         raise CliError(str(exc), 2) from None
     if not storage.is_dir(root):

@@ -26,7 +26,7 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto import event_pb2, summary_pb2
 
 from .checkpoint import paths
-from .checkpoint.storage import storage_for
+from .checkpoint.root import root_for
 
 
 ROLL_S = 600.0  # the other ranks' chunk interval
@@ -39,7 +39,7 @@ def metrics_dir(save_path: str) -> str:
 class MetricsWriter:
     def __init__(self, save_path: str, storage_options, *, job: str, attempt: int, rank: int):
         self.dir = metrics_dir(save_path)
-        self.storage = storage_for(self.dir, storage_options)
+        self.storage = root_for(save_path, storage_options).storage  # the root's own: it serves its siblings too
         self.storage.makedirs(self.dir)
         self.tag = {"job": job, "attempt": attempt, "rank": rank}
         self.pending: list[dict] = []
@@ -68,7 +68,7 @@ class MetricsWriter:
 def read_metrics(save_path: str, storage_options=None) -> list[dict]:
     """Every record of every run that wrote beside `save_path`, oldest first."""
     directory = metrics_dir(save_path)
-    storage = storage_for(directory, storage_options)
+    storage = root_for(save_path, storage_options).storage
     records = []
     for name in storage.listdir(directory):
         if name.endswith(".jsonl"):
@@ -89,7 +89,7 @@ class Curves:
 
     def __init__(self, save_path: str, storage_options, *, job: str, attempt: int, purge_step: int):
         self.dir = paths.join(metrics_dir(save_path), "tensorboard", job)
-        self.storage = storage_for(self.dir, storage_options)
+        self.storage = root_for(save_path, storage_options).storage  # the root's own: it serves its siblings too
         self.remote = "://" in self.dir and not self.dir.startswith("file://")
         self.local = tempfile.mkdtemp(prefix="ray_resume-tb-") if self.remote else self.dir.removeprefix("file://")
         os.makedirs(self.local, exist_ok=True)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import ConfigError
+from .errors import ConfigError
 
 
 def fsdp_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import Config, ConfigError
+from .config import Config
+
+from .errors import ConfigError
 from .model import DTYPES, build_model, lm_loss
 from .optim import optimizer_kwargs
 

@@ -45,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.page_cache import drop_cache  # noqa: E402
 from ray_resume.checkpoint import paths  # noqa: E402
 from ray_resume.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from ray_resume.checkpoint.root import CommittedIteration  # noqa: E402
 from ray_resume.checkpoint.commit import commit_iteration  # noqa: E402
 from ray_resume.checkpoint.storage import LocalStorage  # noqa: E402
 from ray_resume.config import Config  # noqa: E402
@@ -127,13 +128,13 @@ def common_of(step: int) -> dict:
 
 def checkpointer(cfg: Config, root: str) -> tuple[Checkpointer, LocalController]:
     controller = LocalController(root, cfg.to_dict())
-    return Checkpointer(cfg, controller, 0, 1, 0, FaultInjector(None, 0, lambda: False)), controller
+    return Checkpointer(cfg.checkpoint, controller, 0, 1, 0, FaultInjector(None, 0, lambda: False)), controller
 
 
 def save(ck: Checkpointer, model, optimizer, step: int, device: torch.device) -> dict:
     sync(device)
     start = time.perf_counter()
-    ck.maybe_save(step, model, optimizer, common_of(step), force=True)
+    ck.save(step, model, optimizer, common_of(step))
     stall = time.perf_counter() - start
     ck.finish()
     return {"stall_s": stall, "save_s": time.perf_counter() - start}
@@ -171,7 +172,7 @@ def speed(size: str, device: torch.device, work: str) -> dict:
     drop_cache(root)
     sync(device)
     start = time.perf_counter()
-    point = ours_sync.restore(fresh, fresh_opt, (root, 3), full=True)
+    point, _ = ours_sync.restore(fresh, fresh_opt, CommittedIteration(root, 3), full=True)
     sync(device)
     out["ours_load_s"] = time.perf_counter() - start
     out["ours_load_bytes_read"] = point.bytes_read
@@ -219,14 +220,14 @@ def exact_run(size: str, device: torch.device, strategy: str, root: str, k: int,
     ck, _ = checkpointer(cfg, root)
     first = 1
     if resume:
-        point = ck.restore(model, optimizer, (os.path.join(os.path.dirname(root), "reference"), k), full=True)
-        first = point.global_step + 1
+        point, _ = ck.restore(model, optimizer, CommittedIteration(os.path.join(os.path.dirname(root), "reference"), k), full=True)
+        first = point.step + 1
     model.train()
     losses = {}
     for step in range(first, n + 1):
         losses[step] = train_step(model, optimizer, cfg, step, device)
         if step in (k, n):
-            ck.maybe_save(step, model, optimizer, common_of(step), force=True)
+            ck.save(step, model, optimizer, common_of(step))
     ck.finish()
     return losses
 

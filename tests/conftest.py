@@ -12,8 +12,8 @@ import pytest
 import ray
 
 from ray_resume.checkpoint import paths
-from ray_resume.config import Config
-from ray_resume.run import init_local_ray, run
+from ray_resume.api import train
+from ray_resume.driver import init_local_ray
 from ray_resume.metrics import read_metrics  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,10 +147,27 @@ def run_driver(tmp: Path, script: str, *args: str, timeout: float = 600) -> tupl
 
 def run_job(cfg: dict):
     """Run a job in this process (on the `ray_cluster` Ray) and check it committed its last step."""
-    result = run(Config.from_dict(cfg))
-    assert result.error is None, result.error
+    result = train(cfg)
     assert result.committed_iteration == cfg["training"]["train_steps"]
     return result
+
+
+class Checked:
+    """A backend that runs nothing: what the driver decided once its lease was taken and its checks passed."""
+
+    def run(self, cfg, job_id: str, loop_config: dict) -> dict:
+        from ray_resume.rank import INTERNAL
+
+        self.cfg, self.source = cfg, loop_config[INTERNAL]["source"]
+        return {"committed": None, "metrics": {}, "error": None, "attempts": [], "user_error": None, "failure": None, "wall_s": 0.0}
+
+
+def driver_checks(cfg: dict, **plugins):
+    """What the built-in job's driver resolves to resume (a ResumeSource or None), through `train`'s own
+    path up to the ranks: a mistake of the user's is raised from here, before any rank would start."""
+    checked = Checked()
+    train(cfg, backend=checked, **plugins)
+    return checked.source
 
 
 def run_on_harness(cfg: dict, **plugins):

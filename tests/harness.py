@@ -1,11 +1,11 @@
 """The in-process harness: a whole job on real gloo ranks, without Ray.
 
-`run_job(cfg)` does what `ray_resume.run` and Ray Train do, with plain
-processes: the driver's checks (`preflight`), the lease and the job's
-controller (the real `JobController`, served from a process of its own, as
-the actor is from its own), then W rank processes in a gloo group, each
-running the real `run_rank` and built-in `train_worker` -- restore, loop,
-maybe save, the real RankCheckpointer, writer and commit. Only two parts are swapped:
+`run_job(cfg)` runs the job through the product's own driver (`ray_resume.api.train`
+-> `driver.launch`: the lease, the checks, the resume source, then the ranks) with
+`LocalBackend` in place of Ray Train: the job's controller (the real `JobController`,
+served from a process of its own, as the actor is from its own), then W rank processes
+in a gloo group, each running the real `run_rank` and built-in `train_worker` -- restore,
+loop, maybe save, the real RankCheckpointer, writer and commit. Only two parts are swapped:
 
 * Ray Train's restarts: when a rank dies, the others are killed and a new
   group starts (a new attempt), up to `failure.max_failures` times;
@@ -16,8 +16,10 @@ maybe save, the real RankCheckpointer, writer and commit. Only two parts are swa
 A job run here writes the same bytes as the same job on Ray Train
 (tests/test_harness.py checks it against the Ray reference run), so every
 fault phase, commit, retention, fallback and resharding case can be run in
-seconds. Ranks are forked from a forkserver that has torch and ray_resume
-imported already.
+seconds. A fault that kills the driver kills the controller's process (the
+lease, held by this process, is given back as `launch` ends, where a real
+driver's would be taken over as dead). Ranks are forked from a forkserver
+that has torch and ray_resume imported already.
 """
 
 from __future__ import annotations
@@ -37,15 +39,17 @@ import torch
 import torch.distributed as dist
 
 import storage_faults as storage_faults_module
+from ray_resume import api
 from ray_resume import controller as controller_module
-from ray_resume.checkpoint.lease import LEASE_DIR, Lease
+from ray_resume.checkpoint.lease import LEASE_DIR
 from ray_resume.checkpoint.memory import MemoryKeeper
-from ray_resume.checkpoint.storage import storage_for
 from ray_resume.config import Config
-from ray_resume.data import SampleStream, _read_unit_batch
-from ray_resume.plugins import resolve
-from ray_resume.run import absolute_paths, preflight, with_lanes
-from ray_resume.api import get_checkpointer, run_rank
+from ray_resume.data import ReadUnit, SampleStream
+from ray_resume.data.stream import _read_unit_batch
+from ray_resume.driver import TrainingFailed
+from ray_resume.errors import USER_ERRORS
+from ray_resume.rank import INTERNAL, USER, get_checkpointer, run_rank
+from ray_resume.train_loop import train_func as built_in_train_func
 from ray_resume.train_loop import train_worker
 
 CTX = mp.get_context("forkserver")
@@ -66,29 +70,18 @@ class LocalStream(SampleStream):
 
 
 class DriverSide(controller_module.JobController, MemoryKeeper):
-    """The job's controller with the driver's lease, in one process: the job's driver. It keeps
-    the memory tier's snapshots too (Ray's keepers are one actor per node).
+    """The job's controller, in a process of its own, as the Ray actor is. It keeps the memory
+    tier's snapshots too (Ray's keepers are one actor per node).
 
-    A fault that kills the driver (`commit_before_tracker`, `retention_delete`)
-    kills this process, and with it the lease holder, as on a real cluster.
+    A fault that kills the driver (`commit_before_tracker`, `retention_delete`) kills this
+    process: the job's driver as far as the ranks and the commits are concerned.
     """
 
     def __init__(self, save_path: str, job_id: str, config: dict, storage_faults=None):
         if storage_faults:
             storage_faults_module.install(*storage_faults)
-        ckpt = config["checkpoint"]
-        self.driver_lease = None
-        if ckpt["enable_save"]:
-            self.driver_lease = Lease(storage_for(save_path, ckpt["storage"]), save_path, job_id, ckpt["lease_ttl_s"])
-            self.driver_lease.acquire()
-            self.driver_lease.keep_renewed()
         controller_module.JobController.__init__(self, save_path, job_id, config, driver_pid=os.getpid())
         MemoryKeeper.__init__(self)
-
-    def release(self) -> None:
-        super().release()
-        if self.driver_lease:
-            self.driver_lease.release()
 
 
 class SlowRetention(DriverSide):
@@ -123,8 +116,9 @@ class StolenLease(DriverSide):
     def _commit(self, iteration: int, manifests: list[dict], common: dict) -> None:
         if iteration == 8:
             thief = {"job_id": "thief", "host": "elsewhere", "pid": 1, "expires_at": time.time() + 3600}
-            path = Path(self.root) / LEASE_DIR / f"{self.driver_lease.generation + 1:08d}.json"
-            path.write_text(json.dumps(thief))
+            lease_dir = Path(self.root) / LEASE_DIR
+            newest = max(int(p.stem) for p in lease_dir.glob("*.json"))
+            (lease_dir / f"{newest + 1:08d}.json").write_text(json.dumps(thief))
         super()._commit(iteration, manifests, common)
 
 
@@ -154,12 +148,16 @@ class Outcome:
     reached: list = ()  # the controller's account of each attempt: the last step rank 0 finished, and when
 
 
-def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, plugins, load, job_id: str, preempted, storage_faults) -> None:
+def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, train_func, config: dict, source, job_id: str, preempted,
+          storage_faults) -> None:
     if storage_faults:
         storage_faults_module.install(*storage_faults)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    loop = lambda config: train_worker(get_checkpointer(), torch.device("cpu"), plugins, stream=LocalStream, preempted=preempted)
-    run_rank(Config.from_dict(cfg_dict), controller, rank, world, loop, {}, load=load, job_id=job_id)
+    if train_func is built_in_train_func:  # its Ray parts swapped: the CPU, LocalStream, the harness's preemption notice
+        def train_func(config):
+            train_worker(get_checkpointer(), torch.device("cpu"), config["plugins"], stream=LocalStream, preempted=preempted,
+                         units=[ReadUnit(*u) for u in config["units"]])
+    run_rank(Config.from_dict(cfg_dict), controller, rank, world, train_func, config, source=source, job_id=job_id)
     dist.barrier()
     os._exit(0)  # not a teardown of the group under live DDP objects: that sometimes hangs at exit
 
@@ -194,37 +192,57 @@ def never() -> bool:
     return False
 
 
-def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, preempted=never, timeout: float = 120,
-            controller: str = "JobController", inspect=None, storage_faults: tuple[list[dict], str] | None = None) -> Outcome:
-    """Run a job to its end as `ray_resume.run.run` does, its ranks in a gloo group of this machine.
+class LocalBackend:
+    """driver.launch's backend for the harness: the controller in a process of its own, the ranks in
+    gloo groups of this machine, a new group for each lost one (up to failure.max_failures times).
 
-    `preempted()` stands in for Ray Train's preemption notice (`ray.train.get_preemption_info()`).
-    `controller` names the controller class served (`Driver.register`); `inspect(controller)`
-    is called once the job has ended, before the controller is released. `storage_faults`,
-    (faults, record file), are injected into the ranks' and the controller's storage
-    (tests/storage_faults.py), not into the driver's checks before the job.
-    """
-    cfg = with_lanes(absolute_paths(Config.from_dict(cfg_dict)))
-    plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
-    load = preflight(cfg, plugins)
-    tmp = Path(tempfile.gettempdir())  # the groups' rendezvous files
-    job_id = uuid.uuid4().hex[:12]
-    driver = Driver(ctx=CTX)
-    driver.start()
+    `controller` names the controller class served (`Driver.register`); `inspect(controller)` is
+    called once the job has ended, before the controller is released; `preempted()` stands in for
+    Ray Train's preemption notice; `storage_faults`, (faults, record file), are injected into the
+    ranks' and the controller's storage (tests/storage_faults.py), not into the driver's checks."""
+
+    def __init__(self, *, controller: str = "JobController", preempted=never, timeout: float = 120, inspect=None,
+                 storage_faults=None):
+        self.controller, self.preempted, self.timeout, self.inspect = controller, preempted, timeout, inspect
+        self.storage_faults = storage_faults
+        self.outcome: Outcome | None = None  # once the job has run
+
+    def run(self, cfg: Config, job_id: str, loop_config: dict) -> dict:
+        started = time.monotonic()
+        driver = Driver(ctx=CTX)
+        driver.start()
+        try:
+            controller = getattr(driver, self.controller)(cfg.checkpoint.save_path, job_id, cfg.to_dict(), self.storage_faults)
+            ours = loop_config[INTERNAL]
+            args = (cfg.to_dict(), controller, ours["train_func"], loop_config[USER], ours["source"], job_id, self.preempted,
+                    self.storage_faults)
+            attempts, error = 0, None
+            for attempts in range(1, cfg.failure.max_failures + 2):
+                error = _run_group(cfg.scaling.max_workers, Path(tempfile.gettempdir()), args, driver, self.timeout)
+                if error is None or error == "driver died":
+                    break
+            if error == "driver died":
+                self.outcome = Outcome(None, attempts, True, error)
+                return {"committed": None, "metrics": {}, "error": None, "attempts": [], "user_error": None,
+                        "failure": RuntimeError(error), "wall_s": time.monotonic() - started}
+            result = controller.result()
+            controller.release()
+            if self.inspect:
+                self.inspect(controller)
+            self.outcome = Outcome(result["committed"], attempts, False, result["user_error"] or error or result["error"], result["attempts"])
+            return {**result, "failure": RuntimeError(error) if error else None, "wall_s": time.monotonic() - started}
+        finally:
+            driver.shutdown()
+
+
+def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, **backend) -> Outcome:
+    """Run a job to its end as `python -m ray_resume.run` does (`ray_resume.api.train`), its ranks in a
+    gloo group of this machine (LocalBackend's keyword arguments in `backend`). A mistake the driver's
+    checks find is raised, as it is by `train`; how the job ran is the Outcome."""
+    local = LocalBackend(**backend)
     try:
-        controller = getattr(driver, controller)(cfg.checkpoint.save_path, job_id, cfg.to_dict(), storage_faults)
-        args = (cfg.to_dict(), controller, plugins, load, job_id, preempted, storage_faults)
-        attempts, error = 0, None
-        for attempts in range(1, cfg.failure.max_failures + 2):
-            error = _run_group(cfg.scaling.max_workers, tmp, args, driver, timeout)
-            if error is None or error == "driver died":
-                break
-        if error == "driver died":
-            return Outcome(None, attempts, True, error)
-        result = controller.result()
-        controller.release()
-        if inspect:
-            inspect(controller)
-        return Outcome(result["committed"], attempts, False, result["user_error"] or error or result["error"], result["attempts"])
-    finally:
-        driver.shutdown()
+        api.train(cfg_dict, build_model=build_model, loss=loss, collate=collate, backend=local)
+    except (TrainingFailed, *USER_ERRORS):
+        if local.outcome is None:  # found before the job ran
+            raise
+    return local.outcome

@@ -69,8 +69,7 @@ class FaultyStorage:
             if hit is None and fault.nth <= _calls[index] < fault.nth + fault.times:
                 hit = fault
         if hit:
-            with open(self.record, "a") as f:
-                f.write(json.dumps({"pid": os.getpid(), "method": method, "path": path, **asdict(hit)}) + "\n")
+            _append(self.record, {"pid": os.getpid(), "method": method, "path": path, **asdict(hit)})
         return hit
 
     def __getattr__(self, name: str):
@@ -128,14 +127,34 @@ class _FailingRead(FileProxy):
 
 
 def install(faults: list[dict], record: str) -> None:
-    """Inject `faults` (Fault fields as dicts) into every storage this process opens from now on."""
+    """Inject `faults` (Fault fields as dicts) into every storage this process opens from now on; each
+    storage built is a line in `record` too (`builds`)."""
     parsed = [Fault(**f) for f in faults]
-    storage_module.wrappers[:] = [lambda backend: FaultyStorage(backend, parsed, record)]
+
+    def wrap(backend, uri):
+        _append(record, {"built": os.getpid(), "uri": uri})
+        return FaultyStorage(backend, parsed, record)
+
+    storage_module.wrappers[:] = [wrap]
 
 
-def injected(record: str) -> list[dict]:
-    """The failures injected so far, in every process that wrote to `record`."""
+def _append(record: str, line: dict) -> None:
+    with open(record, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def _lines(record: str) -> list[dict]:
     if not os.path.exists(record):
         return []
     with open(record) as f:
         return [json.loads(line) for line in f]
+
+
+def injected(record: str) -> list[dict]:
+    """The failures injected so far, in every process that wrote to `record`."""
+    return [line for line in _lines(record) if "op" in line]
+
+
+def builds(record: str) -> list[dict]:
+    """Every storage built where faults were installed: {"built": the process id, "uri": what for}."""
+    return [line for line in _lines(record) if "built" in line]

@@ -69,7 +69,7 @@ def train_func(config: dict) -> None:
         if step == config.get("kill_at") and rank == 1 and not os.path.exists(config["marker"]):
             open(config["marker"], "w").close()
             os.kill(os.getpid(), signal.SIGKILL)  # after the optimizer step, before this step's save
-        ck.maybe_save(step, consumed_samples=step * BATCH, force=step == STEPS)
+        ck.maybe_save(step, consumed_samples=step * BATCH, global_batch_size=BATCH)
 
 
 @pytest.fixture
@@ -81,9 +81,17 @@ def by_value():
 
 
 def fit(root, *, workers: int = 2, load=None, **loop):
-    result = ray_resume.fit(train_func, checkpoint={"save_path": str(root), "load_path": str(load or root), "save_interleaved_steps": EVERY},
-                            scaling={"num_workers": workers}, failure={"max_failures": 2}, train_loop_config=loop)
-    assert result.error is None and result.committed_iteration == STEPS, result.error
+    """As Ray Train's docs write a run: its ScalingConfig and RunConfig objects, try/except around fit."""
+    import ray.train
+
+    try:
+        result = ray_resume.fit(train_func, train_loop_config=loop,
+                                checkpoint={"save_path": str(root), "load_path": str(load or root), "save_interleaved_steps": EVERY},
+                                scaling_config=ray.train.ScalingConfig(num_workers=workers),
+                                run_config=ray.train.RunConfig(failure_config=ray.train.FailureConfig(max_failures=2)))
+    except ray.train.TrainingFailedError as exc:
+        pytest.fail(f"training failed: {exc}")
+    assert result.committed_iteration == STEPS and result.checkpoint.path.endswith(f"iteration_{STEPS:08d}")
     return result
 
 
@@ -110,8 +118,8 @@ def test_your_train_func_resumes_byte_identical_after_a_worker_sigkill_and_on_an
 
 @pytest.mark.invariant(6)
 def test_extra_state_that_json_and_safetensors_cannot_hold_is_refused_by_key_path():
-    from ray_resume.api import dump_extra, load_extra
-    from ray_resume.config import ConfigError
+    from ray_resume.extra_state import dump_extra, load_extra
+    from ray_resume.errors import ConfigError
 
     class Holder:
         def __init__(self, state):
@@ -140,10 +148,10 @@ def test_extra_state_that_json_and_safetensors_cannot_hold_is_refused_by_key_pat
 
 @pytest.mark.invariant(6, 13)
 def test_bad_keys_are_refused_before_ray_starts_and_the_checkpointer_lives_only_in_fit():
-    from ray_resume.config import ConfigError
+    from ray_resume.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        ray_resume.fit(train_func, checkpoint={"save_pth": "/tmp/x"}, scaling={"num_workers": 2})
+        ray_resume.fit(train_func, checkpoint={"save_pth": "/tmp/x"}, scaling_config={"num_workers": 2})
     assert err.value.problems[0] == "ray_resume.fit: checkpoint.save_pth: unknown key; did you mean 'save_path'?"
     with pytest.raises(RuntimeError, match=r"works inside a train_func run by ray_resume.fit\(\)"):
         ray_resume.get_checkpointer()
@@ -152,12 +160,13 @@ def test_bad_keys_are_refused_before_ray_starts_and_the_checkpointer_lives_only_
 @pytest.mark.invariant(6, 13)
 def test_extra_state_with_no_save_optim_is_refused_before_anything_loads(tmp_path):
     """It rides in the optimizer shards: with no_save_optim it would vanish at the first restart, silently."""
-    from ray_resume.api import RankCheckpointer, RankJob
-    from ray_resume.config import Config, ConfigError
+    from ray_resume.rank import RankCheckpointer, RankJob
+    from ray_resume.config import Config
+    from ray_resume.errors import ConfigError
 
     cfg = Config.from_dict({"name": "x", "checkpoint": {"save_path": str(tmp_path), "no_save_optim": True}})
     ck = RankCheckpointer(RankJob(cfg, controller=None, rank=0, world=1, job_id="j", attempt=0, resume_step=None, memory_step=None, ended={},
-                                  faults=None), load=None)
+                                  faults=None), source=None)
     model = torch.nn.Linear(2, 2)
     sched = torch.optim.lr_scheduler.StepLR(opt := torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
     with pytest.raises(ConfigError, match="extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out"):

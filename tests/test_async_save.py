@@ -47,7 +47,7 @@ class FakeCoordinator:
 def checkpointer_for(root: Path, rank: int, world: int, *, async_save: bool, coordinator=None, **checkpoint):
     cfg = Config.from_dict(tiny_config(root.parent, checkpoint={"save_path": str(root), "async_save": async_save,
                                                                "save_interleaved_steps": 1, **checkpoint}))
-    return Checkpointer(cfg, coordinator or FakeCoordinator(), rank, world, attempt=0, faults=FaultInjector(None, rank, lambda: True))
+    return Checkpointer(cfg.checkpoint, coordinator or FakeCoordinator(), rank, world, attempt=0, faults=FaultInjector(None, rank, lambda: True))
 
 
 def files_of(root: Path, step: int) -> dict[str, bytes]:
@@ -83,7 +83,7 @@ def test_async_and_sync_saves_write_identical_files(tmp_path, dtype):
             coordinators[mode, rank] = FakeCoordinator()
             ck = checkpointer_for(root, rank, 2, async_save=mode == "async", coordinator=coordinators[mode, rank])
             torch.manual_seed(1234)  # same RNG state captured into the opt shard's header
-            assert ck.maybe_save(3, model, opt, common)
+            ck.save(3, model, opt, common)
             assert ck.last_stall_s is not None and ck.stalls[0][0] == 3
             ck.finish()
     assert files_of(roots["sync"], 3) == files_of(roots["async"], 3)
@@ -110,17 +110,17 @@ def test_snapshot_is_taken_at_the_save_step_and_buffers_are_reused(tmp_path):
     model, opt = make_state()
     expected = checkpointer_for(tmp_path / "sync" / "ckpt", 0, 2, async_save=False)
     torch.manual_seed(5)
-    expected.maybe_save(1, model, opt, {"global_step": 1})
+    expected.save(1, model, opt, {"global_step": 1})
     ck = checkpointer_for(tmp_path / "async" / "ckpt", 0, 2, async_save=True)
     torch.manual_seed(5)
-    ck.maybe_save(1, model, opt, {"global_step": 1})
+    ck.save(1, model, opt, {"global_step": 1})
     # Training goes on at once, while the write may still be in flight: the snapshot must not see it.
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     pointers = {k: buf.data_ptr() for k, (_, buf) in ck.snapshots._buffers.items()}
     assert set(pointers) == {"model", "opt"} and ck.snapshots.allocations == 2
-    ck.maybe_save(2, model, opt, {"global_step": 2})  # waits for save 1, then snapshots into the same buffers
+    ck.save(2, model, opt, {"global_step": 2})  # waits for save 1, then snapshots into the same buffers
     ck.finish()
     assert files_of(tmp_path / "async" / "ckpt", 1) == files_of(tmp_path / "sync" / "ckpt", 1)
     assert files_of(tmp_path / "async" / "ckpt", 2) != files_of(tmp_path / "async" / "ckpt", 1)
@@ -140,14 +140,14 @@ def test_a_failed_background_write_surfaces_at_the_next_save(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpointer_module, "write_shards", broken)
-    assert ck.maybe_save(1, model, opt, {"global_step": 1})  # returns at once: the write is in the thread
+    ck.save(1, model, opt, {"global_step": 1})  # returns at once: the write is in the thread
     gate.set()
     with pytest.raises(AsyncSaveError, match="iteration 1 failed.*No space left") as info:
-        ck.maybe_save(2, model, opt, {"global_step": 2})
+        ck.save(2, model, opt, {"global_step": 2})
     assert isinstance(info.value.__cause__, OSError)
     # Raised once: the loop may go on, and a later save works again.
     monkeypatch.setattr(checkpointer_module, "write_shards", real)
-    assert ck.maybe_save(2, model, opt, {"global_step": 2})
+    ck.save(2, model, opt, {"global_step": 2})
     ck.finish()
     assert len(files_of(tmp_path / "ckpt", 2)) == 2
 
@@ -156,7 +156,7 @@ def test_a_failed_last_write_surfaces_at_the_final_wait(tmp_path, monkeypatch):
     model, opt = make_state()
     ck = checkpointer_for(tmp_path / "ckpt", 0, 1, async_save=True)
     monkeypatch.setattr(checkpointer_module, "write_shards", lambda *a, **k: 1 / 0)
-    ck.maybe_save(1, model, opt, {"global_step": 1})
+    ck.save(1, model, opt, {"global_step": 1})
     with pytest.raises(AsyncSaveError, match="iteration 1") as info:
         ck.finish()
     assert isinstance(info.value.__cause__, ZeroDivisionError)
@@ -167,7 +167,7 @@ def test_a_failure_is_raised_even_at_a_step_that_does_not_save(tmp_path, monkeyp
     model, opt = make_state()
     ck = checkpointer_for(tmp_path / "ckpt", 0, 1, async_save=True, save_interleaved_steps=4)
     monkeypatch.setattr(checkpointer_module, "write_shards", lambda *a, **k: 1 / 0)
-    assert ck.maybe_save(4, model, opt, {"global_step": 4})
+    ck.save(4, model, opt, {"global_step": 4})
     ck.background._pending[1].exception()  # let the thread fail
     with pytest.raises(AsyncSaveError):
-        ck.maybe_save(5, model, opt, {"global_step": 5})
+        ck.poll()  # what RankCheckpointer.maybe_save does at every step, saving or not

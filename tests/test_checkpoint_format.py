@@ -17,12 +17,13 @@ import torch
 import xxhash
 
 from conftest import commit_by_hand
+from ray_resume.checkpoint.lease import LEASE_DIR
 from ray_resume.checkpoint import names, paths, reader, state
 from ray_resume.checkpoint.digest import BlockDigests, block_bounds
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.plan import SavePlan, TensorSpec
 from ray_resume.checkpoint.reader import ShardReader, check_no_extra_shards, find_committed, load_rank_extras, open_iteration, plan_reads, read_verified
-from ray_resume.checkpoint.schema import CheckpointError
+from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage, storage_for
 from ray_resume.checkpoint.writer import CHECKSUM_BLOCK, save_shards
 from ray_resume.model import GPT
@@ -277,7 +278,10 @@ def test_rng_state_round_trips_every_generator(cached_gauss):
 
 
 def tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file under `root` and its bytes, the writer lease's record aside: a start on its own
+    save_path takes the lease before it reads anything for writing (and gives it back when refused)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.relative_to(root).parts[0] != LEASE_DIR}
 
 
 def load_everything(root: Path):
@@ -465,6 +469,7 @@ def test_a_root_of_format_4_is_still_read_bit_for_bit(tmp_path, capsys):
 
     from ray_resume import cli
     from ray_resume.checkpoint.checkpointer import Checkpointer
+    from ray_resume.checkpoint.root import CommittedIteration
     from ray_resume.config import Config
     from conftest import tiny_config
 
@@ -481,8 +486,8 @@ def test_a_root_of_format_4_is_still_read_bit_for_bit(tmp_path, capsys):
     assert all(torch.equal(loaded[k], renamed[k]) for k in renamed)
     model, opt = make_state(seed=3)
     cfg = Config.from_dict(tiny_config(tmp_path))
-    point = Checkpointer(cfg, None, 0, 1, 0, None).restore(model, opt, (str(root), 2), full=True)
-    assert (point.global_step, point.consumed_samples) == (2, 16)
+    point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, opt, CommittedIteration(str(root), 2), full=True)
+    assert (point.step, point.consumed_samples) == (2, 16)
     assert all(torch.equal(t, held[f"model/{n}"]) for n, t in state.model_tensors(model).items())
     assert all(torch.equal(t, renamed[f"opt/{n}"]) for n, t in opt.state_tensors().items())
     assert cli.main(["verify", str(root)]) == 0 and "sizes and block digests (xxh3-128) match" in capsys.readouterr().out

@@ -18,7 +18,7 @@ from ray_resume.config import (
     apply_overrides,
     load_config,
 )
-from ray_resume.run import scaling_config
+from ray_resume.driver import scaling_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

@@ -94,7 +94,7 @@ def test_process_started_is_when_the_process_began_not_when_it_asked():
     import time
 
     before = time.time()
-    asked = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.0); from ray_resume.api import process_started; "
+    asked = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.0); from ray_resume.rank import process_started; "
                             "print(process_started(), time.time())"], capture_output=True, text=True, check=True)
     started, now = map(float, asked.stdout.split())
     assert before - 0.05 <= started <= now - 1.0  # /proc counts in 10 ms ticks

@@ -15,9 +15,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from ray_resume.data.files import _column_array
 from ray_resume.data import (
     DataError,
-    _column_array,
     ReadUnit,
     SampleStream,
     dataset_size,
@@ -496,15 +496,12 @@ def test_data_map_preprocesses_the_rows_in_ray_datas_read_tasks(ray_ctx, ds_path
 
 @pytest.mark.invariant(6, 13)
 def test_a_data_map_that_changes_the_row_count_is_refused_on_the_driver_naming_it(tmp_path):
-    from conftest import tiny_config
-
-    from ray_resume.config import Config
-    from ray_resume.run import absolute_paths, preflight, with_lanes
+    from conftest import driver_checks, tiny_config
 
     cfg = tiny_config(tmp_path, data={"map": "plugin_models:drop_a_row"})
     with pytest.raises(DataError, match=r"data.map drop_a_row returned \{'input_ids': 1\} rows for the 2 rows of .*part-00000.parquet "
                                         r"row group 0; it must return one row per row it is given"):
-        preflight(with_lanes(absolute_paths(Config.from_dict(cfg))))
+        driver_checks(cfg)
 
 
 @pytest.mark.invariant(2, 3)

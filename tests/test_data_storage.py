@@ -15,7 +15,8 @@ import pytest
 
 from conftest import assert_same_as_reference, run_job, run_on_harness, tiny_config
 from harness import LocalStream
-from ray_resume.data import DataError, scan_units
+from ray_resume.data import scan_units
+from ray_resume.errors import DataError
 
 
 def upload(local: str, s3: dict) -> str:

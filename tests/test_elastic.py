@@ -14,7 +14,7 @@ import pytest
 import harness
 from conftest import per_step, read_metrics, run_on_harness, tiny_config
 from ray_resume.checkpoint import paths
-from ray_resume.checkpoint.schema import CheckpointError
+from ray_resume.errors import CheckpointError
 
 
 def resume_root(src_root: str, step: int, dest: Path) -> str:

@@ -83,10 +83,9 @@ import ray.train
 from ray.cluster_utils import Cluster
 from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator_module
 
-from ray_resume.config import Config
 from ray_resume.metrics import read_metrics
 from ray_resume.plugins import next_token_loss
-from ray_resume.run import run
+from ray_resume.api import train
 
 TRACKER = "latest_checkpointed_iteration.txt"  # the spec's name, in the save root
 SLOT = "train_slot"  # one per worker node: one training worker per worker node
@@ -188,8 +187,8 @@ def main():
 
     def job():
         try:
-            r = run(Config.from_dict(cfg), loss=gated_loss(root, gate, cfg["training"]["global_batch_size"], cfg["training"]["micro_batch_size"]))
-            result.update(committed=r.committed_iteration, error=None if r.error is None else repr(r.error))
+            r = train(cfg, loss=gated_loss(root, gate, cfg["training"]["global_batch_size"], cfg["training"]["micro_batch_size"]))
+            result.update(committed=r.committed_iteration, error=None)
         except BaseException as exc:  # reported to the test
             result.update(committed=None, error=repr(exc))
 

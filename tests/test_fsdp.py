@@ -25,6 +25,7 @@ from conftest import commit_by_hand, tiny_config
 from ray_resume import parallel
 from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
+from ray_resume.checkpoint.root import CommittedIteration
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
@@ -94,7 +95,8 @@ def _load(rank: int, world: int, init: str, out: str, strategy: str, dtype: str,
     model, optimizer = _setup(rank, world, init, strategy, dtype)
     _train(model, optimizer, 1, rank, world)  # optimizer state exists, and differs from the saved one
     cfg = Config.from_dict(tiny_config(Path(out), training={"strategy": strategy}, model={"dtype": dtype}))
-    point = Checkpointer(cfg, None, rank, world, 0, None).restore(model, optimizer, (str(Path(out, "ckpt")), STEP), full=True)
+    point, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(model, optimizer, CommittedIteration(str(Path(out, "ckpt")), STEP),
+                                                                                  full=True)
     loaded = _consolidated(model, optimizer)
     losses = _train(model, optimizer, 1, rank, world)  # training continues from the loaded state
     if rank == 0:
@@ -102,7 +104,7 @@ def _load(rank: int, world: int, init: str, out: str, strategy: str, dtype: str,
     reads = [None] * world
     dist.all_gather_object(reads, point.bytes_read)
     if rank == 0:
-        Path(out, f"{label}.json").write_text(json.dumps({"bytes_read": reads, "loss": losses[0], "step": point.global_step}))
+        Path(out, f"{label}.json").write_text(json.dumps({"bytes_read": reads, "loss": losses[0], "step": point.step}))
     _exit()
 
 

@@ -19,7 +19,7 @@ import harness
 from conftest import FINAL, STORAGE_SECRETS, assert_same_as_reference, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.reader import check_no_extra_shards, open_iteration
-from ray_resume.checkpoint.schema import CheckpointError
+from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.plugins import next_token_loss
 

@@ -14,7 +14,7 @@ import yaml
 from conftest import REPO, env_for_subprocess, run_job, tiny_config
 from ray_resume.checkpoint import lease as lease_module
 from ray_resume.checkpoint.lease import LEASE_DIR, Lease
-from ray_resume.checkpoint.schema import CheckpointError
+from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint import state
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import save_shards
@@ -165,7 +165,6 @@ def test_two_real_jobs_on_one_save_path(tmp_path, reference):
     cfg = tiny_config(tmp_path, training={"train_steps": 40})
     cfg["data"]["path"] = reference["data"]
     cfg["checkpoint"]["load_path"] = cfg["checkpoint"]["save_path"]
-    lease_dir = tmp_path / "ckpt" / LEASE_DIR
     outcome = {}
 
     def first_job():

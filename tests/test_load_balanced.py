@@ -17,7 +17,8 @@ import harness
 from benchmarks import scale_sim
 from ray_resume.checkpoint.loader import StateLoader, balanced_owners, deal_by_size, divide_blocks, even_runs, open_shared, owned_parts
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
-from ray_resume.checkpoint.schema import CheckpointError, Iteration, StoredFile
+from ray_resume.checkpoint.schema import Iteration, StoredFile
+from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import CHECKSUM_BLOCK
 from storage_faults import FileProxy

@@ -153,9 +153,9 @@ import json, os, sys, threading, time
 from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
-from ray_resume.config import Config
 from ray_resume.plugins import next_token_loss
-from ray_resume.run import CONTROLLER_NAME, run
+from ray_resume.api import train
+from ray_resume.driver import CONTROLLER_NAME
 
 cfg = json.loads(Path(sys.argv[1]).read_text())
 marks = Path(sys.argv[2])
@@ -177,8 +177,8 @@ def marked_loss(model, batch):  # the built-in loss; each rank leaves a file nam
 result = {}
 def job():
     try:
-        r = run(Config.from_dict(cfg), loss=marked_loss)
-        result.update(committed=r.committed_iteration, error=None if r.error is None else repr(r.error))
+        r = train(cfg, loss=marked_loss)
+        result.update(committed=r.committed_iteration, error=None)
     except BaseException as exc:
         result.update(committed=None, error=repr(exc))
 

@@ -28,9 +28,10 @@ from plugin_models import TwoDense
 from ray_resume import cli
 from ray_resume.checkpoint import names
 from ray_resume.checkpoint.checkpointer import Checkpointer
+from ray_resume.checkpoint.root import CommittedIteration
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
-from ray_resume.checkpoint.schema import CheckpointError
+from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.config import Config
 from ray_resume.optim import MainParamsOptimizer
@@ -106,8 +107,9 @@ def test_ray_resume_resumes_what_mindformers_saves(tmp_path, tabular, cards, cap
     model = TwoDense()
     optimizer = MainParamsOptimizer(model, lr=1e-3)
     cfg = Config.from_dict(dense_config(tmp_path / "restore", tabular))
-    point = Checkpointer(cfg, None, 0, 1, 0, None).restore(model, optimizer, (str(root), 3), full=True, global_batch_size=8)
-    assert (point.global_step, point.consumed_samples, point.source) == (3, 24, it.path)
+    point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, optimizer, CommittedIteration(str(root), 3), full=True,
+                                                                      global_batch_size=8)
+    assert (point.step, point.consumed_samples, point.source) == (3, 24, it.path)
     for name, tensor in model.state_dict().items():
         assert np.array_equal(tensor.numpy(), truth[name]), name
     for name, param in model.named_parameters():

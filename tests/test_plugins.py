@@ -11,14 +11,14 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO, commit_by_hand, run_on_harness, shard_bytes
 from ray_resume import parallel, train
-from ray_resume.run import run
 from ray_resume.checkpoint import state
 from ray_resume.checkpoint.checkpointer import load_weights
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import save_shards
-from ray_resume.config import Config, ConfigError, load_config
+from ray_resume.config import Config, load_config
+from ray_resume.errors import ConfigError
 from ray_resume.plugins import make_model, resolve
 from examples.tabular_mlp import build, loss, make_data
 from plugin_models import TiedLM
@@ -58,7 +58,7 @@ def test_fsdp_units_name_module_classes_and_unknown_ones_are_refused_before_any_
     cfg = config(training={"strategy": "fsdp"}, model={"fsdp_units": ["Blok"]},
                  checkpoint={"save_path": str(tmp_path / "ckpt")}, data={"path": str(tmp_path / "none")})
     with pytest.raises(ConfigError, match=r"model.fsdp_units: the model has no module of class 'Blok' \(its classes: .*Block"):
-        run(cfg)  # refused on the driver (a meta-device model), before Ray starts
+        train(cfg)  # refused on the driver (a meta-device model), before Ray starts
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -117,7 +117,7 @@ def test_example_via_python_api_and_its_killed_twin_end_byte_identical(tmp_path,
     killed, the callables handed over directly, on the in-process harness: the same bytes."""
     clean = example_config(tmp_path / "clean", tabular)
     result = train(clean)
-    assert result.error is None and result.committed_iteration == 12
+    assert result.committed_iteration == 12
     assert result.checkpoint_path.endswith("iteration_00000012") and result.metrics["step"] == 12
     assert result.metrics["loss"] < 5.0
     killed = example_config(tmp_path / "killed", tabular)

@@ -12,8 +12,9 @@ import torch
 
 import harness
 from conftest import FINAL, assert_resumed_once, read_metrics, run_on_harness, shard_bytes, tiny_config
-from ray_resume.checkpoint.schema import CheckpointError
-from ray_resume.config import Config, ConfigError
+from ray_resume.errors import CheckpointError
+from ray_resume.config import Config
+from ray_resume.errors import ConfigError
 from ray_resume.model import GPT, lm_loss
 from ray_resume.optim import MainParamsOptimizer
 from ray_resume.plugins import resolve

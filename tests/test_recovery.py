@@ -14,19 +14,21 @@ import torch
 import xxhash
 
 import harness
-from conftest import FINAL, run_on_harness, shard_bytes, tiny_config
+from conftest import FINAL, driver_checks, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
+from ray_resume.checkpoint.lease import LEASE_DIR
+from ray_resume.checkpoint.root import CommittedIteration
+from ray_resume.preflight import resolve_source
 from ray_resume.checkpoint.digest import block_bounds
 from ray_resume.checkpoint.fallback import select_iteration
 from ray_resume.checkpoint.loader import StateLoader
-from ray_resume.checkpoint.schema import CheckpointError
+from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.config import Config
 from ray_resume.metrics import read_metrics
 from ray_resume.model import GPT
 from ray_resume.optim import MainParamsOptimizer
-from ray_resume.run import find_load_source
 from test_checkpoint_format import make_state, tree, write_iteration
 
 
@@ -53,7 +55,7 @@ def restore(root: Path, step: int, **checkpoint):
     """What a rank of a 1-rank group loads from `(root, step)`: its resume point."""
     model, opt = make_state(seed=4)
     cfg = Config.from_dict(tiny_config(root.parent, checkpoint=checkpoint))
-    return Checkpointer(cfg, None, 0, 1, 0, None).restore(model, opt, (str(root), step), full=True)
+    return Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, opt, CommittedIteration(str(root), step), full=True)[0]
 
 
 @pytest.mark.parametrize("stepped", [True, False])
@@ -71,7 +73,7 @@ def test_a_restore_reads_straight_into_the_live_tensors(root, monkeypatch, stepp
     load = StateLoader.load
     monkeypatch.setattr(StateLoader, "load", lambda self, *a, **kw: returned.update(out := load(self, *a, **kw)) or out)
     cfg = Config.from_dict(tiny_config(root.parent))
-    Checkpointer(cfg, None, 0, 1, 0, None).restore(model, opt, (str(root), 10), full=True)
+    Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, opt, CommittedIteration(str(root), 10), full=True)
     saved = {**state.model_tensors(saved_model), **saved_opt.state_tensors()}
     assert returned.keys() == saved.keys()
     for name, t in {**state.model_tensors(model), **opt.state_tensors()}.items():
@@ -103,14 +105,14 @@ def test_the_driver_reads_metadata_not_shards_and_the_ranks_find_the_damage(tmp_
     checkpoint_bytes = sum(p.stat().st_size for p in (root / "iteration_00000010").iterdir())
     cfg = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(root), "save_path": str(root)}))
     before = read_chars()
-    assert find_load_source(cfg.checkpoint) == (str(root), 10)
+    assert resolve_source(cfg)[0] == CommittedIteration(str(root), 10)
     driver_read = read_chars() - before
     assert checkpoint_bytes > 10_000_000 and driver_read < 0.1 * checkpoint_bytes, (driver_read, checkpoint_bytes)
 
     big = GPT(vocab_size=32, seq_len=8, d_model=256, n_layers=2, n_heads=4)
     with caplog.at_level(logging.WARNING):
-        point = Checkpointer(cfg, None, 0, 1, 0, None).restore(big, MainParamsOptimizer(big, lr=1e-2, weight_decay=0.0),
-                                                                (str(root), 10), full=True)
+        point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(big, MainParamsOptimizer(big, lr=1e-2, weight_decay=0.0),
+                                                                   CommittedIteration(str(root), 10), full=True)
     assert point.consumed_samples == 8 * 5 and point.source.endswith("iteration_00000005")
     assert "ckpt-opt-0000001-0000002.safetensors: xxh3-128 does not match metadata.json" in caplog.text
     assert "Resuming from iteration 5 instead" in caplog.text
@@ -219,7 +221,7 @@ def test_bad_load_path_is_refused_by_key(tmp_path, make, message):
     path = make(tmp_path)
     cfg = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": path}))
     with pytest.raises(CheckpointError) as err:
-        find_load_source(cfg.checkpoint)
+        resolve_source(cfg)[0]
     assert "checkpoint.load_path" in str(err.value) and message in str(err.value)
 
 
@@ -251,7 +253,6 @@ def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_refer
 def test_a_resume_on_other_data_is_refused_naming_the_change(tmp_path, local_reference, change, message):
     """The data order depends on the seed, shuffle, columns and dataset; common.json records them, and a
     full resume that would continue another order is refused before Ray starts, unless it is meant."""
-    from ray_resume.run import absolute_paths, preflight, with_lanes
 
     root = tmp_path / "ckpt"
     shutil.copytree(local_reference["root"], root)
@@ -259,21 +260,20 @@ def test_a_resume_on_other_data_is_refused_naming_the_change(tmp_path, local_ref
     cfg = tiny_config(tmp_path, checkpoint={"load_path": str(root)})
     cfg["data"] = {**cfg["data"], "path": local_reference["data"], **change}
     with pytest.raises(CheckpointError) as err:
-        preflight(with_lanes(absolute_paths(Config.from_dict(cfg))))
+        driver_checks(cfg)
     assert message in str(err.value) and "iteration 12 was trained on other data" in str(err.value)
     assert "set data.allow_change: true" in str(err.value) and str(root / "iteration_00000012" / "common.json") in str(err.value)
     assert tree(root) == before
     cfg["data"]["allow_change"] = True
-    assert preflight(with_lanes(absolute_paths(Config.from_dict(cfg)))) == (str(root), 12)
+    assert driver_checks(cfg) == CommittedIteration(str(root), 12)
     del cfg["data"]["allow_change"]
     cfg["checkpoint"]["no_load_optim"] = True  # weights only: starts at sample 0, nothing to continue
     cfg["checkpoint"]["save_path"] = str(tmp_path / "fresh")
-    assert preflight(with_lanes(absolute_paths(Config.from_dict(cfg)))) == (str(root), 12)
+    assert driver_checks(cfg) == CommittedIteration(str(root), 12)
 
 
 @pytest.mark.invariant(3)
 def test_another_dataset_is_refused_but_a_moved_copy_is_not(tmp_path, local_reference):
-    from ray_resume.run import absolute_paths, preflight, with_lanes
 
     root = tmp_path / "ckpt"
     shutil.copytree(local_reference["root"], root)
@@ -281,10 +281,10 @@ def test_another_dataset_is_refused_but_a_moved_copy_is_not(tmp_path, local_refe
     shutil.copytree(local_reference["data"], moved)
     cfg = tiny_config(tmp_path, checkpoint={"load_path": str(root)})
     cfg["data"]["path"] = str(moved)
-    assert preflight(with_lanes(absolute_paths(Config.from_dict(cfg)))) == (str(root), 12)
+    assert driver_checks(cfg) == CommittedIteration(str(root), 12)
     sorted(moved.glob("*.parquet"))[-1].unlink()
     with pytest.raises(CheckpointError, match=r"the dataset at data.path: \d+ samples in \d+ row groups -> \d+ in \d+"):
-        preflight(with_lanes(absolute_paths(Config.from_dict(cfg))))
+        driver_checks(cfg)
 
 
 def test_fingerprint_changes_name_each_setting():
@@ -317,7 +317,7 @@ def test_weights_that_do_not_fit_the_model_are_refused_on_the_driver(tmp_path):
         harness.run_job(tiny_config(tmp_path, checkpoint={"save_path": str(tmp_path / "new"), "load_path": str(tmp_path / "export"),
                                                            "no_load_optim": True}))
     assert str(err.value).startswith(f"{tmp_path / 'export'}: tensor 'tok.weight' is torch.float32 [32, 16] there but torch.float32 [64, 32]")
-    assert not (tmp_path / "new").exists()  # no rank ran
+    assert [p.name for p in (tmp_path / "new").iterdir()] == [LEASE_DIR]  # no rank ran: the driver took the lease, then refused
 
 
 class Wrapped(torch.nn.Module):

@@ -104,17 +104,17 @@ def test_a_user_mistake_a_rank_finds_ends_the_run_once_in_our_words(tmp_path, re
 
     import plugin_models
     from ray_resume import train
-    from ray_resume.config import ConfigError
+    from ray_resume.errors import ConfigError
 
     cloudpickle.register_pickle_by_value(plugin_models)  # the workers cannot import tests/
     try:
         cfg = tiny_config(tmp_path)
         cfg["data"]["path"] = reference["data"]
-        result = train(cfg, loss=plugin_models.loss_per_token)
+        with pytest.raises(ConfigError) as err:
+            train(cfg, loss=plugin_models.loss_per_token)
     finally:
         cloudpickle.unregister_pickle_by_value(plugin_models)
-    assert isinstance(result.error, ConfigError), result.error
     assert re.fullmatch(r"rank [01]: training\.loss returned a torch\.float32 tensor of shape \[64\]; it must return a "
-                        r"scalar floating-point tensor \(reduce it over the batch, with \.mean\(\) say\)", str(result.error))
+                        r"scalar floating-point tensor \(reduce it over the batch, with \.mean\(\) say\)", str(err.value))
     started = [r for r in read_metrics(cfg["checkpoint"]["save_path"]) if r.get("event") == "start"]
     assert {r["attempt"] for r in started} == {0}

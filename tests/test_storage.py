@@ -10,6 +10,7 @@ import hashlib
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -148,8 +149,12 @@ def test_exact_resume_on_object_storage(tmp_path, reference, s3):
                       fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
     cfg["data"]["path"] = reference["data"]
     with TornReadWatcher(root, s3) as watcher:
-        run_job(cfg)
+        result = run_job(cfg)
     assert watcher.saw_whole_files_only(), (watcher.json_reads, watcher.torn)
+    # Ray Train's Checkpoint of it opens through the configured endpoint, not AWS's
+    assert result.checkpoint_path == f"{root}/iteration_{FINAL:08d}"
+    with result.checkpoint.as_directory() as local:
+        assert json.loads((Path(local) / "common.json").read_text())["global_step"] == FINAL
     storage = storage_for(root, s3)
     assert find_committed(storage, root) == FINAL
     for step in (4, 8, FINAL):

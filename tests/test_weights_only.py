@@ -14,17 +14,18 @@ import torch
 
 import harness
 
-from conftest import FINAL, assert_resumed_once, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import FINAL, assert_resumed_once, driver_checks, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
+from ray_resume.checkpoint.root import CommittedIteration, WeightsExport
+from ray_resume.preflight import resolve_source
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
-from ray_resume.checkpoint.schema import CheckpointError
+from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.config import Config
 from ray_resume.model import GPT, lm_loss
 from ray_resume.optim import LossScaler, MainParamsOptimizer
-from ray_resume import run as run_module
 from test_checkpoint_format import make_state, tree, write_iteration
 
 
@@ -36,7 +37,7 @@ def test_weights_only_load_refreshes_the_fp32_main_params(tmp_path):
     model = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2).to(torch.bfloat16)
     optimizer = MainParamsOptimizer(model, lr=1e-2, weight_decay=0.0)
     cfg = Config.from_dict(tiny_config(tmp_path))
-    Checkpointer(cfg, None, 0, 1, 0, None).restore(model, optimizer, (str(tmp_path), 5), full=False)
+    Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, optimizer, CommittedIteration(str(tmp_path), 5), full=False)
     optimizer.zero_grad()
     optimizer.step()  # no gradients: Adam moves nothing, so the weights must stay the loaded ones
     for name, tensor in state.model_tensors(saved).items():
@@ -89,14 +90,13 @@ def test_export_with_a_mismatched_tensor_is_refused_by_name(tmp_path):
     before = {n: t.clone() for n, t in state.model_tensors(other).items()}
     cfg = Config.from_dict(tiny_config(tmp_path))
     with pytest.raises(CheckpointError, match=r"tensor 'tok.weight' is torch.float32 \[32, 16\] there but torch.float32 \[40, 16\] in the model"):
-        Checkpointer(cfg, None, 0, 1, 0, None).restore(other, other_opt, (str(tmp_path / "export"), None), full=False)
+        Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(other, other_opt, WeightsExport(str(tmp_path / "export")), full=False)
     assert all(torch.equal(before[n], t) for n, t in state.model_tensors(other).items())  # nothing half-loaded
 
 
 @pytest.mark.invariant(10, 13)
 def test_weights_only_onto_its_own_committed_root_is_refused_naming_save_path(tmp_path):
     """Step 0 again, saving into the root whose committed iterations it loads, would overwrite them."""
-    from ray_resume.run import absolute_paths, preflight, with_lanes
 
     write_iteration(tmp_path / "ckpt", world=2)
     root = str(tmp_path / "ckpt")
@@ -104,32 +104,31 @@ def test_weights_only_onto_its_own_committed_root_is_refused_naming_save_path(tm
     saved_model = {"vocab_size": 32, "seq_len": 8, "d_model": 16, "n_layers": 1, "n_heads": 2}  # make_state's
     cfg = tiny_config(tmp_path, model=saved_model, checkpoint={"save_path": root, "load_path": root, "no_load_optim": True})
     with pytest.raises(CheckpointError) as err:
-        preflight(with_lanes(absolute_paths(Config.from_dict(cfg))))
+        driver_checks(cfg)
     assert f"checkpoint.save_path {root!r} holds committed iteration 5" in str(err.value)
     assert "set checkpoint.save_path to a new directory" in str(err.value)
     assert tree(tmp_path / "ckpt") == before
     fresh = tiny_config(tmp_path, model=saved_model, checkpoint={"save_path": str(tmp_path / "new"), "load_path": root, "no_load_optim": True})
-    assert preflight(with_lanes(absolute_paths(Config.from_dict(fresh)))) == (root, 5)  # scenario B: a new root
+    assert driver_checks(fresh) == CommittedIteration(root, 5)  # scenario B: a new root
 
 
 def test_export_then_load_as_weights_round_trips_bitwise(tmp_path):
     from ray_resume import cli
-    from ray_resume.run import find_load_source
 
     saved, saved_opt = make_state(seed=1)
     write_iteration(tmp_path / "root", world=3, model=saved, opt=saved_opt)
     out = tmp_path / "export"
     assert cli.main(["export", str(tmp_path / "root"), str(out)]) == 0
     cfg = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(out), "no_load_optim": True}))
-    assert find_load_source(cfg.checkpoint) == (str(out), None)
+    assert resolve_source(cfg)[0] == WeightsExport(str(out))
     model, optimizer = make_state(seed=2)
-    point = Checkpointer(cfg, None, 0, 1, 0, None).restore(model, optimizer, (str(out), None), full=False)
+    point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, optimizer, WeightsExport(str(out)), full=False)
     assert point.bytes_read == (out / "model.safetensors").stat().st_size  # what "rank 0 read N bytes" says
     for name, tensor in state.model_tensors(saved).items():
         assert torch.equal(state.model_tensors(model)[name], tensor), name
     full = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(out)}))
     with pytest.raises(CheckpointError, match="is a weights-only safetensors export .* set checkpoint.no_load_optim: true"):
-        find_load_source(full.checkpoint)
+        resolve_source(full)[0]
 
 
 # ---- whole jobs -----------------------------------------------------------------------------
@@ -189,7 +188,7 @@ def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, local
 
 
 @pytest.mark.invariant(6, 13)
-def test_no_save_optim_then_full_resume_is_refused_by_name(tmp_path, local_reference, monkeypatch):
+def test_no_save_optim_then_full_resume_is_refused_by_name(tmp_path, local_reference):
     cfg = tiny_config(tmp_path, training={"train_steps": 4}, checkpoint={"no_save_optim": True})
     cfg["data"]["path"] = local_reference["data"]
     run_on_harness(cfg)
@@ -199,9 +198,8 @@ def test_no_save_optim_then_full_resume_is_refused_by_name(tmp_path, local_refer
     assert not it.shard_files("opt") and not list(Path(it.path).glob("*-opt-*"))
     resume = tiny_config(tmp_path / "again", checkpoint={"load_path": root})
     resume["data"]["path"] = local_reference["data"]
-    monkeypatch.setattr(run_module, "init_ray", lambda *args: pytest.fail("refused only after Ray was asked to start"))
-    with pytest.raises(CheckpointError) as err:  # on the driver, before Ray starts
-        run_module.run(Config.from_dict(resume))
+    with pytest.raises(CheckpointError) as err:  # on the driver, before any rank would start
+        driver_checks(resume)
     assert f"{it.path}: iteration 4 was saved without optimizer state" in str(err.value)
     assert "set checkpoint.no_load_optim: true" in str(err.value)
 

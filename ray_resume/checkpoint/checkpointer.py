@@ -1,48 +1,48 @@
-"""Worker side of checkpointing: restore once at start, maybe save each step.
+"""One rank's checkpointing: restore from what the job resumes, save this rank's share of a step,
+snapshot it into the memory tier.
 
-The training loop calls `restore()` once and `maybe_save(step)` every step
-(torchtitan's shape). Everything a rank needs to decide what to load comes
-from the driver, so all ranks of a group agree on it.
+Whether a step is saved is decided above (`rank.RankCheckpointer`); what
+to load comes from the driver, so all ranks of a group agree on it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..calls import call
+from ..collectives import collective_device, decided_by_rank0, smallest
+from ..errors import CheckpointError
 from . import memory, names, paths, state
+from .async_save import BackgroundSave
 from .fallback import fall_back
-from .loader import StateLoader, collective_device, decided_by_rank0, open_shared
+from .loader import StateLoader, open_shared
 from .plan import TensorSpec, needed_range
 from .reader import load_rank_extras, read_export
-from .schema import CheckpointError, DamagedShards
+from .root import CommittedIteration, ResumeSource, WeightsExport, root_for
+from .schema import DamagedShards
 from .state import DTYPE_TAGS, DTYPES, class_path, optimizer_slots
-from .async_save import BackgroundSave
-from .storage import storage_for
 from .writer import SnapshotBuffers, live_data, shard_layouts, write_shards
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ResumePoint:
-    """Where training continues: the next step is `global_step + 1`."""
+@dataclass(frozen=True)
+class Start:
+    """Where a loop continues: its next step is `step + 1`."""
 
-    global_step: int = 0
+    step: int = 0
     consumed_samples: int = 0
-    source: str | None = None  # the iteration dir loaded, None for a fresh start
-    bytes_read: int = 0  # bytes this rank read from storage to load it
-    extras: dict[str, str] = field(default_factory=dict)  # the rank's strings from its opt header (see rank0_extras)
+    source: str | None = None  # the iteration (or export, or memory snapshot) loaded; None for a fresh start
+    bytes_read: int = 0  # bytes this rank read from storage for it
 
 
 class Checkpointer:
-    def __init__(self, cfg, controller, rank: int, world_size: int, attempt: int, faults):
-        self.cfg = cfg
-        self.ckpt = cfg.checkpoint
+    def __init__(self, ckpt, controller, rank: int, world_size: int, attempt: int, faults):
+        self.ckpt = ckpt  # the config's checkpoint section
         self.controller = controller  # the job's controller (ray_resume.controller), reached through `call`
         self.rank = rank
         self.world_size = world_size
@@ -55,9 +55,10 @@ class Checkpointer:
         self.last_stall_s: float | None = None  # seconds the last save blocked the training loop
         self.stalls: list[tuple[int, float]] = []  # (step, stall seconds) of every save, in order
 
-    def restore(self, model, optimizer, source: tuple[str, int | None] | None, *, full: bool,
-                global_batch_size: int | None = None, rank0_extras: bool = False) -> ResumePoint:
-        """Load `source = (root, step)`, or `(export_dir, None)` for consolidated safetensors weights.
+    def restore(self, model, optimizer, source: ResumeSource | None, *, full: bool,
+                global_batch_size: int | None = None, rank0_extras: bool = False) -> tuple[Start, dict[str, str]]:
+        """Load `source` into the live model (and optimizer); where to continue, and the rank's strings
+        from its opt header (param groups, extra state).
 
         `full` restores optimizer, RNG and progress too (the spec's
         no_load_optim: false); otherwise only weights are taken, training
@@ -66,27 +67,26 @@ class Checkpointer:
         `rank0_extras`: on another world size, every rank takes rank 0's extras (param groups, extra state).
         """
         if source is None:
-            return ResumePoint()
-        root, step = source
-        storage = storage_for(root, self.ckpt.storage)
-        try:
-            return self._restore(storage, model, optimizer, root, step, full=full, gbs=global_batch_size, rank0_extras=rank0_extras)
-        except DamagedShards as exc:  # every rank gets here (the loader agrees), with the same step
-            if step is None:
-                raise
-            logger.warning("rank %d: %s", self.rank, exc)
-            older = decided_by_rank0(lambda: fall_back(storage, root, step, str(exc), fallback=self.ckpt.fallback),
-                                     self.rank, self.world_size, f"fall back from the damaged iteration {step}")
-            return self.restore(model, optimizer, (root, older), full=full, global_batch_size=global_batch_size,
-                                rank0_extras=rank0_extras)
-
-    def _restore(self, storage, model, optimizer, root: str, step: int | None, *, full: bool, gbs: int | None,
-                 rank0_extras: bool) -> ResumePoint:
-        if step is None:
-            weights, read = read_export(storage, root)
-            load_weights(model, weights, root, self.rank, self.world_size)
+            return Start(), {}
+        if isinstance(source, WeightsExport):
+            weights, read = read_export(root_for(source.path, self.ckpt.storage).storage, source.path)
+            load_weights(model, weights, source.path, self.rank, self.world_size)
             optimizer.reload_main_params_from_model()
-            return ResumePoint(source=root, bytes_read=read)
+            return Start(source=source.path, bytes_read=read), {}
+        storage = root_for(source.root, self.ckpt.storage).storage
+        try:
+            return self._restore(storage, model, optimizer, source.root, source.step, full=full, gbs=global_batch_size,
+                                 rank0_extras=rank0_extras)
+        except DamagedShards as exc:  # every rank gets here (the loader agrees), with the same step
+            logger.warning("rank %d: %s", self.rank, exc)
+            damage = str(exc)
+            older = decided_by_rank0(lambda: fall_back(storage, source.root, source.step, damage, fallback=self.ckpt.fallback),
+                                     self.rank, f"fall back from the damaged iteration {source.step}")
+            return self.restore(model, optimizer, CommittedIteration(source.root, older), full=full,
+                                global_batch_size=global_batch_size, rank0_extras=rank0_extras)
+
+    def _restore(self, storage, model, optimizer, root: str, step: int, *, full: bool, gbs: int | None,
+                 rank0_extras: bool) -> tuple[Start, dict[str, str]]:
         try:
             it = open_shared(storage, root, step, self.rank, self.world_size)
         except CheckpointError as exc:
@@ -104,10 +104,10 @@ class Checkpointer:
         assign(live, self._load(loader, paths.MODEL_KIND, specs, live, into=live))
         if not full:
             optimizer.reload_main_params_from_model()
-            return ResumePoint(source=it.path, bytes_read=loader.bytes_read)
+            return Start(source=it.path, bytes_read=loader.bytes_read), {}
         if optimizer is None:
             raise CheckpointError(f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only")
-        point = self._progress(it, gbs)
+        extras = {}
         refuse_optimizer_change(it, type(optimizer.optimizer), "this job's optimizer is {now}", "it from the weights",
                                 "build the optimizer that saved it", slots=optimizer_slots(optimizer.optimizer))
         if it.has_optimizer:
@@ -125,18 +125,18 @@ class Checkpointer:
             if it.origin == "mindformers":
                 logger.warning("%s was written by MindFormers: it holds no RNG streams, which are reseeded, not restored", it.path)
             elif it.world_size == self.world_size:
-                point.extras = load_rank_extras(loader.reader, self.rank)
-                state.restore_rng(point.extras)
+                extras = load_rank_extras(loader.reader, self.rank)
+                state.restore_rng(extras)
             else:  # the RNG streams stay as they are
-                point.extras = load_rank_extras(loader.reader, 0) if rank0_extras else {}
+                extras = load_rank_extras(loader.reader, 0) if rank0_extras else {}
                 logger.warning("world size changed (%d -> %d): RNG streams are reseeded, not restored", it.world_size, self.world_size)
         else:
             # Only reachable on a restart inside a job saved with no_save_optim: keep
             # the progress, but the optimizer starts over (nothing else to resume).
             logger.warning("%s has no optimizer state (no_save_optim): resuming weights and progress, fresh optimizer", it.path)
             optimizer.reload_main_params_from_model()
-        point.bytes_read = loader.bytes_read
-        return point
+        step, consumed = self._progress(it, gbs)
+        return Start(step, consumed, it.path, loader.bytes_read), extras
 
     def _load(self, loader: StateLoader, kind: str, specs: dict[str, TensorSpec], live: dict,
               into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -152,7 +152,7 @@ class Checkpointer:
                     and DTYPE_TAGS.get(t.dtype) == specs[n].dtype and t.numel() == ranges[n][1]}
         return loader.load(kind, ranges, shared=set(specs) - sharded, into=in_place)
 
-    def _progress(self, it, gbs: int | None) -> ResumePoint:
+    def _progress(self, it, gbs: int | None) -> tuple[int, int]:
         """Step and data cursor to continue from, rescaled when global_batch_size changed (spec 1.4).
 
         resume_step = saved_step x saved_gbs / current_gbs keeps the consumed
@@ -162,22 +162,22 @@ class Checkpointer:
         """
         c = it.common
         saved_gbs, consumed = c["global_batch_size"], c["consumed_samples"]
-        if gbs is None or saved_gbs == gbs:
-            return ResumePoint(c["global_step"], consumed, it.path)
+        if gbs is None or saved_gbs in (None, gbs) or consumed is None:  # nothing to rescale, or nothing to rescale by
+            return c["global_step"], consumed
         step, leftover = divmod(consumed, gbs)
         logger.warning(
             "global_batch_size changed %d -> %d: resume step = %d x %d / %d = %s%s; data continues at sample %d",
             saved_gbs, gbs, c["global_step"], saved_gbs, gbs, f"{consumed / gbs:g}",
             f", rounded down to {step}" if leftover else "", consumed,
         )
-        return ResumePoint(step, consumed, it.path)
+        return step, consumed
 
-    def should_save(self, step: int) -> bool:
-        c = self.ckpt
-        return c.enable_save and (step % c.save_interleaved_steps == 0 or step == self.cfg.training.train_steps)
+    def poll(self) -> None:
+        """Raise the error of a background save that failed (once), at any step, saving or not."""
+        self.background.poll()
 
-    def maybe_save(self, step: int, model, optimizer, common: dict, *, force: bool = False, extras: dict[str, str] | None = None) -> bool:
-        """Save this rank's shards of `step` and report them to the driver. True if it saved.
+    def save(self, step: int, model, optimizer, common: dict, *, extras: dict[str, str] | None = None) -> None:
+        """Save this rank's shards of `step` and report them to the driver.
 
         With `checkpoint.async_save` (default) the share is copied into the
         reused snapshot buffers and a background thread writes and reports
@@ -187,8 +187,6 @@ class Checkpointer:
         raised here (or by `finish()`), never dropped.
         """
         self.background.poll()
-        if not (self.should_save(step) or (force and self.ckpt.enable_save)):
-            return False
         start = time.perf_counter()
         waited = self.background.wait()  # a new save waits for the previous one (its buffers are reused)
         states = {paths.MODEL_KIND: state.with_rank0_buffers(model, state.model_tensors(model), collective_device()),
@@ -206,11 +204,6 @@ class Checkpointer:
         self.stalls.append((step, stall))
         logger.debug("rank %d: save of iteration %d blocked training %.3f s (%s; %.3f s of it waiting for the previous save)",
                     self.rank, step, stall, "async" if self.ckpt.async_save else "sync", waited)
-        return True
-
-    def snapshot_due(self, step: int) -> bool:
-        n = self.ckpt.memory_interleaved_steps
-        return bool(n) and step % n == 0
 
     def snapshot(self, step: int, model, optimizer, common: dict, extras: dict[str, str]) -> None:
         """Copy this rank's whole state at `step` and send it to its node's MemoryKeeper in the
@@ -235,7 +228,7 @@ class Checkpointer:
         self.memory_sender.submit(step, send)
         logger.debug("rank %d: memory snapshot of step %d blocked training %.3f s", self.rank, step, time.perf_counter() - start)
 
-    def restore_snapshot(self, model, optimizer, step: int) -> ResumePoint | None:
+    def restore_snapshot(self, model, optimizer, step: int) -> tuple[Start, dict[str, str]] | None:
         """This rank's state from its memory snapshot of `step`; None on every rank if any rank's
         is gone (a node lost with its keeper): then the group restores from storage."""
         snap = None
@@ -250,10 +243,8 @@ class Checkpointer:
                 if i:
                     logger.warning("rank %d: restoring step %d from the replica of its memory snapshot", self.rank, step)
                 break
-        have = torch.tensor([int(snap is not None)], device=collective_device())
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
-        if not have.item():
+        [everywhere] = smallest([int(snap is not None)])
+        if not everywhere:
             if self.rank == 0:
                 call(self.controller, "snapshot_lost", step)
                 logger.warning("the memory snapshot of step %d is not complete any more: restoring from storage", step)
@@ -264,8 +255,7 @@ class Checkpointer:
         if optimizer.scaler:
             optimizer.scaler.load(common)
         state.restore_rng(snap["rng"])
-        return ResumePoint(common["global_step"], common["consumed_samples"], memory.MEMORY_SOURCE.format(step=step),
-                           extras=snap["extras"])
+        return Start(common["global_step"], common["consumed_samples"], memory.MEMORY_SOURCE.format(step=step)), snap["extras"]
 
     def finish(self) -> float:
         """Wait for the save in flight (so its commit happens before the worker returns); seconds blocked.
@@ -280,7 +270,7 @@ class Checkpointer:
 
     def _write_and_report(self, step: int, shards, rng: dict[str, str], common: dict) -> None:
         manifest = write_shards(
-            storage_for(self.ckpt.save_path, self.ckpt.storage), self.ckpt.save_path, step,
+            root_for(self.ckpt.save_path, self.ckpt.storage).storage, self.ckpt.save_path, step,
             prefix=self.ckpt.prefix, rank=self.rank, world_size=self.world_size,
             shards=shards, rank_extras=rng, checksum=self.ckpt.checksum,
             on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step),

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import yaml
 
 from . import paths
-from .schema import build_metadata, dumps, parse_iteration, split_common
+from .parse import parse_iteration
+from .schema import build_metadata, dumps, split_common
 
 
 def commit_iteration(

@@ -23,7 +23,8 @@ import time
 
 from . import paths
 from .reader import check_no_extra_shards, find_committed, iteration_steps, open_iteration
-from .schema import AbnormalIteration, CheckpointError
+from .schema import AbnormalIteration
+from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

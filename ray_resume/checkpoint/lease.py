@@ -36,7 +36,7 @@ import threading
 import time
 
 from . import paths
-from .schema import CheckpointError
+from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

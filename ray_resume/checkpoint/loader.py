@@ -28,21 +28,16 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import json
 
 import torch
 import torch.distributed as dist
 
+from ..collectives import collective_device, decided_by_rank0, largest
 from .reader import ShardReader, check_no_extra_shards, open_iteration, plan_reads
-from .schema import CheckpointError, DamagedShards, Iteration, parse_iteration
+from .parse import parse_iteration
+from .schema import DamagedShards, Iteration
+from ..errors import CheckpointError
 from .state import DTYPES
-
-
-def collective_device() -> torch.device:
-    """Where tensors for the process group's collectives must live (the GPU under NCCL)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def open_shared(storage, root: str, step: int, rank: int, world_size: int) -> Iteration:
@@ -56,42 +51,7 @@ def open_shared(storage, root: str, step: int, rank: int, world_size: int) -> It
         check_no_extra_shards(storage, it)
         return it.raw
 
-    return parse_iteration(decided_by_rank0(read, rank, world_size, f"read iteration {step} under {root}"), root, step)
-
-
-def decided_by_rank0(decide, rank: int, world_size: int, what: str):
-    """`decide()` (a JSON value) computed by rank 0 alone and broadcast to every rank.
-
-    What rank 0 raises is raised on every rank, with rank 0's message, so no
-    rank waits for a broadcast that never comes.
-    """
-    if not (dist.is_initialized() and world_size > 1):
-        return decide()
-    message, failure = b"", None
-    if rank == 0:
-        try:
-            message = json.dumps({"value": decide()}).encode()
-        except Exception as exc:  # the other ranks wait for this broadcast: tell them, then raise here
-            failure = exc
-            text = str(exc) if isinstance(exc, CheckpointError) else f"rank 0 could not {what}: {exc!r}"
-            message = json.dumps({"error": text}).encode()
-    got = json.loads(_broadcast_bytes(message))
-    if failure is not None:
-        raise failure
-    if "error" in got:
-        raise CheckpointError(got["error"])
-    return got["value"]
-
-
-def _broadcast_bytes(data: bytes) -> bytes:
-    """Rank 0's `data` on every rank (the others pass b"")."""
-    device = collective_device()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()), dtype=torch.uint8)
-    buf = buf.to(device)
-    dist.broadcast(buf, src=0)
-    return buf.cpu().numpy().tobytes()
+    return parse_iteration(decided_by_rank0(read, rank, f"read iteration {step} under {root}"), root, step)
 
 
 def balanced_owners(it: Iteration, kinds, world_size: int) -> dict[tuple[str, int], int]:
@@ -295,11 +255,10 @@ class StateLoader:
             if damaged:
                 raise damaged from error
             return
-        failed = torch.tensor([1 if error else 0], device=self.device)
-        dist.all_reduce(failed)
+        [failed] = largest([int(error is not None)])
         if damaged:
             raise damaged from error
-        if failed.item():
+        if failed:
             raise DamagedShards(f"{self.it.path}: another rank found a damaged shard while loading; see its error")
 
     def _broadcast(self, dest: torch.Tensor, owner: int) -> None:

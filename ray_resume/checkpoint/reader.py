@@ -23,7 +23,9 @@ import torch
 from . import paths
 from .digest import BlockDigests, hexdigest
 from .plan import Piece, TensorSpec, overlaps
-from .schema import MAX_HEADER, CheckpointError, Iteration, StoredFile, parse_iteration, parse_json
+from .parse import parse_iteration
+from .schema import MAX_HEADER, Iteration, StoredFile, parse_json
+from ..errors import CheckpointError
 from .state import DTYPES
 from .storage import READ_BLOCK, LocalStorage, retried
 from .writer import RANK_EXTRAS_KEY

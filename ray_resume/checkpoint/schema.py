@@ -12,10 +12,8 @@ Format 5 is MindSpore Transformers' own (mindformers 2.1: `checkpoint/checkpoint
   format version, every file's size and block digests, and what a resume checks (the job, the
   world size, the optimizer's class, the data's fingerprint).
 
-`parse_iteration` turns three kinds of iteration into one `Iteration`: format 5, format 4 (ours
-before MindFormers' schema; read, never written) and one MindFormers' `save_checkpoint` wrote
-(with metadata.json, or a single card's shards alone, which its loader reads by their headers).
-Pure: the caller reads the files. Errors name the file and the key: these are files people edit
+`parse_ours` turns a format 5 iteration into an `Iteration` (`parse.parse_iteration` reads the
+older and MindFormers-written kinds too). Pure: the caller reads the files. Errors name the file and the key: these are files people edit
 and disks garble.
 """
 
@@ -27,13 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import names, paths
+from ..errors import CheckpointError
 from .digest import CHECKSUMS, block_bounds
-from .plan import Piece, TensorSpec, format4_pieces, rows_piece
+from .plan import Piece, TensorSpec, rows_piece
 
 # MindFormers' CommonInfo, field by field, with the JSON types it holds (mindformers 2.1).
+# null where the loop that saved did not say (a train_func of yours need not count epochs or samples).
+_COUNT = (int, type(None))
 COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "epoch_num": int, "step_num": int, "global_step": int, "loss_scale": (int, float), "global_batch_size": int,
-    "consumed_samples": int, "ckpt_status": int,
+    "epoch_num": _COUNT, "step_num": _COUNT, "global_step": int, "loss_scale": (int, float), "global_batch_size": _COUNT,
+    "consumed_samples": _COUNT, "ckpt_status": int,
 }
 CKPT_NORMAL, CKPT_ABNORMAL = 0, 1  # MindFormers' CkptHealthStatus
 LAYOUT_ALIAS = "dp"  # the device-matrix axis name of a cut in equal dim-0 parts
@@ -41,10 +42,6 @@ LAYOUT_ALIAS = "dp"  # the device-matrix axis name of a cut in equal dim-0 parts
 # A safetensors header larger than this is not one we wrote (ours are ~100 bytes per tensor).
 MAX_HEADER = 64 << 20
 _HEX = re.compile(r"[0-9a-f]+")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as it is; the message says where and why."""
 
 
 class DamagedShards(CheckpointError):
@@ -76,7 +73,7 @@ def parse_json(data: bytes, where: str) -> dict:
 def _kind_name(kind: Any) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "an object",
-                        list: "a list"}[k] for k in kinds)
+                        list: "a list", type(None): "null"}[k] for k in kinds)
 
 
 def check_fields(obj: dict, fields: dict[str, Any], where: str) -> None:
@@ -157,19 +154,7 @@ class Iteration:
         return sorted((f.name for f in self.files.values() if f.kind == kind), key=lambda n: self.files[n].rank)
 
 
-def parse_iteration(raw: dict, root: str, step: int) -> Iteration:
-    """The iteration `raw` describes: `common` (common.json), `metadata` (metadata.json, None where
-    MindFormers wrote none) and `headers` (file -> {"size", "header"}: MindFormers' shards only)."""
-    directory = paths.iteration_dir(root, step)
-    meta = raw.get("metadata")
-    if meta is not None and "ray_resume" in meta:
-        return _parse_ours(raw, root, step, directory)
-    if meta is not None and "format_version" in meta:
-        return _parse_format4(raw, root, step, directory)
-    return _parse_mindformers(raw, root, step, directory)
-
-
-def _common_of(common: dict, where: str, *, exact: bool) -> dict:
+def common_of(common: dict, where: str, *, exact: bool) -> dict:
     """CommonInfo's fields, checked; `exact`: no other key (MindFormers' loader would refuse one)."""
     check_fields(common, COMMON_FIELDS, where)
     if exact and set(common) != set(COMMON_FIELDS):
@@ -180,12 +165,12 @@ def _common_of(common: dict, where: str, *, exact: bool) -> dict:
         raise AbnormalIteration(f"{where}: ckpt_status is {common['ckpt_status']} ({why}, not {CKPT_NORMAL}: normal); "
                                 "MindFormers passes such an iteration over, and so does ray_resume")
     for key in ("global_step", "consumed_samples", "global_batch_size"):
-        if common[key] < (1 if key == "global_batch_size" else 0):
+        if common[key] is not None and common[key] < (1 if key == "global_batch_size" else 0):
             raise CheckpointError(f"{where}: field {key!r} has the impossible value {common[key]}")
     return {key: common[key] for key in COMMON_FIELDS}
 
 
-def _check_step(common: dict, step: int, where: str) -> None:
+def check_step(common: dict, step: int, where: str) -> None:
     if common["global_step"] != step:
         raise CheckpointError(f"{where}: global_step {common['global_step']} is not this directory's iteration {step}")
 
@@ -210,7 +195,7 @@ def _check_file_entry(info: Any, block_size: int, label: str) -> None:
         raise CheckpointError(f"{label}: 'digests' must list {expected} lowercase hex {checksum} digests, one per checksum block")
 
 
-def _listed_files(files: dict, ours: dict, where: str, *, prefix: str | None) -> dict[str, StoredFile]:
+def listed_files(files: dict, ours: dict, where: str, *, prefix: str | None) -> dict[str, StoredFile]:
     """The shard files metadata.json lists (with digests), each checked; every rank's of every kind present."""
     world, block = ours["world_size"], ours["block_size"]
     out = {}
@@ -230,7 +215,7 @@ def _listed_files(files: dict, ours: dict, where: str, *, prefix: str | None) ->
     return out
 
 
-def _place_entries(files: dict[str, StoredFile], tensors: dict[str, dict[str, Stored]], where: str, flat: bool) -> None:
+def place_entries(files: dict[str, StoredFile], tensors: dict[str, dict[str, Stored]], where: str, flat: bool) -> None:
     """Each file's entries where the writer put them: its pieces in the order safetensors writes a
     file (dtype, largest first, then name), back to back. `flat`: format 4 stored each piece 1-D."""
     held: dict[str, list[tuple[TensorSpec, Piece]]] = {name: [] for name in files}
@@ -267,7 +252,7 @@ def _shard_id(name: str, offset: list[int]) -> str:
     return str(tuple((name, tuple(offset))))
 
 
-def _chunks_of(meta: dict, where: str, file_of) -> dict[str, dict[str, Stored]]:
+def chunks_of(meta: dict, where: str, file_of) -> dict[str, dict[str, Stored]]:
     """The tensors of MindFormers' `state_dict_metadata`, each chunk placed by `storage_data` in the
     file `file_of(entries)` picks (None: none of them is here). Chunks must be ranges of dim-0 rows."""
     state, storage = meta.get("state_dict_metadata"), meta.get("storage_data")
@@ -332,7 +317,7 @@ def _check_tiles(spec: TensorSpec, pieces: list[Piece], label: str) -> None:
 OURS_FIELDS = {"format_version": int, "iteration": int, "world_size": int, "block_size": int, "prefix": str, "files": dict}
 
 
-def _parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
+def parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
     meta_file, common_file = paths.join(directory, paths.METADATA), paths.join(directory, paths.COMMON)
     meta = raw["metadata"]
     ours = meta["ray_resume"]
@@ -348,156 +333,14 @@ def _parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
             raise CheckpointError(f"{meta_file}: ray_resume.{key} has the impossible value {ours[key]}")
     if ours["iteration"] != step:
         raise CheckpointError(f"{meta_file}: iteration {ours['iteration']} is not this directory's iteration {step}")
-    common = _common_of(raw["common"], common_file, exact=True)
-    _check_step(common, step, common_file)
-    files = _listed_files(ours["files"], ours, meta_file, prefix=ours["prefix"])
-    tensors = _chunks_of(meta, meta_file, lambda entries: next((e["file_name"] for e in entries if isinstance(e, dict)
+    common = common_of(raw["common"], common_file, exact=True)
+    check_step(common, step, common_file)
+    files = listed_files(ours["files"], ours, meta_file, prefix=ours["prefix"])
+    tensors = chunks_of(meta, meta_file, lambda entries: next((e["file_name"] for e in entries if isinstance(e, dict)
                                                                  and e.get("file_name") in files), None))
-    _place_entries(files, tensors, directory, flat=False)
+    place_entries(files, tensors, directory, flat=False)
     facts = {k: v for k, v in ours.items() if k not in OURS_FIELDS}
     return Iteration(root, step, directory, common, facts, "ray_resume", ours["world_size"], ours["block_size"], files, tensors, raw)
-
-
-FORMAT4_FIELDS = {"format_version": int, "iteration": int, "world_size": int, "block_size": int, "files": dict, "tensors": dict}
-FORMAT4_COMMON = {"global_step": int, "global_batch_size": int, "step_num": int, "epoch_num": int, "loss_scale": (int, float),
-                  "ckpt_status": str, "consumed_samples": int, "world_size": int, "has_optimizer": bool, "job_id": str}
-FORMAT4_LAYOUTS = ("split", "dim0")
-
-
-def _parse_format4(raw: dict, root: str, step: int, directory: str) -> Iteration:
-    """Format 4 (ray_resume before MindFormers' schema): pieces fixed by each tensor's layout."""
-    meta_file, common_file = paths.join(directory, paths.METADATA), paths.join(directory, paths.COMMON)
-    meta, old = raw["metadata"], raw["common"]
-    check_fields(meta, {"format_version": int}, meta_file)
-    if meta["format_version"] != 4:
-        raise CheckpointError(f"{meta_file}: format_version {meta['format_version']} is not supported by this ray_resume "
-                              f"(it reads 4 and {paths.FORMAT_VERSION}); use the ray_resume release that wrote it")
-    check_fields(meta, FORMAT4_FIELDS, meta_file)
-    check_fields(old, {**FORMAT4_COMMON, "format_version": int}, common_file)
-    if old["ckpt_status"] != "ok":
-        raise CheckpointError(f"{common_file}: ckpt_status is {old['ckpt_status']!r}, not 'ok'; this iteration is not complete")
-    if meta["iteration"] != step:
-        raise CheckpointError(f"{meta_file}: iteration {meta['iteration']} is not this directory's iteration {step}")
-    if old["world_size"] != meta["world_size"]:
-        raise CheckpointError(f"{common_file}: world_size {old['world_size']}, but metadata.json lists the shards of {meta['world_size']} ranks")
-    common = _common_of({**{k: old[k] for k in COMMON_FIELDS if k != "ckpt_status"}, "ckpt_status": CKPT_NORMAL}, common_file, exact=False)
-    _check_step(common, step, common_file)
-    ours = {"world_size": meta["world_size"], "block_size": meta["block_size"]}
-    files = _listed_files(meta["files"], ours, meta_file, prefix=meta.get("prefix", "ckpt"))
-    tensors: dict[str, dict[str, Stored]] = {}
-    for kind, by_name in meta["tensors"].items():
-        if kind not in (paths.MODEL_KIND, paths.OPTIM_KIND) or not isinstance(by_name, dict):
-            raise CheckpointError(f"{meta_file}: tensors[{kind!r}] is not a known kind (model, opt)")
-        specs, layouts = [], {}
-        for name, t in by_name.items():
-            label = f"{meta_file}: tensors.{kind}[{name!r}]"
-            if not isinstance(t, dict) or t.get("dtype") not in names.DTYPES or not isinstance(t.get("shape"), list) \
-                    or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in t["shape"]):
-                raise CheckpointError(f"{label} needs a known 'dtype' and a 'shape' list of non-negative integers")
-            if t.get("layout") not in FORMAT4_LAYOUTS or (t["layout"] == "dim0" and not t["shape"]):
-                raise CheckpointError(f"{label}: 'layout' must be one of {list(FORMAT4_LAYOUTS)} (dim0 needs a shape), got {t.get('layout')!r}")
-            specs.append(TensorSpec(name, t["dtype"], tuple(t["shape"]), names.itemsize(t["dtype"])))
-            layouts[name] = t["layout"]
-        world = meta["world_size"]
-        shard = {r: paths.shard_filename(meta.get("prefix", "ckpt"), kind, r, world) for r in range(world)}
-        missing = sorted(set(shard.values()) - set(files))
-        if missing:
-            raise CheckpointError(f"{meta_file}: shard {missing[0]!r} is not listed in 'files'; the iteration is incomplete")
-        placed = format4_pieces(specs, layouts, world)
-        tensors[kind] = {}
-        for s in specs:  # optimizer state under today's names (`{param}.{slot}` then): the pieces keep the files' keys
-            name = names.state_name(*s.name.rsplit(".", 1)) if kind == paths.OPTIM_KIND else s.name
-            pieces = tuple((shard[r], p) for r, p in sorted(placed.get(s.name, []), key=lambda rp: rp[1].start))
-            tensors[kind][name] = Stored(TensorSpec(name, s.dtype, s.shape, s.itemsize), pieces)
-    if old["has_optimizer"] != (paths.OPTIM_KIND in tensors):
-        raise CheckpointError(f"{common_file}: has_optimizer is {str(old['has_optimizer']).lower()}, but metadata.json "
-                              f"{'lists' if paths.OPTIM_KIND in tensors else 'lists no'} optimizer state")
-    for name in files:
-        if files[name].kind not in tensors:
-            raise CheckpointError(f"{meta_file}: files[{name!r}] is not a shard of this {meta['world_size']}-rank iteration")
-    _place_entries(files, tensors, directory, flat=True)
-    facts = {k: v for k, v in old.items() if k not in COMMON_FIELDS and k not in ("format_version", "ckpt_status", "has_optimizer")}
-    return Iteration(root, step, directory, common, facts, "ray_resume", meta["world_size"], meta["block_size"], files, tensors, raw)
-
-
-def _parse_mindformers(raw: dict, root: str, step: int, directory: str) -> Iteration:
-    """A root MindFormers' save_checkpoint wrote: its shards (`raw["headers"]`, read by their safetensors
-    headers), placed by its metadata.json, or, with none (one card), each file holding whole tensors."""
-    common_file, meta_file = paths.join(directory, paths.COMMON), paths.join(directory, paths.METADATA)
-    common = dict(raw["common"])
-    if common.get("consumed_samples") is None and isinstance(common.get("global_step"), int) \
-            and isinstance(common.get("global_batch_size"), int):
-        common["consumed_samples"] = common["global_step"] * common["global_batch_size"]  # not kept by every MindFormers trainer
-    common = _common_of(common, common_file, exact=False)
-    _check_step(common, step, common_file)
-    headers = raw.get("headers") or {}
-    if not headers:
-        raise CheckpointError(f"{directory}: holds no shard file ({{prefix-}}model|opt-RANK-WORLD.safetensors); "
-                              "not a MindFormers checkpoint either")
-    files: dict[str, StoredFile] = {}
-    worlds = set()
-    for name, h in sorted(headers.items()):
-        shard = paths.parse_shard_filename(name)
-        if shard is None or not paths.is_plain_filename(name):
-            raise CheckpointError(f"{paths.join(directory, name)}: not a MindFormers shard file name")
-        worlds.add(shard["world"])
-        files[name] = _header_file(name, shard, h, paths.join(directory, name))
-    if len(worlds) != 1:
-        raise CheckpointError(f"{directory}: shard files of world sizes {sorted(worlds)}; a checkpoint is saved by one")
-    (world,) = worlds
-    meta = raw.get("metadata")
-    if meta is not None:
-        tensors = _chunks_of(meta, meta_file, lambda entries: next(
-            (e["file_name"] for e in sorted((e for e in entries if isinstance(e, dict)), key=lambda e: e.get("storage_rank", 0))
-             if e.get("file_name") in files), None))
-        for kind, by_name in tensors.items():
-            for name, stored in by_name.items():
-                for file, piece in stored.pieces:
-                    _check_header_entry(files[file], stored.spec, piece, paths.join(directory, file))
-    else:  # one card: every tensor whole in one file, as MindFormers' own loader then reads them
-        tensors = {}
-        for name, f in files.items():
-            for tensor, e in f.entries.items():
-                if any(tensor in by_name for by_name in tensors.values()):
-                    raise CheckpointError(f"{paths.join(directory, name)}: tensor {tensor!r} is in another shard file too; "
-                                          "without metadata.json each must be in one")
-                spec = TensorSpec(tensor, e.dtype, e.shape, names.itemsize(e.dtype))
-                tensors.setdefault(f.kind, {})[tensor] = Stored(spec, ((name, Piece(tensor, 0, spec.numel)),))
-    return Iteration(root, step, directory, common, {}, "mindformers", world, 0, files, tensors, raw)
-
-
-def _header_file(name: str, shard: dict, h: dict, where: str) -> StoredFile:
-    """A shard file as its safetensors header describes it (no digests: MindFormers keeps none)."""
-    size, header = h.get("size"), h.get("header")
-    if not isinstance(size, int) or not isinstance(header, dict):
-        raise CheckpointError(f"{where}: not a valid safetensors file")
-    data_start = h.get("data_start")
-    f = StoredFile(name, shard["kind"], shard["rank"], size, data_start, None, None)
-    for tensor, t in header.items():
-        if tensor == "__metadata__":
-            continue
-        ok = isinstance(t, dict) and t.get("dtype") in names.DTYPES and isinstance(t.get("shape"), list) \
-            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
-        if ok:
-            begin, end = t["data_offsets"]
-            shape = tuple(t["shape"])
-            numel = 1
-            for d in shape:
-                numel *= d
-            ok = 0 <= begin <= end <= size - data_start and end - begin == numel * names.itemsize(t["dtype"])
-        if not ok:
-            raise CheckpointError(f"{where}[{tensor!r}]: the safetensors header does not place it inside the file "
-                                  "(dtype, shape and data_offsets disagree)")
-        f.entries[tensor] = Entry(begin, end - begin, t["dtype"], shape)
-    return f
-
-
-def _check_header_entry(f: StoredFile, spec: TensorSpec, piece: Piece, where: str) -> None:
-    e = f.entries.get(spec.name)
-    if e is None or e.dtype != spec.dtype or e.shape != local_shape(spec, piece):
-        got = "is missing" if e is None else f"is {e.dtype} {list(e.shape)}"
-        raise CheckpointError(f"{where}[{spec.name!r}]: {got} there, but metadata.json has a chunk of "
-                              f"{spec.dtype} {list(local_shape(spec, piece))}")
 
 
 # ----------------------------------------------------------------------------- what a commit writes

@@ -289,7 +289,8 @@ class Retrying:
         return call
 
 
-# Wrappers applied to every backend below the retries (the tests' storage fault injector).
+# Wrappers applied to every backend below the retries, each called as wrap(backend, uri) (the tests'
+# storage fault injector).
 wrappers: list[Callable] = []
 
 
@@ -303,7 +304,7 @@ def storage_for(uri: str, options=None) -> Retrying:
             raise ValueError(f"storage scheme {scheme!r} in {uri!r} is not supported; use a local/NFS path, file:// or s3://")
         backend = ArrowStorage(s3_filesystem(options), scheme)
     for wrap in wrappers:
-        backend = wrap(backend)
+        backend = wrap(backend, uri)
     return Retrying(backend)
 
 

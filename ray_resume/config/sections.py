@@ -1,60 +1,25 @@
-"""Typed, strict configuration for ray_resume.
+"""The config's sections: every key, its type, default and meaning (its comment), and the checks across keys."""
 
-A config is a YAML mapping validated into pydantic models: strictly (no bool for an integer,
-no "2" for an integer, no key a section does not know) and *collecting*: every problem (unknown
-key, wrong type, impossible value, cross-field conflict) is gathered and raised together as one
-:class:`ConfigError`, each line naming the full dotted key and the source file.
-"""
 from __future__ import annotations
 
-import copy
-import difflib
 import inspect
-import logging
 import math
-import os
 import re
-import typing
-from typing import Annotated, Any, Iterable, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import numpy as np
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .checkpoint.digest import CHECKSUMS, DEFAULT_CHECKSUM
-
-logger = logging.getLogger(__name__)
+from ..checkpoint.digest import CHECKSUMS, DEFAULT_CHECKSUM
+from ..errors import ConfigError
+from .words import LOOKS, got, key_of, mentions, passed, problems, raise_if
 
 DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("ddp", "fsdp")  # DistributedDataParallel, or FSDP2 fully_shard (params and optimizer state sharded on dim 0)
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "wsd")  # the LR after warmup (train_loop.learning_rate)
 FAULT_PHASES = ("after_optimizer_step", "mid_shard_write", "before_report", "commit_before_tracker", "retention_delete", "commit_fails")
 
-
-class ConfigError(ValueError):
-    """All problems found in a config; ``.problems`` holds one line per problem."""
-
-    def __init__(self, problems: str | Iterable[str]):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        if len(self.problems) == 1:
-            msg = self.problems[0]
-        else:
-            msg = f"{len(self.problems)} config problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(msg)
-
-
-def _raise_if(problems: list[str]) -> None:
-    if problems:
-        raise ConfigError(problems)
-
-
-# {pattern: what an error says a key of it must do}; the patterns land in the JSON Schema too.
-_LOOKS = {
-    r"^[A-Za-z0-9._-]+$": "be non-empty and use only [A-Za-z0-9._-]",
-    r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?$": "look like 'package.module:function'",
-    r"^[A-Za-z_][\w.]*[.:][A-Za-z_]\w*$": "look like 'torch.optim.SGD' or 'package.module:Class'",
-}
-SafeName, ImportPath, OptimizerPath = (Annotated[str, Field(pattern=p)] for p in _LOOKS)  # "" is an ImportPath: the built-in
+SafeName, ImportPath, OptimizerPath = (Annotated[str, Field(pattern=p)] for p in LOOKS)  # "" is an ImportPath: the built-in
 Count = Annotated[int, Field(ge=1)]
 # PyYAML follows YAML 1.1, which reads "1e-3" (no dot) as a string; accept it for numbers.
 _EXP_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -77,8 +42,8 @@ class _Raising(type(BaseModel)):
         try:
             return super().__call__(**values)
         except ValidationError as e:
-            problems = _problems(e.errors(), _AT[cls])
-        raise ConfigError(problems)  # outside the except: pydantic's text would show a credential
+            found = problems(e.errors(), Config, key_of(Config, cls))
+        raise ConfigError(found)  # outside the except: pydantic's text would show a credential
 
 
 class _Section(BaseModel, metaclass=_Raising):
@@ -144,7 +109,7 @@ class DataConfig(_Section):
                     raise TypeError
             except TypeError:
                 p.append(f"data.columns.{name} must be a numeric numpy dtype such as float32 or int64, got {dtype!r}")
-        _raise_if(p)
+        raise_if(p)
         return columns
 
 
@@ -195,13 +160,13 @@ class ScalingConfig(_Section):
         try:
             n = handler(n)
         except ValidationError:  # one line, not one per member of the union
-            raise ConfigError(f"scaling.num_workers must be an integer or a list of integers, {_got(n)}") from None
+            raise ConfigError(f"scaling.num_workers must be an integer or a list of integers, {got(n)}") from None
         if isinstance(n, int):
-            _raise_if([] if n >= 1 else [f"scaling.num_workers must be >= 1, got {n}"])
+            raise_if([] if n >= 1 else [f"scaling.num_workers must be >= 1, got {n}"])
         elif len(n) != 2:
             raise ConfigError(f"scaling.num_workers as a list must be [min, max], got {n!r}")
         else:
-            _raise_if([f"scaling.num_workers values must be >= 1, got {n!r}"] * (min(n) < 1)
+            raise_if([f"scaling.num_workers values must be >= 1, got {n!r}"] * (min(n) < 1)
                       + [f"scaling.num_workers [min, max] needs min <= max, got {n!r}"] * (n[0] > n[1]))
         return n
 
@@ -231,20 +196,6 @@ class StorageConfig(_Section):
     access_key_id: str = ""  # prefer the credential chain (env, profile, role) over plain text here
     secret_access_key: str = ""  # with access_key_id
     session_token: str = ""  # with temporary keys (env AWS_SESSION_TOKEN when the keys come from the env)
-
-
-SECRET_STORAGE_KEYS = ("access_key_id", "secret_access_key", "session_token")
-REDACTED = "<redacted>"
-
-
-def redacted(config: dict) -> dict:
-    """A copy of a config dict fit to write down: storage credentials replaced by REDACTED."""
-    out = copy.deepcopy(config)
-    storage = out.get("checkpoint", {}).get("storage") or {}
-    for key in SECRET_STORAGE_KEYS:
-        if storage.get(key):
-            storage[key] = REDACTED
-    return out
 
 
 class CheckpointConfig(_Section):
@@ -282,7 +233,7 @@ class Config(_Section):
     name: SafeName  # run name; used in file names
     model: ModelConfig = {}  # network shape
     data: DataConfig = {}  # dataset location/order
-    training: TrainingConfig = {}  # optimisation
+    training: Optional[TrainingConfig] = {}  # optimisation (the built-in job's; null for ray_resume.fit's loops, which have their own)
     scaling: ScalingConfig = {}  # Ray workers
     failure: FailureConfig = {}  # Ray restart budget
     checkpoint: CheckpointConfig = {}  # save/load
@@ -290,6 +241,19 @@ class Config(_Section):
 
     def _across(self) -> list[str]:
         """Problems between sections, each valid on its own."""
+        p = self._across_training() if self.training is not None else []
+        s = self.scaling
+        if self.data.pack and set(self.data.columns or {"input_ids": ""}) != {"input_ids"}:
+            p.append(f"data.pack packs one column, input_ids; data.columns names {sorted(self.data.columns)}")
+        syn = self.data.synthetic
+        if syn is not None and (syn.min_doc_len or syn.max_doc_len) and not 1 <= syn.min_doc_len <= syn.max_doc_len:
+            p.append(f"data.synthetic needs 1 <= min_doc_len <= max_doc_len, got {syn.min_doc_len} and {syn.max_doc_len}")
+        if self.fault is not None and self.fault.rank >= s.max_workers:
+            p.append(f"fault.rank={self.fault.rank} must be < the largest world size "
+                     f"scaling.num_workers ({s.max_workers})")
+        return p
+
+    def _across_training(self) -> list[str]:
         p: list[str] = []
         t, s = self.training, self.scaling
         gbs, mbs, sizes = t.global_batch_size, t.micro_batch_size, s.world_sizes
@@ -309,16 +273,8 @@ class Config(_Section):
         if self.data.lanes and gbs % self.data.lanes:
             p.append(f"training.global_batch_size={gbs} is not a multiple of data.lanes={self.data.lanes}: every global batch "
                      "takes as many samples from each lane; choose a multiple, or data.lanes: 0 (gcd(global_batch_size, 8))")
-        if self.data.pack and set(self.data.columns or {"input_ids": ""}) != {"input_ids"}:
-            p.append(f"data.pack packs one column, input_ids; data.columns names {sorted(self.data.columns)}")
-        syn = self.data.synthetic
-        if syn is not None and (syn.min_doc_len or syn.max_doc_len) and not 1 <= syn.min_doc_len <= syn.max_doc_len:
-            p.append(f"data.synthetic needs 1 <= min_doc_len <= max_doc_len, got {syn.min_doc_len} and {syn.max_doc_len}")
         if t.eval_every and not self.data.eval_path:
             p.append(f"training.eval_every={t.eval_every} needs data.eval_path (a held-out dataset); set it, or eval_every: 0")
-        if self.fault is not None and self.fault.rank >= s.max_workers:
-            p.append(f"fault.rank={self.fault.rank} must be < the largest world size "
-                     f"scaling.num_workers ({s.max_workers})")
         return p
 
     def pack_tokens(self) -> int:
@@ -327,7 +283,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_across(self) -> "Config":
-        _raise_if(self._across())
+        raise_if(self._across())
         return self
 
     @classmethod
@@ -339,181 +295,14 @@ class Config(_Section):
             return cls.model_validate(d)
         except ValidationError as e:
             errors = e.errors()
-        problems = _problems(errors)
+        found = problems(errors, cls)
         # pydantic skips _check_across once any key fails: run it on the keys that passed, the failed
         # ones at their defaults, and drop what it says about a failed key.
         failed = [".".join(map(str, err["loc"])) for err in errors if err["loc"]]
-        problems += [p for p in _passed(cls, d, [err["loc"] for err in errors])._across()
-                     if p not in problems and not any(_mentions(p, key) for key in failed)]
-        raise ConfigError([f"{source}: {p}" for p in problems])
+        found += [p for p in passed(cls, d, [err["loc"] for err in errors])._across()
+                  if p not in found and not any(mentions(p, key) for key in failed)]
+        raise ConfigError([f"{source}: {p}" for p in found])
 
     def to_dict(self) -> dict:
         """Plain YAML/JSON-safe dict that round-trips through from_dict."""
         return self.model_dump()
-
-
-# ---------------------------------------------------------------- pydantic's errors in our words
-_WANTS = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean", "string_type": "a string",
-          "dict_type": "a mapping", "model_type": "a mapping", "list_type": "a list"}
-_KIND = {int: "int_type", str: "string_type"}  # the required keys' types, for "is required (an integer)"
-_BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-_UNKNOWN = ("extra_forbidden", "invalid_key")  # invalid_key: one that is not a string
-
-
-def _section_of(tp: Any) -> Optional[type]:
-    """The section class a key of type ``tp`` (or Optional[tp]) holds, if any."""
-    return next((a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, _Section)), None)
-
-
-def _sections(cls: type, at: str = ""):
-    yield at, cls
-    for name, f in cls.model_fields.items():
-        if sub := _section_of(f.annotation):
-            yield from _sections(sub, f"{at}{name}.")
-
-
-_SECTIONS = dict(_sections(Config))  # {"": Config, "model.": ModelConfig, ..., "checkpoint.storage.": StorageConfig}
-_AT = {cls: at for at, cls in _SECTIONS.items()}
-
-
-def _got(value: Any, key: str = "") -> str:
-    """What a wrong value was, for an error message; a credential's value is never shown."""
-    if key.rsplit(".", 1)[-1] in SECRET_STORAGE_KEYS:
-        return f"got {type(value).__name__} {REDACTED}"
-    return f"got {type(value).__name__} {value!r}"
-
-
-def _problems(errors: list[dict], at: str = "") -> list[str]:
-    """One line per problem from pydantic's errors, each naming its full dotted key (``at`` + loc).
-
-    Unknown keys first (pydantic puts them last): a typo explains what follows from it, as
-    save_pth does "save_path must be set"."""
-    errors = sorted(errors, key=lambda err: err["type"] not in _UNKNOWN)
-    return [p for err in errors for p in _say(err, at)]
-
-
-def _say(err: dict, at: str) -> list[str]:
-    kind, loc, value, ctx = err["type"], err["loc"], err.get("input"), err.get("ctx", {})
-    if kind == "value_error":  # our own checks, which name their keys in full
-        return ctx["error"].problems
-    where = at + "".join(f"{part}." for part in loc[:-1])
-    key = where + str(loc[-1])
-    if kind in _UNKNOWN:
-        known = list(_SECTIONS[where].model_fields)
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-        return [f"{key}: unknown key" + (f"; did you mean {close[0]!r}?" if close else f" (known keys: {', '.join(known)})")]
-    if kind in ("missing", "literal_error"):
-        tp = _SECTIONS[where].model_fields[loc[-1]].annotation
-        wants = "one of " + ", ".join(typing.get_args(tp)) if typing.get_origin(tp) is Literal else _WANTS[_KIND[tp]]
-        return [f"{key} is required ({wants})" if kind == "missing" else f"{key} must be {wants}; got {value!r}"]
-    if kind == "string_pattern_mismatch":
-        return [f"{key} must {_LOOKS[ctx['pattern']]}, got {value!r}"]
-    if kind == "string_too_short":
-        return [f"{key} must be a non-empty string"]
-    if bound := ctx.keys() & _BOUNDS.keys():
-        (op,) = bound
-        return [f"{key} must be {_BOUNDS[op]} {ctx[op]:g}, got {value!r}"]
-    if kind in _WANTS:
-        return [f"{key} must be {_WANTS[kind]}, {_got(value, key)}"]
-    return [f"{key}: {err['msg']}"]
-
-
-
-def _mentions(problem: str, key: str) -> bool:
-    return re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", problem) is not None
-
-
-def _passed(cls: type, raw: Any, failed: list[tuple]) -> Any:
-    """``cls`` built, unvalidated, from the keys of ``raw`` that passed; the failed ones keep their defaults."""
-    raw = raw if isinstance(raw, dict) else {}
-    values = {}
-    for name, f in cls.model_fields.items():
-        below = [loc[1:] for loc in failed if loc[:1] == (name,)]
-        sub = _section_of(f.annotation)
-        if sub and (raw.get(name) is not None or f.default is not None):  # not an Optional one left out
-            values[name] = _passed(sub, raw.get(name), below)
-        elif name in raw and not below:
-            values[name] = raw[name]
-    return cls.model_construct(**values)
-
-
-# ---------------------------------------------------------------- loading
-def apply_overrides(d: dict, overrides: Iterable[str]) -> dict:
-    """Return a deep copy of ``d`` with ``dotted.key=value`` overrides (values parsed as YAML)."""
-    out = copy.deepcopy(d)
-    problems: list[str] = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            problems.append(f"override {item!r} must look like dotted.key=value")
-            continue
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
-            problems.append(f"override {item!r}: value is not valid YAML ({e})")
-            continue
-        *parents, leaf = key.split(".")
-        node, walked = out, []
-        for part in parents:
-            walked.append(part)
-            if node.get(part) is None:  # create absent/null optional blocks (e.g. fault)
-                node[part] = {}
-            node = node[part]
-            if not isinstance(node, dict):
-                problems.append(f"override {item!r}: {'.'.join(walked)} is not a mapping")
-                break
-        else:
-            node[leaf] = value
-    _raise_if(problems)
-    return out
-
-
-def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Config:
-    """Read a YAML config, apply ``overrides``, and validate it strictly."""
-    source = os.fspath(path)
-    try:
-        with open(source, encoding="utf-8") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: config file not found") from None
-    except OSError as e:
-        raise ConfigError(f"{source}: cannot read config file ({e.strerror})") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"{source}: invalid YAML at {where}: {problem}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
-    overrides = list(overrides)
-    if overrides:
-        try:
-            raw = apply_overrides(raw, overrides)
-        except ConfigError as e:
-            raise ConfigError([f"{source}: {p}" for p in e.problems]) from None
-        logger.debug("applied overrides to %s: %s", source, overrides)
-    cfg = Config.from_dict(raw, source=source)
-    logger.debug("loaded config %r from %s", cfg.name, source)
-    return cfg
-
-
-def json_schema() -> dict:
-    """The JSON Schema of a config file, for editors (`python -m ray_resume.config schema`).
-
-    pydantic's, every section closed to keys it does not know (extra="forbid"), every key described
-    by its comment above. The checks that span keys (a batch size the world sizes divide, an import
-    path that imports) stay in `from_dict` and on the driver.
-    """
-    return Config.model_json_schema()
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    if sys.argv[1:] != ["schema"]:
-        sys.exit("usage: python -m ray_resume.config schema    # print the JSON Schema of a config file")
-    print(json.dumps(json_schema(), indent=1))

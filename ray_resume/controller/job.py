@@ -1,6 +1,7 @@
-"""The job's controller: attempts, commits, retention, stop requests, faults and the lease.
+"""The job's controller: attempts, commits, stop requests, faults and the lease (retention and the
+memory tier's ledger are its mixins, in their own modules).
 
-`JobController` lives on the driver's node as a Ray actor (`JobControllerActor`)
+`JobController` lives on the driver's node as a Ray actor (the driver makes it one)
 that outlives worker-group restarts (it is not part of the group), so it is
 where a restarted group learns which iteration this job last committed.
 Ranks send their manifest after their shards are durable; when all
@@ -30,19 +31,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import ray
+from ..calls import SAVE_AND_STOP, STOP_NOW
+from ..checkpoint import paths
+from ..checkpoint.commit import commit_iteration
+from ..checkpoint.lease import LeaseLost
+from ..checkpoint.root import root_for
+from ..config import redacted
+from .retention import Retention
+from .snapshots import SnapshotLedger
 
-from .calls import tell
-from .checkpoint import paths
-from .checkpoint.commit import commit_iteration
-from .checkpoint.lease import Lease, LeaseLost
-from .checkpoint.storage import storage_for
-from .config import redacted
-
-logger = logging.getLogger(__name__)
-
-
-SAVE_AND_STOP, STOP_NOW = 1, 2  # should_stop's answers, ordered: the ranks agree on the largest
+logger = logging.getLogger("ray_resume.controller")
 
 
 class CommitError(RuntimeError):
@@ -65,7 +63,7 @@ def restart_clock(last: float, noticed: float | None, process_started: float | N
     return {**clock, "spawn_s": spawned - since, "setup_s": now - spawned}
 
 
-class JobController:
+class JobController(SnapshotLedger, Retention):
     def __init__(self, save_path: str, job_id: str, config: dict, driver_pid: int, keepers: dict | None = None):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         self.root = save_path
@@ -73,7 +71,8 @@ class JobController:
         self.config = config
         self.driver_pid = driver_pid
         self.fault = config.get("fault")
-        self.storage = storage_for(save_path, config["checkpoint"]["storage"]) if save_path else None
+        self.checkpoint_root = root_for(save_path, config["checkpoint"]["storage"]) if save_path else None
+        self.storage = self.checkpoint_root.storage if save_path else None
         self.attempt = -1
         self.reached: list[dict] = []  # per attempt: the last step rank 0 finished, and when
         self.lost: dict[int, str] = {}  # rank -> why, for the current attempt's failure (Ray Train tells us)
@@ -87,19 +86,13 @@ class JobController:
         self.commit_error: str | None = None  # the first failed commit, for the driver's result
         self.user_error: str | None = None  # the first mistake of the user's a rank found: the job ends with it
         self.lease_lost = False  # a commit found another job holding the writer lease
-        # The memory tier (checkpoint.memory_interleaved_steps): node -> its MemoryKeeper (none: this object keeps them, as
-        # in the in-process harness); step -> (world size, rank -> node) of the snapshots sent for it,
-        # and (step, rank) -> the node of its replica.
-        self.keepers = keepers or {}
-        self.snapshots: dict[int, tuple[int, dict[int, str]]] = {}
-        self.replicas: dict[tuple[int, int], str] = {}
-        self.settled: int | None = None
+        SnapshotLedger.__init__(self, keepers)  # the memory tier (checkpoint.memory_interleaved_steps)
         self.lock = threading.RLock()  # attempts, manifests and commits, one at a time (a commit claims its fault)
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")  # in commit order
         self.lease = None
         if self.storage and config["checkpoint"]["enable_save"]:
             # The driver took the lease and renews it; every commit checks this job still holds it.
-            self.lease = Lease(self.storage, save_path, job_id, config["checkpoint"]["lease_ttl_s"])
+            self.lease = self.checkpoint_root.lease(job_id, config["checkpoint"]["lease_ttl_s"])
 
     def job_config(self) -> dict:
         """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
@@ -127,81 +120,6 @@ class JobController:
         return {"attempt": self.attempt, "resume_step": self.last_committed(), "memory_step": self.memory_step(world),
                 "failed_after": failed_after,
                 "lost": {str(rank): why for rank, why in sorted(lost.items())}, "user_error": self.user_error, "clock": clock}
-
-    def memory_step(self, world: int) -> int | None:
-        """The newest step newer than the last commit whose snapshot every rank of a group of
-        `world` ranks can take back: on a node that is alive, its own or its replica."""
-        committed = self.last_committed()
-        alive = self._alive_nodes()
-        for step in sorted(self.snapshots, reverse=True):
-            size, ranks = self.snapshots[step]
-            if size != world or len(ranks) < world or (committed is not None and step <= committed):
-                continue
-            if alive is None or all({ranks[r], self.replicas.get((step, r))} & alive for r in ranks):
-                return step
-        return None
-
-    def _alive_nodes(self) -> set | None:
-        """The nodes alive now (None: no keeper is a Ray actor, so none can be lost)."""
-        if not any(isinstance(k, ray.actor.ActorHandle) for k in self.keepers.values()):
-            return None
-        return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-
-    def settled_step(self) -> int | None:
-        """The newest snapshot that outlives the loss of any one node: complete for every rank and,
-        with more than one keeper, replicated for every rank (older ones are dropped then)."""
-        return self.settled
-
-    def keeper_for(self, node: str):
-        """The MemoryKeeper of `node` (any node's, if it has none: one that joined after the start;
-        None: this object keeps the snapshots itself)."""
-        return self.keepers.get(node) or next(iter(self.keepers.values()), None)
-
-    def snapshot_keepers(self, step: int, rank: int) -> list:
-        """The keepers holding `rank`'s snapshot of `step`: its node's, then the replica's, if any."""
-        nodes = [self.snapshots[step][1][rank], self.replicas.get((step, rank))]
-        return [self.keeper_for(node) for node in nodes if node]
-
-    def replicated(self, step: int, rank: int, node: str) -> None:
-        with self.lock:
-            if step not in self.snapshots:
-                return
-            self.replicas[(step, rank)] = node
-        self._settle(step)
-
-    def snapshotted(self, step: int, rank: int, world: int, node: str) -> None:
-        """`rank` of a group of `world` ranks sent its snapshot of `step` to the keeper of `node`."""
-        with self.lock:
-            size, ranks = self.snapshots.get(step, (world, {}))
-            if size != world:  # the step again, in a group of another size: its snapshots replace the old ones
-                ranks = {}
-            self.snapshots[step] = (world, ranks)
-            ranks[rank] = node
-        self._settle(step)
-
-    def _settle(self, step: int) -> None:
-        """Once `step` is complete, only it and the newest settled step (see `settled_step`) can
-        still be resumed; once it is settled too, only it: every keeper drops the others. A node
-        lost before a complete step's replicas are in leaves the settled one to resume from."""
-        with self.lock:
-            size, ranks = self.snapshots.get(step, (0, {}))
-            if len(ranks) < size or size == 0 or step < (self.settled or 0):
-                return
-            if len(self.keepers) < 2 or all((step, r) in self.replicas for r in ranks):
-                self.settled = step
-            keep = self.settled
-            for older in [s for s in self.snapshots if s < step and s != keep]:
-                del self.snapshots[older]
-            self.replicas = {key: node for key, node in self.replicas.items() if key[0] in self.snapshots}
-        for keeper in self.keepers.values() or [self]:
-            tell(keeper, "drop_before", step, keep)
-
-    def snapshot_lost(self, step: int) -> None:
-        """A rank could not fetch its snapshot of `step` (its node is gone): never offered again."""
-        with self.lock:
-            self.snapshots.pop(step, None)
-            if self.settled == step:
-                self.settled = None
 
     def user_failed(self, rank: int, message: str) -> None:
         """A rank hit a mistake of the user's (a loss that is not a scalar...): running it again would
@@ -301,38 +219,6 @@ class JobController:
         logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["ray_resume"]["files"]), paths.iteration_dir(self.root, iteration))
         self._apply_retention(iteration)
 
-    def _apply_retention(self, tracked: int) -> None:
-        """Keep the newest `save_max` iterations this job committed; remove older ones of this job only.
-
-        Runs after the tracker has moved (a failed deletion never costs the
-        newest commit), on the deletion thread: a slow `rmtree` holds up
-        neither the ranks nor the next commit. Iterations of earlier jobs
-        under the same root, such as the one this job resumed from, are
-        never in `committed_by_job`.
-        """
-        keep = self.config["checkpoint"]["save_max"]
-        while len(self.committed_by_job) > keep:
-            victim = self.committed_by_job.pop(0)
-            if victim != tracked:
-                self.deleter.submit(self._delete_iteration, victim)
-
-    def _delete_iteration(self, step: int) -> None:
-        """Crash-safe: common.json goes first, so a half-deleted dir can never pass as complete.
-        A failed deletion costs disk, not the run: it is logged, and the iteration stays."""
-        try:
-            self._remove_iteration(step)
-        except Exception:
-            logger.exception("retention could not remove iteration %d; remove %s by hand", step, paths.iteration_dir(self.root, step))
-
-    def _remove_iteration(self, step: int) -> None:
-        iter_dir = paths.iteration_dir(self.root, step)
-        self.storage.remove(paths.join(iter_dir, paths.COMMON))
-        f = self.fault
-        if f and f["phase"] == "retention_delete" and f["step"] == step and self.claim_fault():
-            self._kill_driver(f"while deleting iteration {step}")
-        self.storage.remove_tree(iter_dir)
-        logger.info("retention (save_max=%d): removed iteration %d", self.config["checkpoint"]["save_max"], step)
-
     def _before_tracker(self, iteration: int) -> None:
         """Fault injection between the JSON files and the tracker: the driver dies, or the write fails."""
         f = self.fault
@@ -346,7 +232,3 @@ class JobController:
         print(f"[fault] killing the driver (pid {self.driver_pid}) {when}", flush=True)
         os.kill(self.driver_pid, signal.SIGKILL)
         os._exit(1)
-
-
-# Threaded: the per-step calls of every rank are answered while a commit runs (see calls.SERIAL).
-JobControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16, concurrency_groups={"state": 1})(JobController)

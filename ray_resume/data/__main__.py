@@ -1,0 +1,7 @@
+"""`python -m ray_resume.data synth ...`: write a synthetic dataset."""
+
+import sys
+
+from .synthetic import main
+
+sys.exit(main())

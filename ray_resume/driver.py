@@ -1,0 +1,279 @@
+"""Every job's driver, `ray_resume.fit`'s and the built-in one's: the writer lease, the resume
+source resolved once under it, the job's controller, the ranks (through a backend), the result.
+
+    launch(cfg, train_func, loop_config, check=..., backend=RayTrain())
+
+takes the lease on save_path before anything under it is read for
+writing, resolves what to resume (`preflight.resolve_source`), runs the
+job's own checks on it (`check`), then hands the job to the backend: Ray
+Train here (`RayTrain`: a TorchTrainer and its restarts, the controller a
+Ray actor on this node), local processes in the tests (tests/harness.py),
+in the same order. The controller's account becomes a `Result`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .checkpoint import paths
+from .checkpoint.memory import MemoryKeeper
+from .checkpoint.root import ResumeSource, root_for
+from .checkpoint.schema import Iteration
+from .checkpoint.storage import s3_filesystem
+from .config import Config, ScalingConfig
+from .controller import CommitError, JobController
+from .errors import ConfigError
+from .metrics import read_metrics
+from .preflight import resolve_source
+from .rank import INTERNAL, USER, rank_entry
+from .summary import summarize
+
+logger = logging.getLogger("ray_resume")
+
+CONTROLLER_NAME = "ray_resume.controller."  # + the job id: each job's controller is a named actor
+# Threaded: the per-step calls of every rank are answered while a commit runs (see calls.SERIAL).
+JobControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16, concurrency_groups={"state": 1})(JobController)
+
+
+class TrainingFailed(ray.train.TrainingFailedError):
+    """The run failed and Ray Train's restarts could not save it (or a commit failed): what was
+    committed stays, and the message says why in one line. The error underneath is `__cause__`."""
+
+
+@dataclass
+class Result(ray.train.Result):
+    """What `fit` and `train` return, as Ray Train's Result: `metrics` (rank 0's last step), `checkpoint`
+    (the newest iteration this job committed, a `ray.train.Checkpoint`; None if none), `path` (the
+    checkpoint root) and `error` (None: a failure raises); `committed_iteration` its step."""
+
+    committed_iteration: int | None = None
+
+    @property
+    def checkpoint_path(self) -> str | None:
+        """The committed iteration's directory as save_path names it (s3://... on object storage)."""
+        return paths.iteration_dir(self.path, self.committed_iteration) if self.committed_iteration is not None else None
+
+
+def ray_checkpoint(uri: str, storage) -> ray.train.Checkpoint:
+    """Ray Train's Checkpoint of an iteration directory, with the filesystem of checkpoint.storage (an s3://
+    URI alone would send Ray to AWS itself, not to the configured endpoint)."""
+    if "://" not in uri or uri.startswith("file://"):
+        return ray.train.Checkpoint(uri.removeprefix("file://"))
+    return ray.train.Checkpoint(uri.split("://", 1)[1], filesystem=s3_filesystem(storage))
+
+
+def launch(cfg: Config, train_func: Callable[[dict], None], loop_config: dict, *,
+           check: Callable[[Config, ResumeSource | None, Iteration | None], Config], backend, summary: bool = True) -> Result:
+    """Run `train_func(loop_config)` on every rank to the end (with restarts), as described above; the
+    Result, its `error` set (not raised) when the run failed."""
+    job_id = uuid.uuid4().hex[:12]
+    ckpt = cfg.checkpoint
+    lease = root_for(ckpt.save_path, ckpt.storage).lease(job_id, ckpt.lease_ttl_s) if ckpt.enable_save else None
+    if lease:  # before anything under save_path is read for writing or moved
+        lease.acquire()
+        lease.keep_renewed()  # from this moment to the job's end
+    try:
+        source, it = resolve_source(cfg)
+        cfg = check(cfg, source, it)
+        outcome = backend.run(cfg, job_id, {INTERNAL: {"train_func": train_func, "source": source, "job_id": job_id},
+                                            USER: loop_config})
+    finally:
+        if lease:
+            lease.release()
+    if summary:
+        say_summary(cfg, job_id, outcome["attempts"], outcome["wall_s"])
+    committed = outcome["committed"]
+    path = paths.iteration_dir(ckpt.save_path, committed) if committed is not None else None
+    error = outcome["failure"]
+    if outcome["user_error"]:  # what Ray Train's error wraps, in our words (it was not retried)
+        error = ConfigError(outcome["user_error"])
+    elif outcome["error"]:  # a commit failed
+        error = TrainingFailed(f"training failed: {outcome['error']}")
+        error.__cause__ = CommitError(outcome["error"])
+    elif error is not None:
+        reason = next((line for line in str(error).splitlines()[1:] + str(error).splitlines() if line.strip()), type(error).__name__)
+        failed = TrainingFailed(f"training failed: {reason.strip()}")
+        failed.__cause__ = error
+        error = failed
+    if error is None and outcome["metrics"].get("stopped"):
+        logger.warning("[%s] stopped at step %s on request: committed iteration %s; run again with "
+                       "checkpoint.load_path=%s to continue", cfg.name, outcome["metrics"]["step"], committed, ckpt.save_path)
+    elif error is None:
+        logger.info("[%s] finished: last committed iteration %s%s", cfg.name, committed, f" at {path}" if path else "")
+    if path and summary:
+        logger.info("[%s] to continue it: --set checkpoint.load_path=%s; to export its weights: ray-resume export %s OUT_DIR",
+                    cfg.name, ckpt.save_path, ckpt.save_path)
+    return Result(metrics=outcome["metrics"], checkpoint=ray_checkpoint(path, ckpt.storage) if path else None, error=error,
+                  path=ckpt.save_path, committed_iteration=committed)
+
+
+def say_summary(cfg: Config, job_id: str, attempts: list[dict], wall_s: float) -> None:
+    """The run's summary lines, from its metrics beside the checkpoint root (none without saves)."""
+    if not cfg.checkpoint.enable_save:
+        return
+    try:
+        records = read_metrics(cfg.checkpoint.save_path, cfg.checkpoint.storage)
+    except OSError as exc:
+        logger.warning("[%s] no summary: the metrics could not be read (%s)", cfg.name, exc)
+        return
+    for line in summarize(records, attempts, job_id=job_id, global_batch_size=cfg.training.global_batch_size, wall_s=wall_s):
+        logger.info("[%s] %s", cfg.name, line)
+
+
+class RayTrain:
+    """The ranks as Ray Train runs them: a TorchTrainer of `rank.rank_entry` with Ray Train's restarts,
+    the job's controller a Ray actor on the driver's node (and with the memory tier, a keeper on every node).
+
+    `scaling_config` and `run_config` are Ray Train's own, as a user of `fit` gives them (else made
+    from the config's sections); ours go beside theirs (our callback, our failure and logging settings)."""
+
+    def __init__(self, address: str | None = None, *, scaling_config: ray.train.ScalingConfig | None = None,
+                 run_config: ray.train.RunConfig | None = None, verbose: bool = False):
+        self.address, self.scaling_config, self.run_config, self.verbose = address, scaling_config, run_config, verbose
+
+    def run(self, cfg: Config, job_id: str, loop_config: dict) -> dict:
+        """The job to its end: the controller's account (committed, metrics, attempts, error, user_error),
+        the failure `fit()` raised (`failure`), and the wall time."""
+        init_ray(self.address, cfg)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        # On the driver's node: the commit must run where the driver does (it dies with it).
+        keepers = start_keepers() if cfg.checkpoint.memory_interleaved_steps else {}
+        controller = JobControllerActor.options(scheduling_strategy=here, name=f"{CONTROLLER_NAME}{job_id}").remote(
+            cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers
+        )
+        ring = list(keepers.values())
+        ray.get([keeper.attach.remote(controller, ring[(i + 1) % len(ring)] if len(ring) > 1 else None)
+                 for i, keeper in enumerate(ring)])
+        loop_config[INTERNAL]["controller"] = controller
+        trainer = TorchTrainer(rank_entry, train_loop_config=loop_config,
+                               scaling_config=self.scaling_config or scaling_config(cfg.scaling),
+                               run_config=self._run_config(cfg, job_id, controller))
+        failure = None
+        started = time.monotonic()
+        # Read by Ray Train when fit() starts its controller (and handed on to it): a lost worker is
+        # noticed within one interval, 2 s by Ray's default, 0.5 s by ours (a poll is one small call per worker).
+        os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.failure.health_check_interval_s)
+        try:
+            with stop_on_sigterm(controller, cfg.name):
+                trainer.fit()
+        except Exception as exc:  # Ray wraps worker errors; report them, keep what was committed
+            failure = exc
+        wall_s = time.monotonic() - started
+        outcome = ray.get(controller.result.remote())
+        ray.get(controller.release.remote())
+        for keeper in keepers.values():  # the job's snapshots go with it
+            ray.kill(keeper)
+        return {**outcome, "failure": failure, "wall_s": wall_s}
+
+    def _run_config(self, cfg: Config, job_id: str, controller) -> ray.train.RunConfig:
+        yours = self.run_config or ray.train.RunConfig()
+        return dataclasses.replace(
+            yours,
+            name=yours.name or f"{cfg.name}-{job_id}",
+            failure_config=dataclasses.replace(yours.failure_config or ray.train.FailureConfig(), max_failures=cfg.failure.max_failures),
+            # Ray Train's own lines (worker-group starts, a recovered failure's 60-line
+            # tracebacks, a surviving rank's "Error in training function") to its log files
+            # only: a failure that ends the run raises from fit(), and is said in one line.
+            # RunConfig() always holds a LoggingConfig: only one the user changed is theirs.
+            logging_config=(yours.logging_config if yours.logging_config not in (None, ray.train.LoggingConfig())
+                            else ray.train.LoggingConfig(log_level="INFO" if self.verbose else "CRITICAL")),
+            callbacks=[*(yours.callbacks or []), FailedRanks(controller)],
+        )
+
+
+def scaling_config(scaling: ScalingConfig) -> ray.train.ScalingConfig:
+    """Ray Train's ScalingConfig for the `scaling:` section (a [min, max] list makes it elastic)."""
+    workers = scaling.num_workers
+    return ray.train.ScalingConfig(
+        num_workers=tuple(workers) if isinstance(workers, list) else workers, use_gpu=scaling.use_gpu,
+        resources_per_worker=dict(scaling.resources_per_worker) or None,
+        elastic_resize_monitor_interval_s=scaling.elastic_resize_interval_s,
+    )
+
+
+def start_keepers() -> dict:
+    """A MemoryKeeper on every live node, owned by this driver: the memory tier's snapshots outlive
+    the worker groups (a node that joins later sends its ranks' to another node's keeper). Each
+    replicates its snapshots to the next one (attach, in RayTrain.run)."""
+    actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(MemoryKeeper)
+    return {node["NodeID"]: actor.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
+        for node in ray.nodes() if node["Alive"]}
+
+
+class FailedRanks(ray.train.UserCallback):
+    """On Ray Train's controller: which ranks failed, and the first line of why, for the line a
+    restarted group says (the full errors stay in Ray Train's log files)."""
+
+    def __init__(self, controller: Any):
+        self.controller = controller
+
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        why = {rank: (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160] for rank, exc in worker_exceptions.items()}
+        self.controller.ranks_failed.remote(why)
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(controller, name: str):
+    """SIGTERM (a preemption notice, `kill`, a scheduler's grace period) becomes a clean stop:
+    the ranks save and commit at the next step boundary and the run returns."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed from the main thread
+        return
+
+    def on_sigterm(signum, frame):
+        logger.warning("[%s] SIGTERM: saving a checkpoint at the next step boundary, then stopping", name)
+        controller.request_stop.remote()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def init_ray(address: str | None, cfg: Config) -> None:
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        # Room for the training workers plus the Ray Data read tasks beside them.
+        init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers + 2))
+
+
+def init_local_ray(**options) -> str:
+    """Start a new Ray of our own (never a stale `ray start` cluster) with its dashboard on a
+    free loopback port; returns the dashboard's URL.
+
+    Ray Train v2's placement-group cleaner asks the state API, which the dashboard serves,
+    whether the controller is alive, and `fit()` returns only once that call is done or 12 s
+    have passed. Without a dashboard, or when the state API finds another Ray (the
+    `/tmp/ray/ray_current_cluster` file a `ray start` leaves behind, a second Ray on the
+    host), each call hangs 10-40 s: every job ended 12 s late and logged "Failed to query
+    Ray Train Controller actor state". RAY_API_SERVER_ADDRESS sends the state API of every
+    process of this job to our own dashboard.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
+             runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": url}}, **options)
+    return url

@@ -1,0 +1,225 @@
+"""Every rank of every job: its entry point under Ray Train, and its RankCheckpointer.
+
+`rank_entry` is what the TorchTrainer runs on each rank, for `ray_resume.fit`'s
+jobs and the built-in one alike (the built-in loop is a train_func too): it
+agrees with its peers on the attempt and what to resume, then runs the
+job's train_func with this rank's `RankCheckpointer`, which the loop gets
+from `get_checkpointer()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import collectives
+from .calls import call
+from .checkpoint.checkpointer import Checkpointer, Start
+from .checkpoint.root import CommittedIteration, ResumeSource
+from .checkpoint.state import class_path
+from .config import Config
+from .errors import USER_ERRORS, ConfigError
+from .extra_state import MAX_EXTRA, OptimizerState, dump_extra, load_extra
+from .faults import FaultInjector
+
+INTERNAL = "ray_resume"  # train_loop_config as the TorchTrainer gets it: {INTERNAL: ours, USER: the loop's own}
+USER = "config"
+_current: "RankCheckpointer | None" = None
+
+
+def get_checkpointer() -> "RankCheckpointer":
+    """This rank's checkpointer, inside a `train_func` that `ray_resume.fit` runs."""
+    if _current is None:
+        raise RuntimeError("ray_resume.get_checkpointer() works inside a train_func run by ray_resume.fit()")
+    return _current
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """This rank's part of the job, for this worker-group start (the built-in loop reads it)."""
+
+    cfg: Config
+    controller: Any  # the job's controller (ray_resume.controller), reached through `call`
+    rank: int
+    world: int
+    job_id: str
+    attempt: int  # worker-group starts before this one
+    resume_step: int | None  # this job's newest commit, on a restart
+    memory_step: int | None  # a newer step the memory tier holds for every rank, on a restart
+    ended: dict  # how the previous attempt ended (rank 0 only): failed_after, lost, clock
+    faults: FaultInjector
+
+
+def rank_entry(loop_config: dict) -> None:
+    """Ray Train's entry point on every rank, for every job (`fit`'s and the built-in one)."""
+    import ray.train
+
+    ours = loop_config[INTERNAL]
+    controller = ours["controller"]
+    cfg = Config.from_dict(call(controller, "job_config"))  # the train_loop_config Ray Train shows is redacted
+    ctx = ray.train.get_context()
+    run_rank(cfg, controller, ctx.get_world_rank(), ctx.get_world_size(), ours["train_func"], loop_config[USER],
+             source=ours["source"], job_id=ours["job_id"])
+
+
+def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callable[[dict], None], config: dict, *,
+             source: ResumeSource | None, job_id: str) -> None:
+    """One rank of a job in an initialised process group: `train_func(config)` with this rank's
+    RankCheckpointer, for this worker-group start. A user's mistake is said once and never retried:
+    its rank reports it, and the group Ray Train restarts for it returns at once (JobController.user_failed)."""
+    global _current
+    attempt, resume_step, memory_step, ended = _agree_on_attempt(controller, rank, world)
+    if ended.pop("user_error"):
+        return
+    faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
+    _current = RankCheckpointer(RankJob(cfg, controller, rank, world, job_id, attempt, resume_step, memory_step, ended, faults), source)
+    try:
+        train_func(config)
+        _current.finish()
+    except USER_ERRORS as exc:
+        call(controller, "user_failed", rank, str(exc))
+        raise
+    finally:
+        _current = None
+
+
+def _agree_on_attempt(controller, rank: int, world: int) -> tuple[int, int | None, int | None, dict]:
+    """Rank 0 asks the driver; every rank gets the same attempt, step to resume (None: none), memory
+    snapshot step to resume (None: none) and `user_error` (a rank found a mistake of the user's: the
+    job is over). Rank 0 also learns how the previous attempt ended: `failed_after` (its last
+    finished step) and `lost` (rank -> why)."""
+    facts, ended = [-1, -1, -1, 0], {}
+    if rank == 0:
+        reply = call(controller, "start_attempt", world, process_started())
+        ended = {"failed_after": reply["failed_after"], "lost": reply["lost"], "clock": reply["clock"]}
+        steps = [-1 if reply[k] is None else reply[k] for k in ("resume_step", "memory_step")]
+        facts = [reply["attempt"], *steps, int(reply["user_error"] is not None)]
+    attempt, step, memory_step, user_error = collectives.from_rank0(facts)
+    return attempt, None if step < 0 else step, None if memory_step < 0 else memory_step, {**ended, "user_error": bool(user_error)}
+
+
+def process_started() -> float | None:
+    """When this process started, on time.time()'s clock (None where there is no /proc to say)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks after boot
+            since_boot = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+class RankCheckpointer:
+    """`restore` once, then `maybe_save` every step; `finish` commits the last step given and waits
+    for the save in flight (`fit` calls it when your train_func returns)."""
+
+    def __init__(self, job: RankJob, source: ResumeSource | None):
+        self.job = job
+        cfg = self._cfg = job.cfg
+        self._checkpointer = Checkpointer(cfg.checkpoint, job.controller, job.rank, job.world, job.attempt, job.faults)
+        # A restart within this job resumes its own newest commit; the first start, checkpoint.load_path.
+        self._source = CommittedIteration(cfg.checkpoint.save_path, job.resume_step) if job.resume_step is not None else source
+        self._full = job.resume_step is not None or not cfg.checkpoint.no_load_optim  # its own commit: always all of it
+        self._model = self._optimizer = None
+        self._extra: dict[str, Any] = {}
+        self._global_batch_size: int | None = None  # the loop's, once it says
+        self._last: tuple[int, dict] | None = None  # the last step given to maybe_save, and what it said of it
+        self._saved: int | None = None  # the last step saved
+        self._finished = False
+        self.last_snapshot_step: int | None = None  # the step of the last memory snapshot
+
+    def restore(self, model: torch.nn.Module, optimizer, extra: dict[str, Any] | None = None, *,
+                global_batch_size: int | None = None) -> Start:
+        """Load the model, the optimizer and `extra` (in place) from what this job resumes, if anything.
+
+        With `global_batch_size`, a checkpoint saved with another one resumes at step
+        consumed_samples // global_batch_size (the spec's scenario C; the data cursor stays at the
+        consumed samples); without, at its saved step.
+        """
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = OptimizerState(model, optimizer)
+        # else the built-in mixed-precision optimizer (ray_resume.optim), whose hyperparameters are the config's
+        self._model, self._optimizer, self._extra = model, optimizer, dict(extra or {})
+        self._global_batch_size = global_batch_size or self._global_batch_size
+        if self._extra and self._cfg.checkpoint.no_save_optim:
+            raise ConfigError("extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out; "
+                              "drop one of them")
+        for key, obj in self._extra.items():
+            if not (isinstance(obj, torch.Generator) or (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))):
+                raise ConfigError(f"extra[{key!r}]: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
+                                  "pass objects that have them, or torch.Generators")
+        restored = None
+        if self.job.memory_step is not None:  # newer than the last commit, held for every rank of this world size
+            restored = self._checkpointer.restore_snapshot(model, optimizer, self.job.memory_step)
+        if restored is None:
+            full = self._full and isinstance(self._source, CommittedIteration)  # an export holds weights only
+            restored = self._checkpointer.restore(model, optimizer, self._source, full=full, global_batch_size=global_batch_size,
+                                                  rank0_extras=isinstance(optimizer, OptimizerState) or bool(self._extra))
+        start, extras = restored
+        if "param_groups" in extras and isinstance(optimizer, OptimizerState):
+            optimizer.load_groups(json.loads(extras["param_groups"]))
+        if "extra" in extras:
+            load_extra(self._extra, extras["extra"], where=start.source)
+        self._saved = start.step if start.source else None
+        return start
+
+    def maybe_save(self, step: int, *, consumed_samples: int | None = None, global_batch_size: int | None = None,
+                   force: bool = False, common: dict | None = None) -> bool:
+        """Save at every `checkpoint.save_interleaved_steps` (or now, with `force`); True if it saved.
+        Between saves, snapshot into memory every `checkpoint.memory_interleaved_steps`.
+
+        `consumed_samples` and `global_batch_size` go to common.json as your loop gives them (null if
+        it never does); `common`: more of its fields (the built-in loop's epoch_num and step_num, data)."""
+        if self._model is None:
+            raise RuntimeError("call restore(model, optimizer) before maybe_save()")
+        self._checkpointer.poll()  # a failed background save is raised at the next step, saving or not
+        ckpt = self._cfg.checkpoint
+        self._global_batch_size = global_batch_size or self._global_batch_size
+        said = {"consumed_samples": consumed_samples, "common": common}
+        self._last = (step, said)
+        if ckpt.enable_save and (force or step % ckpt.save_interleaved_steps == 0):
+            self._save(step, said, durable=True)
+            return True
+        if ckpt.memory_interleaved_steps and step % ckpt.memory_interleaved_steps == 0:
+            self._save(step, said, durable=False)
+        return False
+
+    def _save(self, step: int, said: dict, *, durable: bool) -> None:
+        optimizer = self._optimizer
+        extras = {}
+        if isinstance(optimizer, OptimizerState):
+            extras["param_groups"] = json.dumps(optimizer.groups())
+        if self._extra:
+            extras["extra"] = dump_extra(self._extra)
+            if len(extras["extra"]) > MAX_EXTRA:
+                raise ConfigError(f"extra state of {len(extras['extra']) >> 20} MiB (keys {sorted(self._extra)}): it rides in "
+                                  f"a shard header, which holds {MAX_EXTRA >> 20} MiB; keep big tensors in the model or the optimizer")
+        common = {"global_step": step, "global_batch_size": self._global_batch_size, "consumed_samples": said["consumed_samples"],
+                  "epoch_num": None, "step_num": None, "optimizer": class_path(type(optimizer.optimizer)),
+                  **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}), **(said["common"] or {})}
+        if durable:
+            self._checkpointer.save(step, self._model, optimizer, common, extras=extras)
+            self._saved = step
+        else:
+            self._checkpointer.snapshot(step, self._model, optimizer, common, extras)
+            self.last_snapshot_step = step
+
+    @property
+    def last_stall_s(self) -> float | None:
+        """How long the last save blocked this rank (None before the first)."""
+        return self._checkpointer.last_stall_s
+
+    def finish(self, *, save_last: bool = True) -> float:
+        """Save the last step given to `maybe_save` if it was not saved (unless `save_last` is off), and
+        wait for the save in flight; seconds blocked (raises a failed background save's error). Once."""
+        if self._finished:
+            return 0.0
+        self._finished = True
+        if save_last and self._cfg.checkpoint.enable_save and self._last is not None and self._last[0] != self._saved:
+            self._save(*self._last, durable=True)
+        return self._checkpointer.finish()

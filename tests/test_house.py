@@ -1,0 +1,161 @@
+"""The layout of ray_resume/ (docs/architecture.md): modules in layers, nothing importing a module above
+its own, no import circle, no module over 500 lines; and what the layout promises at run time."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, driver_checks, run_on_harness, tiny_config
+from ray_resume.checkpoint import root as root_module
+from ray_resume.checkpoint.lease import LEASE_DIR, Lease
+from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.errors import CheckpointError
+
+PACKAGE = REPO / "ray_resume"
+# Bottom to top; a module may import its own layer's and those below (docs/architecture.md).
+LAYERS = [
+    ["errors", "calls", "faults", "model", "summary", "collectives", "checkpoint", "checkpoint.paths", "checkpoint.names", "checkpoint.plan",
+     "checkpoint.digest", "checkpoint.storage", "checkpoint.async_save"],
+    ["checkpoint.schema", "checkpoint.parse", "checkpoint.state", "checkpoint.writer", "checkpoint.reader", "checkpoint.loader", "checkpoint.commit",
+     "checkpoint.lease", "checkpoint.fallback", "checkpoint.memory", "checkpoint.root", "checkpoint.checkpointer"],
+    ["config", "data", "metrics", "optim", "parallel", "plugins", "extra_state", "plot"],
+    ["controller"],
+    ["rank", "progress", "train_loop"],
+    ["preflight", "driver"],
+    ["api"],
+    ["run", "cli"],
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        out[name.removesuffix(".__init__").removesuffix("__init__")] = path
+    return out
+
+
+def layer_of(module: str) -> int | None:
+    """A module's layer: its own entry, else its package's (config.words is config's)."""
+    while module:
+        if module in LAYER:
+            return LAYER[module]
+        module = module.rpartition(".")[0]
+    return None
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules `name` imports, anywhere in it (a function's import counts too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".") if package else []
+            if node.level:
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("ray_resume"):
+                target = node.module.removeprefix("ray_resume").lstrip(".")
+            else:
+                continue
+            candidates = [f"{target}.{a.name}".lstrip(".") for a in node.names] + [target]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name.removeprefix("ray_resume").lstrip(".") for a in node.names if a.name.startswith("ray_resume")]
+        else:
+            continue
+        for c in candidates:
+            while c and c not in known:
+                c = c.rpartition(".")[0]
+            if c and c != name:
+                found.add(c)
+                break
+    return found
+
+
+def import_map() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items() if name}
+
+
+def test_every_module_has_a_layer_and_imports_none_above_it():
+    graph = import_map()
+    assert [m for m in graph if layer_of(m) is None] == []
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if d and layer_of(d) > layer_of(m))
+    assert upward == []
+
+
+def test_the_import_map_has_no_circle():
+    graph = import_map()
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return path + [m, d]
+            if d not in state and (found := visit(d, path + [m])):
+                return found
+        state[m] = 2
+        return None
+
+    circles = [c for m in sorted(graph) if m not in state and (c := visit(m, []))]
+    assert circles == []
+
+
+def test_no_module_is_over_500_lines():
+    assert {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 500} == {}
+
+
+@pytest.mark.invariant(9, 13)
+def test_a_second_job_on_a_held_root_leaves_it_exactly_as_it_was(tmp_path, local_reference):
+    """Another job holds the root's lease, and its newest iteration is damaged (a truncated shard): a
+    second start is refused by the lease before it reads anything for writing. Before, its resume
+    source was resolved ahead of the lease, and the damaged iteration was renamed aside in a root
+    another job owned."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(local_reference["root"], root)
+    shard = sorted((root / "iteration_00000012").glob("*-model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    holder = Lease(LocalStorage(), str(root), "the-holder", ttl_s=600)
+    holder.acquire()
+    before = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    cfg = tiny_config(tmp_path, checkpoint={"load_path": str(root)})
+    cfg["data"]["path"] = local_reference["data"]
+    try:
+        with pytest.raises(CheckpointError, match=f"checkpoint.save_path '{root}' is being written by job the-holder"):
+            driver_checks(cfg)
+    finally:
+        after = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+        holder.release()
+    assert after == before  # the damaged iteration where it was, the holder's lease untouched
+    assert (root / LEASE_DIR).is_dir() and json.loads(next((root / LEASE_DIR).iterdir()).read_text())["job_id"] == "the-holder"
+
+
+@pytest.mark.invariant(2)
+def test_each_process_builds_a_roots_storage_once(tmp_path, local_reference, monkeypatch):
+    """A job that resumes its own root, with a rank killed (so two worker groups): the driver, the
+    controller and every rank process each build that root's storage once, whatever reads or writes
+    it (the lease, the checks, commits, retention, shards, restores, metrics)."""
+    import storage_faults
+
+    built_here = Counter()
+    real = root_module.storage_for
+    monkeypatch.setattr(root_module, "storage_for", lambda uri, options=None: built_here.update([uri]) or real(uri, options))
+    record = str(tmp_path / "builds.jsonl")
+    cfg = tiny_config(tmp_path, checkpoint={"load_path": str(tmp_path / "ckpt")},
+                      fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    cfg["data"]["path"] = local_reference["data"]
+    assert run_on_harness(cfg, storage_faults=([], record)).attempts == 2
+    assert built_here == {str(tmp_path / "ckpt"): 1}
+    by_process = Counter(b["built"] for b in storage_faults.builds(record))
+    assert len(by_process) == 5, by_process  # the controller, 2 ranks of each of 2 groups
+    assert set(by_process.values()) == {1}, by_process
+    assert os.getpid() not in by_process  # the driver is counted above
