@@ -564,9 +564,10 @@ def main(argv=None) -> int:
     base = args.dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
     started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=3, object_store_memory=200 * 1024**2, include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}}, log_to_driver=True)
+    if started:  # a Ray of its own, or the cluster RAY_ADDRESS names (the test suite's)
+        own = {} if os.environ.get("RAY_ADDRESS") else {"num_cpus": 3, "object_store_memory": 200 * 1024**2, "include_dashboard": False}
+        ray.init(address=os.environ.get("RAY_ADDRESS", "local"), log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}}, **own)
     results = {"command": "python -m benchmarks.checkpoint " + " ".join(argv if argv is not None else sys.argv[1:]),
                "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
                "workers": 2, "backend": "gloo (plain Ray actors)", "repeats": repeats, "sizes": {}}

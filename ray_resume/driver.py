@@ -252,7 +252,9 @@ def init_ray(address: str | None, cfg: Config) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        # A state API server named for this cluster (see init_local_ray) reaches this job's processes too.
+        api = os.environ.get("RAY_API_SERVER_ADDRESS")
+        ray.init(address=address, **({"runtime_env": {"env_vars": {"RAY_API_SERVER_ADDRESS": api}}} if api else {}))
     else:
         # Room for the training workers plus the Ray Data read tasks beside them.
         init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers + 2))

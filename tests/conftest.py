@@ -39,7 +39,8 @@ def ray_cluster():
     """A local Ray with room for 2 training workers and the Ray Data readers beside them."""
     started = not ray.is_initialized()
     if started:
-        init_local_ray(num_cpus=4, object_store_memory=300 * 1024**2)
+        dashboard = init_local_ray(num_cpus=4, object_store_memory=300 * 1024**2)
+        SESSION_RAY.update(address=ray.get_runtime_context().gcs_address, dashboard=dashboard)
     yield
     if started:
         ray.shutdown()
@@ -117,10 +118,18 @@ def per_step(records: list[dict]) -> dict[int, list[dict]]:
     return {step: list(by_run.values()) for step, by_run in sorted(runs.items())}
 
 
-def env_for_subprocess() -> dict:
+SESSION_RAY: dict[str, str] = {}  # the `ray_cluster` Ray: its GCS address and dashboard URL
+
+
+def env_for_subprocess(join_session_ray: bool = False) -> dict:
+    """The environment of a process a test starts: this checkout importable; a driver starts a Ray of
+    its own unless `join_session_ray`, which sends it to the session's, as `ray job submit` would
+    send it to a cluster's (a Ray start and stop less each)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("RAY_ADDRESS", None)
+    if join_session_ray:
+        env.update(RAY_ADDRESS=SESSION_RAY["address"], RAY_API_SERVER_ADDRESS=SESSION_RAY["dashboard"])
     return env
 
 

@@ -15,12 +15,12 @@ from ray_resume.config import Config
 from ray_resume.model import build_model
 
 
-@pytest.mark.starts_ray
+@pytest.mark.usefixtures("ray_cluster")
 def test_small_benchmark_writes_every_row(tmp_path):
     out = tmp_path / "results.json"
-    proc = subprocess.run(
+    proc = subprocess.run(  # on the session's Ray (RAY_ADDRESS), as on a cluster's
         [sys.executable, "-m", "benchmarks.checkpoint", "--small", "--out", str(out), "--dir", str(tmp_path / "work")],
-        cwd=REPO, env=env_for_subprocess(), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=env_for_subprocess(join_session_ray=True), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())

@@ -61,7 +61,7 @@ import time
 
 import pytest
 
-from conftest import FINAL, env_for_subprocess, per_step, read_metrics, run_job, tiny_config
+from conftest import FINAL, env_for_subprocess, per_step, read_metrics, run_on_harness, tiny_config
 from ray_resume.config import Config
 from ray_resume.data import ensure_dataset
 from test_whole_job import end_group
@@ -252,8 +252,9 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.starts_ray
 @pytest.mark.invariant(3)
-def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path, ray_cluster):
+def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path):
     t0 = time.time()
     data = tmp_path / "data"
     # dropout 0: dropout masks come from each rank's RNG stream, which no other world size can reproduce.
@@ -279,10 +280,11 @@ def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path, r
     reader = threading.Thread(target=lambda: output.update(text=proc.communicate(timeout=600)[0]), daemon=True)
     reader.start()
     try:
-        # Meanwhile, on the session Ray: the uninterrupted reference, 1 worker throughout.
+        # Meanwhile, on the harness (Ray Train's equal, tests/test_harness.py, and lighter on 2 cores
+        # than a second Ray beside the Cluster): the uninterrupted reference, 1 worker throughout.
         ref_cfg = tiny_config(tmp_path / "reference", model={"dropout": 0.0}, scaling={"num_workers": 1})
         ref_cfg["data"]["path"] = str(data)
-        run_job(ref_cfg)
+        run_on_harness(ref_cfg)
         reader.join(timeout=600)
     finally:
         end_group(proc)

@@ -1,18 +1,20 @@
-"""Fault matrix, the faults nobody injects from inside: a worker process SIGKILLed from
-outside at a random moment, and a whole node removed from a multi-node cluster.
-
-Either way Ray Train restarts the worker group, the job resumes from its newest
-committed iteration by itself, and it ends with shard files byte-identical to the
+"""Fault matrix, the fault nobody injects from inside: a worker process SIGKILLed from
+outside at a random moment. Ray Train restarts the worker group, the job resumes from its
+newest committed iteration by itself, and it ends with shard files byte-identical to the
 uninterrupted reference run and the very same per-step losses (invariants 2 and 3).
 
-Both jobs train with the built-in loss slowed by a sleep (same numbers, more wall
+A whole node lost mid-run is in tests/test_elastic_cluster.py (the node of a training
+worker removed, the group back on the survivor from the newest commit, every step's
+samples the reference's) and tests/test_memory_tier.py (the node of a rank removed while
+it trains, back from memory, byte-identical): one multi-node Cluster each.
+
+The job trains with the built-in loss slowed by a sleep (same numbers, more wall
 time per step), so that a fault drawn at random lands inside the training steps
 rather than after them: unslowed, the 12 tiny steps take about half a second.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -24,7 +26,7 @@ import pytest
 import ray
 import ray._private.state
 
-from conftest import FINAL, assert_same_as_reference, run_driver, tiny_config
+from conftest import FINAL, assert_same_as_reference, tiny_config
 from ray_resume.checkpoint import paths
 from ray_resume.plugins import next_token_loss
 from ray_resume.api import train
@@ -131,120 +133,3 @@ def test_worker_sigkilled_from_outside_at_a_random_moment(tmp_path, reference, r
     print(f"seed {seed}: killed pid {victim} {delay:.2f} s into training, tracker at {committed_before}; "
           f"resumed from step {resumed}")
 
-
-# ---------------------------------------------------------------------------------------------
-# 2. Node loss: the node that holds both training workers is removed mid-run.
-
-NODE_LOSS_DRIVER = r'''
-"""Driver of the node-loss test: a multi-node Ray of its own (ray.cluster_utils.Cluster)."""
-import json
-import socket
-import sys
-import threading
-import time
-from pathlib import Path
-
-import ray
-import ray._private.state
-from ray.cluster_utils import Cluster
-
-from ray_resume.checkpoint import paths
-from ray_resume.plugins import next_token_loss
-from ray_resume.api import train
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train_workers():
-    return sorted([a["Address"]["NodeID"], a["State"], a["Pid"]] for a in ray._private.state.actors().values()
-                  if a["ActorClassName"] == "RayTrainWorker")
-
-
-def main():
-    t0 = time.time()
-    cfg = json.loads(Path(sys.argv[1]).read_text())
-    step_sleep = float(sys.argv[2])
-    tracker = Path(paths.tracker_path(cfg["checkpoint"]["save_path"]))
-    node = {"object_store_memory": 100 * 1024**2}
-    # The head has no CPU: the driver, the checkpoint coordinator and Ray Train's controller
-    # (num_cpus=0 each) live there, and everything that needs a CPU -- both training workers
-    # and the Ray Data read tasks -- must go to a worker node.
-    cluster = Cluster(initialize_head=True, head_node_args={
-        **node, "num_cpus": 0, "include_dashboard": False,
-        "dashboard_agent_listen_port": free_port(),  # the default one is the session Ray's
-        # A node that vanishes is declared dead after 5 missed health checks: 5 s, not Ray's 15 s.
-        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}})
-    first = cluster.add_node(num_cpus=4, **node)
-    ray.init(address=cluster.address)
-    out = {"first_node": first.node_id, "cluster_up_s": time.time() - t0}
-
-    def slow_loss(model, batch):  # the built-in loss, slowed so that the removal lands mid-run
-        time.sleep(step_sleep)
-        return next_token_loss(model, batch)
-
-    result = {}
-
-    def job():
-        try:
-            r = train(cfg, loss=slow_loss)
-            result.update(committed=r.committed_iteration, error=None)
-        except BaseException as exc:  # reported to the test
-            result.update(committed=None, error=repr(exc))
-
-    thread = threading.Thread(target=job, daemon=True)
-    thread.start()
-    deadline = time.time() + 400
-    while not tracker.exists() and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.05)
-    out["tracker_at_removal"] = tracker.read_text().strip() if tracker.exists() else None
-    out["workers_before"] = train_workers()
-    out["job_alive_at_removal"] = thread.is_alive()
-    # Abruptly, as a machine that dies: SIGKILL to its raylet, object store and workers,
-    # both training workers among them.
-    cluster.remove_node(first, allow_graceful=False)
-    out["removed_at"] = time.time()
-    out["first_commit_s"] = out["removed_at"] - t0
-    second = cluster.add_node(num_cpus=4, **node)  # from the main thread, as Cluster wants
-    out["second_node"] = second.node_id
-    out["replacement_up_s"] = time.time() - out["removed_at"]
-    thread.join(timeout=400)
-    out["job_finished"] = not thread.is_alive()
-    out["job_done_s"] = time.time() - t0
-    out["workers_after"] = train_workers()
-    out.update(result)
-    print("RESULT " + json.dumps(out), flush=True)
-    ray.shutdown()
-    cluster.shutdown()
-
-
-if __name__ == "__main__":
-    main()
-'''
-
-
-@pytest.mark.invariant(1, 2, 3)
-def test_node_holding_the_workers_removed_mid_run(tmp_path, reference):
-    cfg = tiny_config(tmp_path)
-    cfg["data"]["path"] = reference["data"]
-    root = cfg["checkpoint"]["save_path"]
-    (tmp_path / "job.json").write_text(json.dumps(cfg))
-    res, out = run_driver(tmp_path, NODE_LOSS_DRIVER, str(tmp_path / "job.json"), "0.25")
-    assert res["error"] is None and res["committed"] == FINAL, (res, out[-5000:])
-
-    # Both workers were on the removed node, and were alive and training when it went.
-    assert res["job_alive_at_removal"] and res["tracker_at_removal"] is not None
-    assert [(n, s) for n, s, _ in res["workers_before"]] == [(res["first_node"], "ALIVE")] * 2
-    # The restarted group ran on the replacement node.
-    assert sorted(n for n, _, _ in res["workers_after"]) == sorted([res["first_node"]] * 2 + [res["second_node"]] * 2)
-
-    restarts = assert_same_as_reference(root, reference)
-    assert [r["attempt"] for r in restarts] == [0, 1], restarts
-    assert restarts[1]["step"] >= int(res["tracker_at_removal"]) > 0
-    assert restarts[1]["source"].endswith(f"iteration_{restarts[1]['step']:08d}")
-    print("node loss: cluster up {cluster_up_s:.0f} s, node removed at {first_commit_s:.0f} s (tracker at "
-          "{tracker_at_removal}), replacement up after {replacement_up_s:.0f} s, job done at {job_done_s:.0f} s; "
-          "resumed from step {step}".format(step=restarts[1]["step"], **res))

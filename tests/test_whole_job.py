@@ -15,14 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import FINAL, REPO, env_for_subprocess, shard_bytes, tiny_config
+from conftest import FINAL, REPO, SESSION_RAY, env_for_subprocess, shard_bytes, tiny_config
 from ray_resume.checkpoint import paths
 
 
@@ -35,10 +33,11 @@ def write_config(tmp: Path, reference, **sections) -> Path:
     return path
 
 
-def start(args: list[str], **kw) -> subprocess.Popen:
-    """A child in its own process group, so that it and everything it spawned can be ended together."""
+def start(args: list[str], join_session_ray: bool = False, **kw) -> subprocess.Popen:
+    """A child in its own process group, so that it and everything it spawned can be ended together;
+    a driver on the session's Ray with `join_session_ray` (the console test's starts its own)."""
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env_for_subprocess(), **kw)
+                            start_new_session=True, env=env_for_subprocess(join_session_ray), **kw)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -70,14 +69,14 @@ def tracker(root: str) -> str:
 def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tmp_path, reference):
     config = write_config(tmp_path, reference, fault={"phase": "commit_before_tracker", "step": 8})
     root = str(tmp_path / "ckpt")
-    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config)]), timeout=300)
+    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config)], join_session_ray=True), timeout=300)
     assert code == -signal.SIGKILL, out[-3000:]
     # The JSON of iteration 8 is on disk, but the tracker never moved past 4.
     assert (Path(root) / "iteration_00000008" / "metadata.json").exists()
     assert tracker(root) == "4"
 
     code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--set", "fault=null",
-                              "--set", f"checkpoint.load_path={root}"]), timeout=300)
+                              "--set", f"checkpoint.load_path={root}"], join_session_ray=True), timeout=300)
     assert code == 0, out[-3000:]
     assert f"resumed from {root}/iteration_00000004" in out  # never the half-committed 8
     assert "global_step 4, consumed samples 64; continuing at step 5" in out
@@ -89,45 +88,16 @@ def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tm
         assert shard_bytes(root, step) == shard_bytes(reference["root"], step)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_ray_job_submit_against_a_local_head_node(tmp_path, reference):
+def test_ray_job_submit_to_a_running_cluster(tmp_path, reference):
+    """`ray job submit` to the session's Ray through its dashboard's job API, as to any cluster's head: the
+    job's entrypoint runs `python -m ray_resume.run` with RAY_ADDRESS set, which joins that cluster."""
     config = write_config(tmp_path, reference, scaling={"num_workers": 1}, training={"micro_batch_size": 8})
-    port, dashboard, agent = free_port(), free_port(), free_port()
     ray_cli = str(Path(sys.executable).parent / "ray")  # the venv's, whether or not it is activated
-    head = start([ray_cli, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-                  "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
-                  # Its own agent port: the fixed default (52365) is taken by the test session's Ray.
-                  f"--dashboard-agent-listen-port={agent}", "--disable-usage-stats"], cwd=tmp_path)
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{address}/api/version", timeout=2)
-                break
-            except urllib.error.HTTPError:  # 401: up, with Ray's token auth on (the 2.60 default)
-                break
-            except OSError:
-                assert head.poll() is None and time.time() < deadline, "the head node did not come up"
-                time.sleep(1)
-        for _ in range(15):  # the job agent comes up some seconds after the dashboard
-            submit = start([ray_cli, "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
-                            sys.executable, "-m", "ray_resume.run", str(config)], cwd=REPO)
-            code, out = finish(submit, timeout=400)
-            if "No available agent to submit job" not in out:
-                break
-            time.sleep(2)
-    finally:
-        end_group(head)
+    submit = start([ray_cli, "job", "submit", "--address", SESSION_RAY["dashboard"], "--working-dir", str(REPO), "--",
+                    sys.executable, "-m", "ray_resume.run", str(config)], cwd=REPO)
+    code, out = finish(submit, timeout=400)
     assert code == 0, out[-4000:]
-    assert "succeeded" in out
+    assert "succeeded" in out and f"finished: last committed iteration {FINAL}" in out, out[-4000:]
     root = str(tmp_path / "ckpt")
     assert tracker(root) == str(FINAL)
     assert len(shard_bytes(root, FINAL)) == 2  # one rank: its model and opt shards
@@ -137,7 +107,7 @@ def test_sigterm_to_the_driver_saves_commits_and_exits_143(tmp_path, reference):
     config = write_config(tmp_path, reference, training={"train_steps": 200, "log_every": 2},
                           checkpoint={"save_interleaved_steps": 1000})
     root = str(tmp_path / "ckpt")
-    driver = start([sys.executable, "-m", "ray_resume.run", str(config)])
+    driver = start([sys.executable, "-m", "ray_resume.run", str(config)], join_session_ray=True)
     lines: list[str] = []
     try:
         for line in driver.stdout:  # wait until training is under way, then preempt
@@ -158,7 +128,7 @@ def test_sigterm_to_the_driver_saves_commits_and_exits_143(tmp_path, reference):
     assert common["global_step"] == stopped and common["consumed_samples"] == 16 * stopped
 
     code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--set", f"training.train_steps={stopped + 2}",
-                              "--set", f"checkpoint.load_path={root}"]), timeout=300)
+                              "--set", f"checkpoint.load_path={root}"], join_session_ray=True), timeout=300)
     assert code == 0, out[-3000:]
     assert f"resumed from {root}/iteration_{stopped:08d}" in out
     assert tracker(root) == str(stopped + 2)
