@@ -119,7 +119,7 @@ def train(config, *, build_model=None, loss=None, collate=None, address: str | N
     cfg = absolute_paths(config)
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
     check_model(cfg, plugins)
-    units = data_units(cfg)
+    units = data_units(cfg, plugins)
     # Ray Train keeps train_loop_config in its run state (the dashboard shows it): credentials stay
     # out of it, and the ranks take the whole config from the controller.
     loop_config = {"config": redacted(cfg.to_dict()), "plugins": plugins, "verbose": verbose, "units": [dataclasses.astuple(u) for u in units]}

@@ -22,6 +22,7 @@ import torch
 
 from .config import Config
 
+from .data import Tokens
 from .errors import ConfigError
 from .model import DTYPES, build_model, lm_loss
 from .optim import optimizer_kwargs
@@ -111,6 +112,15 @@ def load_optimizer(training) -> type:
     except (TypeError, ValueError) as exc:  # an unknown keyword, or a value it refuses
         raise ConfigError(f"training.optimizer_args: {cls.__name__} refuses {training.optimizer_args}: {exc}") from None
     return cls
+
+
+def expected_tokens(plugins: Plugins, cfg: Config) -> Tokens | None:
+    """What the built-in batch (`data.columns` unset) takes from `input_ids`; the token ids' bound
+    only for the built-in model, whose vocabulary model.vocab_size is. None with columns of the user's."""
+    if cfg.data.columns:
+        return None
+    vocab = cfg.model.vocab_size if plugins.build_model is build_builtin else None
+    return Tokens(cfg.model.seq_len + 1, bool(cfg.data.pack), vocab)
 
 
 def make_model(plugins: Plugins, cfg: Config) -> torch.nn.Module:

@@ -24,9 +24,9 @@ from .checkpoint.state import optimizer_slots
 from .config import Config
 from .data import (DEFAULT_COLUMNS, DEFAULT_LANES, ReadUnit, check_data_map, check_eval_set, check_lanes, data_fingerprint,
                    dataset_size, ensure_dataset, fingerprint_changes, scan_units)
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, DataError
 from .optim import optimizer_kwargs
-from .plugins import make_model
+from .plugins import expected_tokens, make_model
 
 logger = logging.getLogger("ray_resume")
 
@@ -49,10 +49,18 @@ def check_model(cfg: Config, plugins) -> None:
             parallel.fsdp_units(make_model(plugins, cfg), cfg.model.fsdp_units)
 
 
-def data_units(cfg: Config) -> list[ReadUnit]:
-    """The dataset's row groups: listed and their footers read once, here, for every rank."""
+def data_units(cfg: Config, plugins) -> list[ReadUnit]:
+    """The dataset's row groups: listed and their footers read once, here, for every rank, and
+    checked against what the job takes from them (docs/data.md: what is checked where)."""
     ensure_dataset(cfg.data.path, cfg.data.synthetic, cfg.model.seq_len, cfg.model.vocab_size)
-    return scan_units(cfg.data.path, cfg.data.columns or None, cfg.checkpoint.storage, cfg.pack_tokens())
+    units = scan_units(cfg.data.path, cfg.data.columns or None, cfg.checkpoint.storage, cfg.pack_tokens(),
+                       tokens=expected_tokens(plugins, cfg))
+    samples, batch = dataset_size(units), cfg.training.global_batch_size
+    if samples < batch:
+        what = f"{samples} windows of {cfg.pack_tokens()} tokens" if cfg.data.pack else f"{samples} samples"
+        raise DataError(f"data.path {cfg.data.path!r} holds {what}, fewer than one global batch "
+                        f"(training.global_batch_size: {batch}); add data or lower training.global_batch_size")
+    return units
 
 
 def resolve_source(cfg: Config) -> tuple[ResumeSource | None, Iteration | None]:

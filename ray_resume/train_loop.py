@@ -25,7 +25,7 @@ from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
 from .data import DEFAULT_COLUMNS, SAMPLE_ID, ReadUnit, SampleStream, quiet_ray_data, read_eval_set
 from .errors import ConfigError
 from .optim import MainParamsOptimizer
-from .plugins import make_model
+from .plugins import expected_tokens, make_model
 from .progress import Progress
 from .rank import get_checkpointer
 
@@ -64,9 +64,10 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
 
     resume = ck.restore(model, optimizer, global_batch_size=train.global_batch_size)
+    tokens = expected_tokens(plugins, cfg)
     samples = stream(units or cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
                      resume.consumed_samples, columns=cfg.data.columns or None, lanes=cfg.data.lanes, storage=cfg.checkpoint.storage,
-                     pack=cfg.pack_tokens(), data_map=plugins.data_map)
+                     pack=cfg.pack_tokens(), data_map=plugins.data_map, vocab_size=tokens.vocab_size if tokens else None)
     progress = Progress(cfg, rank, attempt, job.job_id, controller)
     progress.resumed(resume, world, attempt, **job.ended, restore_s=time.monotonic() - began)
 

@@ -58,13 +58,13 @@ scheduled while training workers hold whole CPUs.
 """
 
 from ..errors import DataError
-from .files import DEFAULT_COLUMNS, DEFAULT_LANES, INPUT_IDS, SAMPLE_ID, ReadUnit, dataset_size, scan_units
+from .files import DEFAULT_COLUMNS, DEFAULT_LANES, INPUT_IDS, SAMPLE_ID, ReadUnit, Tokens, dataset_size, scan_units
 from .order import check_lanes, data_fingerprint, epoch_order, epoch_unit_order, fingerprint_changes, lane_length, plan_lane, unit_row_order
 from .stream import SampleStream, check_data_map, check_eval_set, data_error_in, quiet_ray_data, read_eval_set
 from .synthetic import ensure_dataset, write_synthetic
 
 __all__ = [
-    "DataError", "ReadUnit", "SampleStream", "write_synthetic", "ensure_dataset", "scan_units", "dataset_size",
+    "DataError", "ReadUnit", "Tokens", "SampleStream", "write_synthetic", "ensure_dataset", "scan_units", "dataset_size",
     "epoch_unit_order", "unit_row_order", "epoch_order", "lane_length", "plan_lane", "check_lanes",
     "data_fingerprint", "fingerprint_changes", "check_data_map", "check_eval_set", "read_eval_set", "data_error_in",
     "quiet_ray_data", "SAMPLE_ID", "INPUT_IDS", "DEFAULT_COLUMNS", "DEFAULT_LANES",

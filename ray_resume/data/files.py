@@ -33,6 +33,57 @@ class ReadUnit:
     first: int = 0  # packed data: the id of its first window (the windows of the row groups before it, in file order)
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """What the built-in batch takes from `input_ids`: windows of `window` tokens (model.seq_len + 1:
+    the inputs and the shifted targets), or documents packed in them (`packed`); ids below
+    `vocab_size` (None: the model is the user's, its vocabulary unknown here)."""
+
+    window: int
+    packed: bool
+    vocab_size: Optional[int] = None
+
+
+def _check_tokens(where: str, group, rows: int, tokens: Tokens) -> None:
+    """One row group's `input_ids` against `tokens`, from its footer alone: the number of token values
+    (always there) and, where the writer kept statistics, the smallest and largest id and the nulls."""
+    [chunk] = [group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema.split(".")[0] == INPUT_IDS]
+    listed = chunk.path_in_schema != INPUT_IDS
+    if not listed:
+        raise DataError(f"{where}: column {INPUT_IDS!r} holds one token per row; the built-in batch takes a list of "
+                        f"tokens per row (windows of model.seq_len + 1 = {tokens.window}, or documents with data.pack: true)")
+    values = chunk.num_values  # every token of the row group (an empty or null list counts one)
+    if not tokens.packed and values != rows * tokens.window:
+        if values % rows == 0:
+            raise DataError(f"{where}: rows of {INPUT_IDS!r} hold {values // rows} tokens, but the model takes windows of "
+                            f"model.seq_len + 1 = {tokens.window}; set model.seq_len: {values // rows - 1}")
+        raise DataError(f"{where}: {rows} rows of {INPUT_IDS!r} hold {values} tokens, not windows of model.seq_len + 1 = "
+                        f"{tokens.window} each: these are documents of different lengths; set data.pack: true to pack "
+                        "them in windows")
+    stats = chunk.statistics
+    if stats is None:
+        return
+    if stats.has_null_count and stats.null_count:
+        what = "empty or missing documents or tokens" if tokens.packed else "missing rows or tokens"
+        raise DataError(f"{where}: column {INPUT_IDS!r} holds {stats.null_count} {what} (nulls in the footer's statistics); "
+                        "remove those rows, or write them in full: no key can fix it")
+    if not stats.has_min_max:
+        return
+    if stats.min < 0:
+        raise DataError(f"{where}: column {INPUT_IDS!r} holds token id {stats.min}; token ids are 0 or more (tokenize again)")
+    if tokens.vocab_size is not None and stats.max >= tokens.vocab_size:
+        raise DataError(f"{where}: column {INPUT_IDS!r} holds token id {stats.max}, but model.vocab_size is {tokens.vocab_size}; "
+                        f"set model.vocab_size: {stats.max + 1} or more (or tokenize with the model's vocabulary)")
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: Optional[int], where: str) -> None:
+    """What a read task checks of every row group it reads, statistics or none: a min/max pass."""
+    if tokens.size and (int(tokens.min()) < 0 or (vocab_size is not None and int(tokens.max()) >= vocab_size)):
+        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+        raise DataError(f"{where}: column {INPUT_IDS!r} holds token id {bad}, outside [0, model.vocab_size = {vocab_size}); "
+                        f"{'tokenize again' if bad < 0 else f'set model.vocab_size: {bad + 1} or more'}")
+
+
 def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str], ids: bool = True) -> None:
     """`sample_id` int64 (sample exactness is audited by it) and every configured column.
 
@@ -42,7 +93,8 @@ def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str], ids: bo
     """
     names = schema.names
     if ids and SAMPLE_ID not in names:
-        raise DataError(f"{file}: missing column {SAMPLE_ID!r} (expected int64)")
+        raise DataError(f"{file}: missing column {SAMPLE_ID!r} (int64: each sample's id, by which resumes are audited); "
+                        "add it, or set data.pack: true if the rows are documents to pack")
     t = schema.field(SAMPLE_ID).type if ids else pa.int64()
     if t != pa.int64():
         raise DataError(f"{file}: column {SAMPLE_ID!r} has type {t}, expected int64")
@@ -81,7 +133,7 @@ def _parquet_files(path: str, storage=None) -> List[str]:
     if not _on_object_storage(path):
         p = Path(path.removeprefix("file://"))
         if not p.is_dir():
-            raise DataError(f"dataset path {path!r} is not a directory")
+            raise DataError(f"data.path {path!r} is not a directory (of *.parquet files); check data.path")
         return [str(f.resolve()) for f in sorted(p.glob("*.parquet"), key=lambda f: f.name)]
     scheme, key = path.split("://", 1)
     if scheme != "s3":
@@ -100,11 +152,12 @@ def _parquet_files(path: str, storage=None) -> List[str]:
 
 
 def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] = None, storage=None,
-               pack: int = 0) -> List[ReadUnit]:
+               pack: int = 0, tokens: Optional[Tokens] = None) -> List[ReadUnit]:
     """One :class:`ReadUnit` per (non-empty) row group, files sorted by name; one listing and the
     footers only. `storage`: object storage settings (checkpoint.storage) for an s3:// path.
     `pack`: rows are documents packed in windows of that many tokens; a unit's samples are then
-    its windows, ``tokens // pack`` (the footer counts the tokens)."""
+    its windows, ``tokens // pack`` (the footer counts the tokens). `tokens`: check every row
+    group's `input_ids` against what the built-in batch takes (`_check_tokens`)."""
     units: List[ReadUnit] = []
     files = _parquet_files(str(path), storage)
     if not files:
@@ -129,6 +182,8 @@ def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] 
             group = md.row_group(rg)
             chunks = [group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema.split(".")[0] in read]
             samples = group.num_rows
+            if tokens is not None and samples:
+                _check_tokens(f"{fs} row group {rg}", group, samples, tokens)
             if pack:
                 samples = sum(c.num_values for c in chunks if c.path_in_schema.startswith(INPUT_IDS + ".")) // pack
             if samples > 0:

@@ -10,7 +10,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..errors import DataError
-from .files import DEFAULT_COLUMNS, INPUT_IDS, SAMPLE_ID, ReadUnit, _column_array, _parquet, _windows, dataset_size, scan_units
+from .files import (DEFAULT_COLUMNS, INPUT_IDS, SAMPLE_ID, ReadUnit, _column_array, _parquet, _windows, check_token_ids, dataset_size,
+                    scan_units)
 from .order import check_lanes, data_fingerprint, lane_length, plan_lane, unit_row_order
 
 _SEGMENT_COL = "__segment"  # internal column: which planned read a row comes from (the order is checked)
@@ -36,11 +37,13 @@ def apply_map(fn, rows: Dict[str, np.ndarray], where: str) -> Dict[str, np.ndarr
 
 
 def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shuffle: bool,
-                     columns: Dict[str, str], storage=None, pack: int = 0, data_map=None) -> Dict[str, np.ndarray]:
+                     columns: Dict[str, str], storage=None, pack: int = 0, data_map=None,
+                     vocab_size: Optional[int] = None) -> Dict[str, np.ndarray]:
     """map_batches UDF: read the row groups described by ``batch`` (one per row, batch_size=1),
     keep the positions ``[row_start, row_end)`` of each one's permuted row order, tagged with
     the item's ``segment`` so the stream can check the order it gets them in. With `pack`, the
-    documents are permuted and packed (`_windows`), and the positions are windows."""
+    documents are permuted and packed (`_windows`), and the positions are windows. `vocab_size`: the
+    token ids read are checked below it (what the driver saw only where the footers keep statistics)."""
     outs: List[Dict[str, np.ndarray]] = []
     for i in range(len(batch["unit_index"])):
         file = str(batch["file"][i])
@@ -63,6 +66,8 @@ def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shu
             arrays = {SAMPLE_ID: table.column(SAMPLE_ID).to_numpy()}
             arrays.update({name: _column_array(table, name, dtype, where) for name, dtype in columns.items()})
             out = {name: a[idx] for name, a in arrays.items()}
+        if vocab_size is not None:
+            check_token_ids(out[INPUT_IDS], vocab_size, where)
         if data_map is not None:
             out = apply_map(data_map, out, where)
         out[_SEGMENT_COL] = np.full(len(out[SAMPLE_ID]), int(batch["segment"][i]), dtype=np.int64)
@@ -155,9 +160,10 @@ class SampleStream:
     def __init__(self, source: Union[str, os.PathLike, Sequence[ReadUnit]], seed: int, shuffle: bool,
                  global_batch_size: int, rank: int = 0, world_size: int = 1, start_sample: int = 0,
                  columns: Optional[Dict[str, str]] = None, lanes: int = 1, storage=None, pack: int = 0, data_map=None,
-                 *, prefetch_batches: int = 2, read_num_cpus: float = 0.25):
+                 vocab_size: Optional[int] = None, *, prefetch_batches: int = 2, read_num_cpus: float = 0.25):
         self.columns = dict(columns or DEFAULT_COLUMNS)
         self.data_map = data_map  # rows -> the same rows, in the read tasks (data.map)
+        self.vocab_size = vocab_size  # input_ids are token ids below it (the built-in model's), checked as read
         self.pack = int(pack)  # rows are documents, packed in windows of this many tokens (0: rows are samples)
         if self.pack and set(self.columns) != {INPUT_IDS}:
             raise DataError(f"packed documents have one column, {INPUT_IDS!r}; got columns {sorted(self.columns)}")
@@ -196,7 +202,7 @@ class SampleStream:
     def read_args(self, epoch: int) -> Dict[str, Any]:
         """The read function's keyword arguments for `epoch`."""
         return {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle, "columns": self.columns, "storage": self.storage,
-                "pack": self.pack, "data_map": self.data_map}
+                "pack": self.pack, "data_map": self.data_map, "vocab_size": self.vocab_size}
 
     def _execute(self, epoch: int, items: List[Dict[str, Any]]) -> Iterator[Dict[str, np.ndarray]]:
         """The planned reads of `epoch`, in order, through Ray Data (the harness runs them in-process)."""
@@ -211,7 +217,10 @@ class SampleStream:
         ds = ds.map_batches(
             _read_unit_batch, batch_size=1, batch_format="numpy",
             fn_kwargs=self.read_args(epoch),
-            num_cpus=self.read_num_cpus,
+            # As many reads at once as the stream holds ahead: Ray Data would otherwise start a read
+            # task, each a new worker process at the first epoch, on every free CPU slot (8 at 0.25
+            # CPU on 2 free CPUs), and their start-up delayed the first step 9 s instead of 4 here.
+            num_cpus=self.read_num_cpus, concurrency=max(1, self.prefetch_batches),
         )
         yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=self.prefetch_batches)
 
