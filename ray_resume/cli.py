@@ -330,7 +330,6 @@ EXPORT_FILES = ("model.safetensors", "optimizer.safetensors", paths.CONFIG, "con
 def cmd_export(args) -> int:
     import safetensors.torch  # heavy: only this command needs it
 
-    from .checkpoint import state
     from .checkpoint.loader import load_state
 
     storage = open_root(args.root)
@@ -352,13 +351,16 @@ def cmd_export(args) -> int:
         if os.path.exists(os.path.join(out, name)):
             os.unlink(os.path.join(out, name))
     meta = {"format": "pt", "ray_resume_source": it.path, "ray_resume_iteration": str(step)}
-    model, why = rebuilt_model(storage, it) if args.rebuild_model else (None, None)
+    facts, why = export_facts(storage, it, args.rebuild_model)
+    hf = facts.get("transformers")
     written = []
     for kind, filename in zip(kinds, ("model.safetensors", "optimizer.safetensors")):
         tensors = load_state(storage, it, kind)
-        if kind == paths.MODEL_KIND and model is not None:
+        if kind == paths.MODEL_KIND:
             # The checkpoint stores a tied weight once; a strict load_state_dict wants every name (a copy each).
-            tensors.update({alias: tensors[first].clone() for alias, first in state.tied_aliases(model).items()})
+            tensors.update({alias: tensors[first].clone() for alias, first in facts.get("tied", {}).items() if first in tensors})
+            if hf and hf["prefix"]:  # a wrapper's transformers model: its own names, as from_pretrained reads them
+                tensors = {n[len(hf["prefix"]):]: t for n, t in tensors.items() if n.startswith(hf["prefix"])}
         safetensors.torch.save_file(tensors, os.path.join(out, filename), metadata=meta)
         os.chmod(os.path.join(out, filename), 0o666 & ~_umask())  # safetensors creates 0600 files
         written.append(f"{filename} ({len(tensors)} tensors, {human_size(os.path.getsize(os.path.join(out, filename)))})")
@@ -367,18 +369,31 @@ def cmd_export(args) -> int:
         with open(os.path.join(out, paths.CONFIG), "wb") as f:
             f.write(storage.read_bytes(config))
         written.append(paths.CONFIG)
-    if model is not None and callable(getattr(getattr(model, "config", None), "save_pretrained", None)):
-        model.config.save_pretrained(out)  # a Hugging Face model: from_pretrained(out) needs its config.json
-        written.append("config.json")
+    if hf:  # from_pretrained(out) needs its config.json
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write(json.dumps(hf["config"], indent=2, sort_keys=True) + "\n")
+        written.append(f"config.json ({', '.join(hf['config']['architectures'])}"
+                       f"{', the tensors under ' + repr(hf['prefix']) if hf['prefix'] else ''})")
     print(f"exported iteration {step} from {it.path} to {out}: " + ", ".join(written))
     if why:
         print(f"note: {why}")
     return 0
 
 
-def rebuilt_model(storage, it: Iteration):
-    """The model of the iteration's config.yaml, built on the meta device (no memory), and None; or
-    None and why it could not be (then tied weights stay stored once and no config.json is written)."""
+def export_facts(storage, it: Iteration, rebuild: bool) -> tuple[dict, str | None]:
+    """What the export needs beyond the tensors (`state.export_facts`: tied names, a transformers
+    config), as the iteration's metadata.json holds it since rank 0 took it from the live model; and
+    why not, if it could not be had. `rebuild`: for an iteration saved without it (older ray_resume,
+    MindFormers), build the model of its config.yaml on the meta device, importing its builder."""
+    from .checkpoint import state
+
+    facts = it.ours.get("model")  # checked by schema.parse_ours
+    if facts is not None:
+        return facts, None
+    if not rebuild:
+        return {}, ("this iteration was saved without the model's export facts (tied names, a transformers config): "
+                    "a tied weight is stored under its first name only, and no config.json is written; "
+                    "--rebuild-model builds its model here to find them")
     import torch
     import yaml
 
@@ -388,10 +403,10 @@ def rebuilt_model(storage, it: Iteration):
     try:
         cfg = Config.from_dict(yaml.safe_load(storage.read_bytes(paths.join(it.path, paths.CONFIG))), source=paths.CONFIG)
         with torch.device("meta"):
-            return make_model(resolve(cfg), cfg), None
+            return state.export_facts(make_model(resolve(cfg), cfg)), None
     except Exception as exc:  # no config.yaml, a builder not importable here, one that needs real memory...
-        return None, (f"the model was not rebuilt here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
-                      "a tied weight is stored under its first name only, and no config.json is written")
+        return {}, (f"the model was not rebuilt here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
+                    "a tied weight is stored under its first name only, and no config.json is written")
 
 
 def _umask() -> int:
@@ -443,8 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration", type=int, default=None, metavar="N", help="iteration step (default: the tracker's)")
     p.add_argument("--with-optimizer", action="store_true", help="also write optimizer.safetensors")
     p.add_argument("--rebuild-model", action="store_true",
-                   help="build the model of the iteration's config.yaml on the meta device (this imports its model.builder: "
-                        "only for checkpoints you trust) to write tied weights under every name and a Hugging Face config.json")
+                   help="only for an iteration saved without the model's export facts (by an older ray_resume, or by MindFormers): "
+                        "build the model of its config.yaml on the meta device (this imports its model.builder: only for "
+                        "checkpoints you trust) to write tied weights under every name and a Hugging Face config.json")
     p.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
     p.set_defaults(func=cmd_export)
 

@@ -97,3 +97,24 @@ class TwoDense(nn.Module):
 
 def build_two_dense(model_section):
     return TwoDense(**model_section["args"])
+
+
+class WrappedLM(nn.Module):
+    """A module of the user's around a transformers model: its tensors' names start with "lm."."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids)
+
+
+def hf_from_pretrained(model_section):
+    """As a fine-tuning user builds one: AutoModelForCausalLM.from_pretrained(model.args.path); with
+    model.args.wrap, inside a module of the user's."""
+    from transformers import AutoModelForCausalLM
+
+    args = model_section["args"]
+    model = AutoModelForCausalLM.from_pretrained(args["path"])
+    return WrappedLM(model) if args.get("wrap") else model

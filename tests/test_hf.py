@@ -1,6 +1,10 @@
-"""A Hugging Face model, as a new user brings one: trains, resumes byte-identically, exports for from_pretrained."""
+"""A Hugging Face model, as a fine-tuning user brings one (`from_pretrained` in the builder): trains,
+resumes byte-identically with a rank killed, and exports, without importing anything, for
+`from_pretrained` (config.json and every tied name, taken from the live model at save time)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import safetensors.torch
@@ -14,37 +18,107 @@ from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
 
-HF = {"model": {"builder": "plugin_models:build_gpt2"}, "training": {"loss": "plugin_models:hf_loss"}}
+KILLED = {"phase": "after_optimizer_step", "step": 6, "rank": 1}
+CONFIGS = {  # two architectures whose output head is their input embedding
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=0,
+                                            eos_token_id=0),  # dropout on (0.1): the rank's RNG is in the checkpoint
+    "llama": lambda: transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                              tie_word_embeddings=True),
+}
+
+
+def pretrained(tmp_path, arch: str):
+    """A model directory as the Hub gives one: config.json and model.safetensors."""
+    base = tmp_path / f"{arch}-base"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(CONFIGS[arch]()).save_pretrained(base)
+    return base
+
+
+def job(tmp_path, base, *, fault=None, wrap=False, strategy="ddp") -> dict:
+    return tiny_config(tmp_path, fault=fault, model={"builder": "plugin_models:hf_from_pretrained", "args": {"path": str(base), "wrap": wrap}},
+                       training={"loss": "plugin_models:hf_loss", "strategy": strategy})
+
+
+def exported(root, out) -> None:
+    assert cli.main(["export", str(root), str(out)]) == 0  # no --rebuild-model: nothing of the job is imported
+
+
+def loads_as_the_checkpoint(root, out, base, prefix: str = "") -> None:
+    """from_pretrained(out): no missing or unexpected key, every weight the checkpoint's, and the logits of
+    the builder's model with the export loaded strictly."""
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}, info
+    saved = load_state(LocalStorage(), open_iteration(LocalStorage(), str(root), 12), "model")
+    assert {n[len(prefix):] for n in saved} <= set(hf.state_dict())
+    for name, tensor in saved.items():
+        assert torch.equal(hf.state_dict()[name[len(prefix):]].reshape(-1), tensor.reshape(-1)), name
+    plain = transformers.AutoModelForCausalLM.from_pretrained(base)
+    plain.load_state_dict(safetensors.torch.load_file(out / "model.safetensors"))  # strict: the tied names are there too
+    plain.eval()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert not hf.training and torch.equal(hf(input_ids=ids).logits, plain(input_ids=ids).logits)
 
 
 @pytest.mark.invariant(2)
-def test_gpt2_trains_resumes_byte_identical_and_exports_for_from_pretrained(tmp_path):
-    """GPT2LMHeadModel (tied embeddings, dropout on): a rank killed after step 6 ends with every shard
-    of iteration 12 equal to the uninterrupted run's; the export loads with from_pretrained, and with a
-    strict load_state_dict, to the checkpoint's weights and the same logits."""
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_from_pretrained_trains_resumes_byte_identical_and_exports_for_from_pretrained(tmp_path, arch):
+    base = pretrained(tmp_path, arch)
     roots = {}
-    for name, fault in (("clean", None), ("killed", {"phase": "after_optimizer_step", "step": 6, "rank": 1})):
-        cfg = tiny_config(tmp_path / name, fault=fault, **HF)
+    for name, fault in (("clean", None), ("killed", KILLED)):
+        cfg = job(tmp_path / name, base, fault=fault)
         run_on_harness(cfg)
         roots[name] = cfg["checkpoint"]["save_path"]
     assert_resumed_once(roots["killed"])
     assert shard_bytes(roots["killed"], 12) == shard_bytes(roots["clean"], 12)
 
-    plain_export = tmp_path / "plain-export"  # without --rebuild-model nothing of the config.yaml is imported
-    assert cli.main(["export", roots["clean"], str(plain_export)]) == 0
-    assert not (plain_export / "config.json").exists()
-    assert "lm_head.weight" not in safetensors.torch.load_file(plain_export / "model.safetensors")
     out = tmp_path / "export"
-    assert cli.main(["export", roots["clean"], str(out), "--rebuild-model"]) == 0
-    assert (out / "config.json").is_file()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
-    plain = plugin_models.build_gpt2(tiny_config(tmp_path)["model"])
-    plain.load_state_dict(safetensors.torch.load_file(out / "model.safetensors"))  # strict: lm_head.weight is there too
-    saved = load_state(LocalStorage(), open_iteration(LocalStorage(), roots["clean"], 12), "model")
-    assert set(saved) == set(plain.state_dict()) - {"lm_head.weight"}  # the tied weight stored once, under its first name
-    for name, tensor in saved.items():
-        assert torch.equal(plain.state_dict()[name].reshape(-1), tensor.reshape(-1)), name
-        assert torch.equal(hf.state_dict()[name].reshape(-1), tensor.reshape(-1)), name
-    plain.eval()
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    assert not hf.training and torch.equal(hf(input_ids=ids).logits, plain(input_ids=ids).logits)
+    exported(roots["killed"], out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [{"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]]
+    assert "lm_head.weight" in safetensors.torch.load_file(out / "model.safetensors")  # stored once, exported under both names
+    assert "lm_head.weight" not in load_state(LocalStorage(), open_iteration(LocalStorage(), roots["killed"], 12), "model")
+    loads_as_the_checkpoint(roots["killed"], out, base)
+
+
+@pytest.mark.invariant(2)
+def test_under_fsdp2_and_inside_a_wrapper_of_the_users_the_export_is_the_transformers_model(tmp_path):
+    """FSDP2 (fully_shard renames the class: config.json still names GPT2LMHeadModel), the transformers model
+    inside a module of the user's (its tensors under "lm."): the export holds the inner model's own names."""
+    base = pretrained(tmp_path, "gpt2")
+    cfg = job(tmp_path / "fsdp-wrapped", base, wrap=True, strategy="fsdp")
+    run_on_harness(cfg)
+    out = tmp_path / "export"
+    exported(cfg["checkpoint"]["save_path"], out)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    loads_as_the_checkpoint(cfg["checkpoint"]["save_path"], out, base, prefix="lm.")
+    wrapper = plugin_models.hf_from_pretrained({"args": {"path": str(base), "wrap": True}})
+    wrapper.lm.load_state_dict(safetensors.torch.load_file(out / "model.safetensors"))  # strict, into the builder's model
+
+
+@pytest.mark.invariant(6)
+def test_export_facts_that_do_not_hold_are_refused_and_without_them_rebuild_model_finds_them(tmp_path, capsys):
+    """Facts that do not hold: exit 1 naming the key. An older root (no ray_resume.model in metadata.json):
+    the weights alone and a note; --rebuild-model builds the model of its config.yaml on the meta device
+    to find the tied names and the config (a builder that makes the model from a config can be; one that
+    calls from_pretrained cannot)."""
+    base = pretrained(tmp_path, "gpt2")
+    cfg = tiny_config(tmp_path / "run", model={"builder": "plugin_models:build_gpt2"}, training={"loss": "plugin_models:hf_loss"})
+    run_on_harness(cfg)
+    root = cfg["checkpoint"]["save_path"]
+    meta_file = tmp_path / "run" / "ckpt" / "iteration_00000012" / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "ray_resume": {**meta["ray_resume"], "model": {"tied": {"lm_head.weight": 3}}}}))
+    assert cli.main(["export", root, str(tmp_path / "refused")]) == 1
+    assert "metadata.json: ray_resume.model.tied must map tensor names to tensor names" in capsys.readouterr().err
+
+    del meta["ray_resume"]["model"]
+    meta_file.write_text(json.dumps(meta))
+    plain = tmp_path / "plain"
+    exported(root, plain)
+    assert "--rebuild-model builds its model here" in capsys.readouterr().out
+    assert not (plain / "config.json").exists() and "lm_head.weight" not in safetensors.torch.load_file(plain / "model.safetensors")
+    rebuilt = tmp_path / "rebuilt"
+    assert cli.main(["export", root, str(rebuilt), "--rebuild-model"]) == 0
+    loads_as_the_checkpoint(root, rebuilt, base)

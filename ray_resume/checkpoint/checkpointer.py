@@ -54,6 +54,7 @@ class Checkpointer:
         self.keeper = None  # this node's MemoryKeeper, once asked
         self.last_stall_s: float | None = None  # seconds the last save blocked the training loop
         self.stalls: list[tuple[int, float]] = []  # (step, stall seconds) of every save, in order
+        self.export_facts: dict | None = None  # rank 0: state.export_facts of the model, taken at its first save
 
     def restore(self, model, optimizer, source: ResumeSource | None, *, full: bool,
                 global_batch_size: int | None = None, rank0_extras: bool = False) -> tuple[Start, dict[str, str]]:
@@ -194,6 +195,8 @@ class Checkpointer:
         shards = shard_layouts(states, self.rank, self.world_size)
         rng = {**state.capture_rng(), **(extras or {})}  # on the training thread: the state at this step
         common = dict(common)
+        if self.rank == 0 and self.export_facts is None:  # the model's structure does not change in a run
+            self.export_facts = state.export_facts(model)
         if self.ckpt.async_save:
             shards = [(s, self.snapshots.take(s, states[s.kind])) for s in shards]
             self.background.submit(step, lambda: self._write_and_report(step, shards, rng, common))
@@ -276,6 +279,8 @@ class Checkpointer:
             on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step),
         )
         self.faults.maybe_kill("before_report", step)
+        if self.rank == 0:
+            manifest["model"] = self.export_facts
         call(self.controller, "report", self.attempt, step, manifest, common)
 
 

@@ -340,6 +340,7 @@ def parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
                                                                  and e.get("file_name") in files), None))
     place_entries(files, tensors, directory, flat=False)
     facts = {k: v for k, v in ours.items() if k not in OURS_FIELDS}
+    _check_export_facts(facts.get("model"), f"{meta_file}: ray_resume.model")
     return Iteration(root, step, directory, common, facts, "ray_resume", ours["world_size"], ours["block_size"], files, tensors, raw)
 
 
@@ -353,6 +354,18 @@ def split_common(reported: dict) -> tuple[dict, dict]:
     common["loss_scale"] = float(common["loss_scale"])
     common["ckpt_status"] = CKPT_NORMAL
     return common, {k: v for k, v in reported.items() if k not in COMMON_FIELDS}
+
+
+def _check_export_facts(facts: Any, where: str) -> None:
+    """`ray_resume.model` (state.export_facts), where present: what an export writes from it."""
+    if facts is None:
+        return
+    tied, hf = (facts.get("tied"), facts.get("transformers")) if isinstance(facts, dict) else (None, None)
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise CheckpointError(f"{where}.tied must map tensor names to tensor names")
+    if hf is not None and not (isinstance(hf, dict) and isinstance(hf.get("prefix"), str) and isinstance(hf.get("config"), dict)
+                               and isinstance(hf["config"].get("architectures"), list)):
+        raise CheckpointError(f"{where}.transformers must hold 'prefix' and a 'config' with an 'architectures' list")
 
 
 def build_metadata(iteration: int, prefix: str, manifests: list[dict], facts: dict) -> dict:
@@ -386,9 +399,10 @@ def build_metadata(iteration: int, prefix: str, manifests: list[dict], facts: di
                 offset = [first] + [0] * (len(shape) - 1) if shape else []
                 state[name]["chunk"].append({"global_offset": offset, "local_shape": [rows, *shape[1:]] if shape else []})
                 storage[_shard_id(name, offset)] = [{"file_name": file, "storage_rank": rank, "rank_group": [rank]}]
+    model = {"model": manifests[0]["model"]} if manifests[0].get("model") else {}  # rank 0's state.export_facts
     return {"state_dict_metadata": state, "storage_data": storage, "ray_resume": {
         "format_version": paths.FORMAT_VERSION, "iteration": iteration, "world_size": world, "prefix": prefix,
-        "block_size": manifests[0]["block_size"], "files": files, **facts}}
+        "block_size": manifests[0]["block_size"], "files": files, **model, **facts}}
 
 
 def readable_by_mindformers(it: Iteration, kind: str, name: str) -> bool:

@@ -95,6 +95,25 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
+def export_facts(model: torch.nn.Module) -> dict:
+    """What an export needs of the live model, which the tensors alone do not say: the names its tied
+    tensors also go by, and for a Hugging Face transformers model (the model, or the first module in
+    it with a `config` that can `save_pretrained`) its config as `config.json` holds it, with
+    `architectures`, and the prefix of its tensors' names in this model ("" when it is the model)."""
+    module = unwrap(model)
+    facts: dict = {"tied": tied_aliases(model)}
+    for prefix, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if callable(getattr(config, "to_json_string", None)) and callable(getattr(config, "save_pretrained", None)):
+            as_json = json.loads(config.to_json_string(use_diff=False))
+            # FSDP2's fully_shard swaps the class for a subclass named FSDP<class>: name the user's class
+            cls = next(c for c in type(sub).__mro__ if not c.__name__.startswith("FSDP"))
+            as_json["architectures"] = as_json.get("architectures") or [cls.__name__]
+            facts["transformers"] = {"prefix": f"{prefix}." if prefix else "", "config": as_json}
+            break
+    return facts
+
+
 def optim_tensors(named_params, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Every slot the optimizer keeps for every (name, param), named as MindFormers names optimizer
     state (`names.state_name`: `adam_m.{param}`, `step.{param}`...): any torch.optim optimizer
