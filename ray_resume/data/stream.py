@@ -220,7 +220,7 @@ class SampleStream:
             # As many reads at once as the stream holds ahead: Ray Data would otherwise start a read
             # task, each a new worker process at the first epoch, on every free CPU slot (8 at 0.25
             # CPU on 2 free CPUs), and their start-up delayed the first step 9 s instead of 4 here.
-            num_cpus=self.read_num_cpus, concurrency=max(1, self.prefetch_batches),
+            num_cpus=self.read_num_cpus, compute=ray.data.TaskPoolStrategy(size=max(1, self.prefetch_batches)),
         )
         yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=self.prefetch_batches)
 
