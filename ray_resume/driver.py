@@ -34,7 +34,7 @@ from .checkpoint import paths
 from .checkpoint.memory import MemoryKeeper
 from .checkpoint.root import ResumeSource, root_for
 from .checkpoint.schema import Iteration
-from .checkpoint.storage import on_object_storage, s3_filesystem
+from .checkpoint.storage import s3_filesystem
 from .config import Config, ScalingConfig
 from .controller import CommitError, JobController
 from .errors import ConfigError
@@ -72,7 +72,7 @@ class Result(ray.train.Result):
 def ray_checkpoint(uri: str, storage) -> ray.train.Checkpoint:
     """Ray Train's Checkpoint of an iteration directory, with the filesystem of checkpoint.storage (an s3://
     URI alone would send Ray to AWS itself, not to the configured endpoint)."""
-    if not on_object_storage(uri):
+    if "://" not in uri or uri.startswith("file://"):
         return ray.train.Checkpoint(uri.removeprefix("file://"))
     return ray.train.Checkpoint(uri.split("://", 1)[1], filesystem=s3_filesystem(storage))
 

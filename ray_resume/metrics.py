@@ -27,7 +27,6 @@ from tensorboardX.proto import event_pb2, summary_pb2
 
 from .checkpoint import paths
 from .checkpoint.root import root_for
-from .checkpoint.storage import on_object_storage
 
 
 ROLL_S = 600.0  # the other ranks' chunk interval
@@ -91,7 +90,7 @@ class Curves:
     def __init__(self, save_path: str, storage_options, *, job: str, attempt: int, purge_step: int):
         self.dir = paths.join(metrics_dir(save_path), "tensorboard", job)
         self.storage = root_for(save_path, storage_options).storage  # the root's own: it serves its siblings too
-        self.remote = on_object_storage(self.dir)
+        self.remote = "://" in self.dir and not self.dir.startswith("file://")
         self.local = tempfile.mkdtemp(prefix="ray_resume-tb-") if self.remote else self.dir.removeprefix("file://")
         os.makedirs(self.local, exist_ok=True)
         self.attempt, self.part = attempt, 0

@@ -62,11 +62,6 @@ def retried(call: Callable, what: str):
             time.sleep(wait)
 
 
-def on_object_storage(uri: str) -> bool:
-    """`uri` names object storage (s3://...), not a local or NFS path (a bare path or file://)."""
-    return "://" in uri and not uri.startswith("file://")
-
-
 def _local(path: str) -> str:
     return path[len("file://"):] if path.startswith("file://") else path
 
@@ -301,7 +296,7 @@ wrappers: list[Callable] = []
 
 def storage_for(uri: str, options=None) -> Retrying:
     """The backend that serves `uri`, with retries; `options` is a config.StorageConfig (or None: environment only)."""
-    if not on_object_storage(uri):
+    if "://" not in uri or uri.startswith("file://"):
         backend = LocalStorage()
     else:
         scheme = uri.split("://", 1)[0]

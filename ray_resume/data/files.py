@@ -13,7 +13,6 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..checkpoint.storage import on_object_storage
 from ..errors import DataError
 
 SAMPLE_ID = "sample_id"
@@ -45,11 +44,10 @@ class Tokens:
     vocab_size: Optional[int] = None
 
 
-def _check_tokens(where: str, chunks: list, rows: int, tokens: Tokens) -> None:
-    """One row group's `input_ids` against `tokens`, from its footer alone (`chunks`: the metadata of
-    the columns read): the number of token values (always there) and, where the writer kept
-    statistics, the smallest and largest id and the nulls."""
-    [chunk] = [c for c in chunks if c.path_in_schema.split(".")[0] == INPUT_IDS]
+def _check_tokens(where: str, group, rows: int, tokens: Tokens) -> None:
+    """One row group's `input_ids` against `tokens`, from its footer alone: the number of token values
+    (always there) and, where the writer kept statistics, the smallest and largest id and the nulls."""
+    [chunk] = [group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema.split(".")[0] == INPUT_IDS]
     listed = chunk.path_in_schema != INPUT_IDS
     if not listed:
         raise DataError(f"{where}: column {INPUT_IDS!r} holds one token per row; the built-in batch takes a list of "
@@ -80,11 +78,8 @@ def _check_tokens(where: str, chunks: list, rows: int, tokens: Tokens) -> None:
 
 def check_token_ids(tokens: np.ndarray, vocab_size: Optional[int], where: str) -> None:
     """What a read task checks of every row group it reads, statistics or none: a min/max pass."""
-    if not tokens.size:
-        return
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or (vocab_size is not None and high >= vocab_size):
-        bad = low if low < 0 else high
+    if tokens.size and (int(tokens.min()) < 0 or (vocab_size is not None and int(tokens.max()) >= vocab_size)):
+        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
         raise DataError(f"{where}: column {INPUT_IDS!r} holds token id {bad}, outside [0, model.vocab_size = {vocab_size}); "
                         f"{'tokenize again' if bad < 0 else f'set model.vocab_size: {bad + 1} or more'}")
 
@@ -119,10 +114,14 @@ def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str], ids: bo
                             f"{want} or list<{want}> or a narrower type (data.columns.{name}: {dtype}; set it to the column's type)")
 
 
+def _on_object_storage(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
 def _parquet(file: str, storage=None) -> pq.ParquetFile:
     """A parquet file on local disk, or on object storage (s3://) with `storage`'s settings
     (checkpoint.storage's: the same endpoint and credential chain as the checkpoints)."""
-    if not on_object_storage(file):
+    if not _on_object_storage(file):
         return pq.ParquetFile(file.removeprefix("file://"))
     from ..checkpoint.storage import s3_filesystem
 
@@ -131,7 +130,7 @@ def _parquet(file: str, storage=None) -> pq.ParquetFile:
 
 def _parquet_files(path: str, storage=None) -> List[str]:
     """The ``*.parquet`` files directly under `path`, sorted by name: one listing."""
-    if not on_object_storage(path):
+    if not _on_object_storage(path):
         p = Path(path.removeprefix("file://"))
         if not p.is_dir():
             raise DataError(f"data.path {path!r} is not a directory (of *.parquet files); check data.path")
@@ -184,7 +183,7 @@ def scan_units(path: Union[str, os.PathLike], columns: Optional[Dict[str, str]] 
             chunks = [group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema.split(".")[0] in read]
             samples = group.num_rows
             if tokens is not None and samples:
-                _check_tokens(f"{fs} row group {rg}", chunks, samples, tokens)
+                _check_tokens(f"{fs} row group {rg}", group, samples, tokens)
             if pack:
                 samples = sum(c.num_values for c in chunks if c.path_in_schema.startswith(INPUT_IDS + ".")) // pack
             if samples > 0:
