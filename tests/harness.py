@@ -164,7 +164,8 @@ def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, train_fu
 
 def _run_group(world: int, tmp: Path, args: tuple, driver: Driver, timeout: float) -> str | None:
     """One worker group to its end; None if every rank finished, else why not. A dead rank ends the group."""
-    init = f"file://{tmp / f'pg-{uuid.uuid4().hex}'}"
+    rendezvous = tmp / f"pg-{uuid.uuid4().hex}"
+    init = f"file://{rendezvous}"
     procs = [CTX.Process(target=_rank, args=(rank, world, init, *args), daemon=True) for rank in range(world)]
     for p in procs:
         p.start()
@@ -186,6 +187,7 @@ def _run_group(world: int, tmp: Path, args: tuple, driver: Driver, timeout: floa
         for p in procs:  # as Ray Train ends a group: what still runs is killed
             p.kill()  # SIGKILL; nothing if it has exited meanwhile
             p.join()
+        rendezvous.unlink(missing_ok=True)  # gloo leaves it behind when a rank is killed
 
 
 def never() -> bool:

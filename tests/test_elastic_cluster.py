@@ -163,14 +163,17 @@ def main():
     # The head has no CPU: the driver, the checkpoint coordinator, Ray Train's controller and
     # the autoscaling coordinator (num_cpus=0 each) live there, and it is never counted
     # for workers. Everything that needs a CPU goes to the worker nodes.
+    # The head serves a dashboard for this Cluster's state API: without it Ray Train's placement-group
+    # cleaner asks the session's Ray about this job's controller, and train() returns 12 s late.
+    dashboard = free_port()
     cluster = Cluster(initialize_head=True, head_node_args={
-        **node, "num_cpus": 0, "include_dashboard": False,
+        **node, "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard,
         "dashboard_agent_listen_port": free_port(),  # the default one is the session Ray's
         # A node that vanishes is declared dead after 5 missed health checks: 5 s, not Ray's 15 s.
         "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}})
     worker_node = {**node, "num_cpus": 2, "resources": {SLOT: 1}}
     first = cluster.add_node(**worker_node)
-    ray.init(address=cluster.address)
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}"}})
     phase("cluster_up", first_node=first.node_id)
 
     # Created here first, Ray Train (get_if_exists=True) finds and uses it.

@@ -5,6 +5,7 @@ was never interrupted; otherwise, or when a snapshot is gone, from storage as be
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -133,12 +134,12 @@ def test_a_snapshot_keeps_every_dtype_and_shape_bit_for_bit():
     assert back["w"].abs().sum() > 0
 
 
-# A driver of its own 2-node Cluster, one rank on each node, running jobs one after the other: argv = for
-# each job, its job.json, its marks dir and "worker" (the config's fault kills a rank, the nodes stay) or
-# "node" (the node of rank 1 is removed once a snapshot past the commit of 4 is replicated, and a new one
-# added). One Cluster for both: its start is most of what each job would cost alone.
+# A driver of its own 2-node Cluster, one rank on each node: argv = the job.json and a marks dir. The
+# node of rank 1 is removed once a snapshot past the commit of 4 is replicated, and a new one added.
+# The head serves a dashboard for this Cluster's state API: without it Ray Train's placement-group
+# cleaner asks the session's Ray about this job's controller, and fit() returns 12 s late.
 TWO_NODES_DRIVER = r'''
-import json, os, sys, threading, time
+import json, socket, sys, threading, time
 from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
@@ -146,57 +147,57 @@ from ray_resume.plugins import next_token_loss
 from ray_resume.api import train
 from ray_resume.driver import CONTROLLER_NAME
 
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 node = {"object_store_memory": 100 * 1024**2}
-cluster = Cluster(initialize_head=True, head_node_args={**node, "num_cpus": 0, "include_dashboard": False,
-                  "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}})
+dashboard = free_port()
+cluster = Cluster(initialize_head=True, head_node_args={
+    **node, "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard,
+    "dashboard_agent_listen_port": free_port(),  # the default one is the session Ray's
+    "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}})
 nodes = [cluster.add_node(num_cpus=3, **node) for _ in range(2)]
-ray.init(address=cluster.address)
+ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}"}})
+
+cfg, marks = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+marks.mkdir(exist_ok=True)
+tracker = Path(cfg["checkpoint"]["save_path"]) / "latest_checkpointed_iteration.txt"
 
 
-def run(cfg, marks, remove_node):
-    marks.mkdir(exist_ok=True)
-    tracker = Path(cfg["checkpoint"]["save_path"]) / "latest_checkpointed_iteration.txt"
-
-    def marked_loss(model, batch):  # the built-in loss; each rank leaves a file naming its rank and node
-        import torch.distributed as dist
-        (marks / f"{dist.get_rank()}-{ray.get_runtime_context().get_node_id()}").touch()
-        time.sleep(0.25)
-        return next_token_loss(model, batch)
-
-    result = {}
-    def job():
-        try:
-            r = train(cfg, loss=marked_loss)
-            result.update(committed=r.committed_iteration, error=None)
-        except BaseException as exc:
-            result.update(committed=None, error=repr(exc))
-
-    earlier = set(ray.util.list_named_actors())
-    thread = threading.Thread(target=job, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while remove_node and not tracker.exists() and time.time() < deadline:
-        time.sleep(0.05)
-    if remove_node:
-        name = next(n for n in ray.util.list_named_actors() if n.startswith(CONTROLLER_NAME) and n not in earlier)
-        controller = ray.get_actor(name)
-        while (ray.get(controller.settled_step.remote()) or 0) <= 4 and time.time() < deadline:
-            time.sleep(0.05)  # until a snapshot past the commit of 4 has its replicas in
-        rank1_node = next(p.name.split("-", 1)[1] for p in marks.iterdir() if p.name.startswith("1-"))
-        victim = next(n for n in nodes if n.node_id == rank1_node)
-        cluster.remove_node(victim, allow_graceful=False)  # rank 1 and its keeper go with it
-        nodes.remove(victim)
-        nodes.append(cluster.add_node(num_cpus=3, **node))
-    thread.join(timeout=400)
-    result["finished"] = not thread.is_alive()
-    return result
+def marked_loss(model, batch):  # the built-in loss; each rank leaves a file naming its rank and node
+    import torch.distributed as dist
+    (marks / f"{dist.get_rank()}-{ray.get_runtime_context().get_node_id()}").touch()
+    time.sleep(0.25)
+    return next_token_loss(model, batch)
 
 
-results = {}
-for job_json, marks, kind in zip(sys.argv[1::3], sys.argv[2::3], sys.argv[3::3]):
-    print(f"=== {kind}", flush=True)
-    results[kind] = run(json.loads(Path(job_json).read_text()), Path(marks), kind == "node")
-print("RESULT " + json.dumps(results), flush=True)
+result = {}
+def job():
+    try:
+        r = train(cfg, loss=marked_loss)
+        result.update(committed=r.committed_iteration, error=None)
+    except BaseException as exc:
+        result.update(committed=None, error=repr(exc))
+
+
+thread = threading.Thread(target=job, daemon=True)
+thread.start()
+deadline = time.time() + 300
+while not tracker.exists() and time.time() < deadline:
+    time.sleep(0.05)
+controller = ray.get_actor(next(n for n in ray.util.list_named_actors() if n.startswith(CONTROLLER_NAME)))
+while (ray.get(controller.settled_step.remote()) or 0) <= 4 and time.time() < deadline:
+    time.sleep(0.05)  # until a snapshot past the commit of 4 has its replicas in
+rank1_node = next(p.name.split("-", 1)[1] for p in marks.iterdir() if p.name.startswith("1-"))
+cluster.remove_node(next(n for n in nodes if n.node_id == rank1_node), allow_graceful=False)  # rank 1 and its keeper go
+cluster.add_node(num_cpus=3, **node)
+thread.join(timeout=400)
+result["finished"] = not thread.is_alive()
+print("RESULT " + json.dumps(result), flush=True)
 ray.shutdown()
 cluster.shutdown()
 '''
@@ -204,36 +205,25 @@ cluster.shutdown()
 
 @pytest.mark.slow
 @pytest.mark.invariant(2, 3)
-def test_on_two_nodes_a_killed_worker_and_then_a_lost_node_resume_from_memory(tmp_path, reference):
-    """Two nodes, one rank on each, every node's keeper replicating to the other's; two jobs on one Cluster.
+def test_on_two_nodes_a_lost_node_resumes_from_memory_each_rank_from_where_its_snapshot_survived(tmp_path, reference):
+    """Two nodes, one rank on each, every node's keeper replicating to the other's. The node of rank 1
+    is removed a few steps after the commit of iteration 4: rank 1's snapshot died with that node's
+    keeper and its replica on the other node brings it back; rank 0's node stayed, so it takes its
+    own node's copy. Neither reads storage, and the run ends byte-identical to the uninterrupted one.
+    (A SIGKILLed rank whose node stays is test_a_rank_killed_resumes_from_memory_byte_identical.)"""
+    cfg = tiny_config(tmp_path, scaling={"num_workers": 2, "resources_per_worker": {"CPU": 2}},
+                      checkpoint={"memory_interleaved_steps": 1})
+    cfg["data"]["path"] = reference["data"]
+    (tmp_path / "job.json").write_text(json.dumps(cfg))
+    result, out = run_driver(tmp_path, TWO_NODES_DRIVER, str(tmp_path / "job.json"), str(tmp_path / "marks"))
+    assert result == {"committed": 12, "error": None, "finished": True}, (result, out[-5000:])
+    root = cfg["checkpoint"]["save_path"]
+    assert_same_as_reference(root, reference)
+    assert len({p.name.split("-", 1)[1] for p in (tmp_path / "marks").iterdir()}) >= 2  # the ranks ran on two nodes
 
-    - worker: rank 1 is SIGKILLed after step 7 and its node stays, so each rank takes back its own
-      node's copy (nothing read from storage);
-    - node: the node of rank 1 is removed a few steps after the commit of iteration 4. Rank 1's
-      snapshot died with that node's keeper; its replica on another node's keeper brings the group
-      back from memory.
-    Each run ends byte-identical to the uninterrupted one."""
-    worker = killed_at(7, tmp_path / "worker", reference["data"])
-    worker["scaling"] = {"num_workers": 2, "resources_per_worker": {"CPU": 2}}
-    node = tiny_config(tmp_path / "node", scaling={"num_workers": 2, "resources_per_worker": {"CPU": 2}},
-                       checkpoint={"memory_interleaved_steps": 1})
-    node["data"]["path"] = reference["data"]
-    args = []
-    for kind, cfg in (("worker", worker), ("node", node)):
-        (tmp_path / kind).mkdir(exist_ok=True)
-        (tmp_path / kind / "job.json").write_text(json.dumps(cfg))
-        args += [str(tmp_path / kind / "job.json"), str(tmp_path / kind / "marks"), kind]
-    results, out = run_driver(tmp_path, TWO_NODES_DRIVER, *args)
-    worker_out, node_out = out.split("=== node")
-    for kind, cfg in (("worker", worker), ("node", node)):
-        assert results[kind]["error"] is None and results[kind]["committed"] == 12, (kind, results, out[-5000:])
-        assert_same_as_reference(cfg["checkpoint"]["save_path"], reference)
-
-    again = starts(worker["checkpoint"]["save_path"])[1]
-    assert again["step"] in (5, 6) and again["source"] == f"memory snapshot of step {again['step']}", again
-    assert again["bytes_read"] == 0 and "from the replica of its memory snapshot" not in worker_out, worker_out[-5000:]
-    assert len({p.name.split("-", 1)[1] for p in (tmp_path / "worker" / "marks").iterdir()}) >= 2  # the ranks ran on two nodes
-
-    again = starts(node["checkpoint"]["save_path"])[1]
+    again = starts(root)[1]
     assert again["source"] == f"memory snapshot of step {again['step']}" and again["step"] > 4, again
-    assert "restoring step" in node_out and "from the replica of its memory snapshot" in node_out, node_out[-5000:]
+    assert [(r["rank"], r["source"], r["bytes_read"]) for r in restarted_ranks(root)] == [(rank, again["source"], 0) for rank in (0, 1)]
+    assert re.findall(r"rank (\d): restoring step \d+ from the replica of its memory snapshot", out) == ["1"], out[-5000:]
+    for noise in ("Failed to query Ray Train Controller actor state", "multiple active Ray"):
+        assert noise not in out, noise
