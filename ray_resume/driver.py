@@ -82,6 +82,7 @@ def launch(cfg: Config, train_func: Callable[[dict], None], loop_config: dict, *
     """Run `train_func(loop_config)` on every rank to the end (with restarts), as described above; the
     Result, its `error` set (not raised) when the run failed."""
     job_id = uuid.uuid4().hex[:12]
+    clock = {"launched": time.time()}  # the first start's stamps (summary.start_clock); the backend adds its own
     ckpt = cfg.checkpoint
     lease = root_for(ckpt.save_path, ckpt.storage).lease(job_id, ckpt.lease_ttl_s) if ckpt.enable_save else None
     if lease:  # before anything under save_path is read for writing or moved
@@ -90,7 +91,8 @@ def launch(cfg: Config, train_func: Callable[[dict], None], loop_config: dict, *
     try:
         source, it = resolve_source(cfg)
         cfg = check(cfg, source, it)
-        outcome = backend.run(cfg, job_id, {INTERNAL: {"train_func": train_func, "source": source, "job_id": job_id},
+        clock["checked"] = time.time()
+        outcome = backend.run(cfg, job_id, {INTERNAL: {"train_func": train_func, "source": source, "job_id": job_id, "clock": clock},
                                             USER: loop_config})
     finally:
         if lease:
@@ -150,6 +152,8 @@ class RayTrain:
         """The job to its end: the controller's account (committed, metrics, attempts, error, user_error),
         the failure `fit()` raised (`failure`), and the wall time."""
         init_ray(self.address, cfg)
+        clock = loop_config[INTERNAL]["clock"]
+        clock["ray_up"] = time.time()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         # On the driver's node: the commit must run where the driver does (it dies with it).
         keepers = start_keepers() if cfg.checkpoint.memory_interleaved_steps else {}
@@ -160,6 +164,7 @@ class RayTrain:
         ray.get([keeper.attach.remote(controller, ring[(i + 1) % len(ring)] if len(ring) > 1 else None)
                  for i, keeper in enumerate(ring)])
         loop_config[INTERNAL]["controller"] = controller
+        clock["fit"] = time.time()
         trainer = TorchTrainer(rank_entry, train_loop_config=loop_config,
                                scaling_config=self.scaling_config or scaling_config(cfg.scaling),
                                run_config=self._run_config(cfg, job_id, controller))

@@ -28,7 +28,7 @@ class Progress:
         self.job_id = job_id
         self.every_step = rank == 0 or cfg.training.log_sample_ids  # records every step (see ray_resume.metrics)
         self.last: dict = {}
-        self.restart: dict | None = None  # a restart's parts until this group has redone the lost steps
+        self.start_parts: dict | None = None  # this start's parts until recorded (after a restart: once the lost steps are redone)
         self.committed = Polled(controller, "last_committed") if rank == 0 else None  # for the progress line
         if cfg.checkpoint.enable_save:
             self.metrics = MetricsWriter(cfg.checkpoint.save_path, cfg.checkpoint.storage, job=job_id, attempt=attempt, rank=rank)
@@ -56,10 +56,13 @@ class Progress:
             self.curves.add(resume.step, {"attempt": attempt})  # a restart is a step in this curve
         self._record({"event": "start", "step": resume.step, "source": resume.source, "world_size": world,
                       "consumed_samples": resume.consumed_samples, "bytes_read": resume.bytes_read}, flush=True)
-        if attempt > 0:  # a restart: the previous group was lost (Ray Train's account is in its log files)
-            # What it cost, part by part, recorded once this group has redone the lost steps.
-            self.restart = {"event": "restart", "step": resume.step, "caught_up": failed_after or resume.step,
+        if attempt > 0 or clock:
+            # What this start cost, part by part (summary.START_PARTS, RESTART_PARTS): recorded after the
+            # first step, or after a restart once this group has redone the lost steps.
+            self.start_parts = {"event": "restart" if attempt else "started", "step": resume.step,
+                            "caught_up": failed_after or resume.step if attempt else resume.step,
                             **(clock or {}), "restore_s": restore_s, "since": time.monotonic()}
+        if attempt > 0:  # a restart: the previous group was lost (Ray Train's account is in its log files)
             reached = f"after step {failed_after}" if failed_after is not None else "before its first step"
             redo = f": {failed_after - resume.step} steps to redo" if failed_after is not None else ""
             why = "".join(f"; rank {r}: {text}" for r, text in (lost or {}).items())
@@ -79,15 +82,20 @@ class Progress:
         if resume.step >= self.total:
             self._say(f"training already reached train_steps={self.total}: nothing left to do")
 
-    def _restarted(self, step: int) -> None:
-        """The first step after a restart, and the step where the lost ones are redone: the restart's record."""
-        r = self.restart
+    def first_batch(self, seconds: float) -> None:
+        """How long this start waited for its first batch (the data pipeline's start)."""
+        if self.start_parts:
+            self.start_parts["first_batch_s"] = seconds
+
+    def _start_parts_at(self, step: int) -> None:
+        """The first step after a start, and the step where a restart's lost ones are redone: its record."""
+        r = self.start_parts
         elapsed = time.monotonic() - r["since"]
-        r.setdefault("first_step_s", elapsed)
+        r.setdefault("first_step_s", elapsed - r.get("first_batch_s", 0.0))
         if step >= r["caught_up"] or step == self.total:
-            r["redo_s"] = elapsed - r["first_step_s"]
+            r["redo_s"] = elapsed - r["first_step_s"] - r.get("first_batch_s", 0.0)
             self._record({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "since"}, flush=True)
-            self.restart = None
+            self.start_parts = None
 
     def evaluated(self, step: int, loss: float, samples: int) -> None:
         if self.curves:
@@ -114,8 +122,8 @@ class Progress:
             record["sample_ids"] = sample_ids.tolist()
         log_now = step % self.cfg.training.log_every == 0 or step == self.total
         self.window_steps += 1
-        if self.restart and self.rank == 0:
-            self._restarted(step)
+        if self.start_parts and self.rank == 0:
+            self._start_parts_at(step)
         if self.rank == 0 and log_now:
             self._progress_line(step, loss, lr, grad_norm)
         if self.every_step:

@@ -26,6 +26,7 @@ from .config import Config
 from .errors import USER_ERRORS, ConfigError
 from .extra_state import MAX_EXTRA, OptimizerState, dump_extra, load_extra
 from .faults import FaultInjector
+from .summary import start_clock
 
 INTERNAL = "ray_resume"  # train_loop_config as the TorchTrainer gets it: {INTERNAL: ours, USER: the loop's own}
 USER = "config"
@@ -64,16 +65,16 @@ def rank_entry(loop_config: dict) -> None:
     cfg = Config.from_dict(call(controller, "job_config"))  # the train_loop_config Ray Train shows is redacted
     ctx = ray.train.get_context()
     run_rank(cfg, controller, ctx.get_world_rank(), ctx.get_world_size(), ours["train_func"], loop_config[USER],
-             source=ours["source"], job_id=ours["job_id"])
+             source=ours["source"], job_id=ours["job_id"], driver_clock=ours["clock"])
 
 
 def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callable[[dict], None], config: dict, *,
-             source: ResumeSource | None, job_id: str) -> None:
+             source: ResumeSource | None, job_id: str, driver_clock: dict | None = None) -> None:
     """One rank of a job in an initialised process group: `train_func(config)` with this rank's
     RankCheckpointer, for this worker-group start. A user's mistake is said once and never retried:
     its rank reports it, and the group Ray Train restarts for it returns at once (JobController.user_failed)."""
     global _current
-    attempt, resume_step, memory_step, ended = _agree_on_attempt(controller, rank, world)
+    attempt, resume_step, memory_step, ended = _agree_on_attempt(controller, rank, world, driver_clock)
     if ended.pop("user_error"):
         return
     faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
@@ -88,15 +89,17 @@ def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callabl
         _current = None
 
 
-def _agree_on_attempt(controller, rank: int, world: int) -> tuple[int, int | None, int | None, dict]:
+def _agree_on_attempt(controller, rank: int, world: int, driver_clock: dict | None) -> tuple[int, int | None, int | None, dict]:
     """Rank 0 asks the driver; every rank gets the same attempt, step to resume (None: none), memory
     snapshot step to resume (None: none) and `user_error` (a rank found a mistake of the user's: the
     job is over). Rank 0 also learns how the previous attempt ended: `failed_after` (its last
-    finished step) and `lost` (rank -> why)."""
+    finished step) and `lost` (rank -> why); and `clock`, what this start took so far."""
     facts, ended = [-1, -1, -1, 0], {}
     if rank == 0:
-        reply = call(controller, "start_attempt", world, process_started())
-        ended = {"failed_after": reply["failed_after"], "lost": reply["lost"], "clock": reply["clock"]}
+        started = process_started()
+        reply = call(controller, "start_attempt", world, started)
+        clock = start_clock(driver_clock, started, time.time()) if reply["attempt"] == 0 and driver_clock else reply["clock"]
+        ended = {"failed_after": reply["failed_after"], "lost": reply["lost"], "clock": clock}
         steps = [-1 if reply[k] is None else reply[k] for k in ("resume_step", "memory_step")]
         facts = [reply["attempt"], *steps, int(reply["user_error"] is not None)]
     attempt, step, memory_step, user_error = collectives.from_rank0(facts)

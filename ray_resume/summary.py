@@ -13,11 +13,44 @@ import statistics
 # A restart's parts (the "restart" record rank 0 writes once the lost steps are redone): Ray Train
 # noticing the loss, the new worker group up to its first call (where the process's start is
 # known: the old group's shutdown and new processes, then their imports and Ray Train's setup),
-# model build and restore, the first step (data pipeline start included), and the rest of the
+# model build and restore, the wait for the first batch, the first step, and the rest of the
 # steps done again.
 RESTART_PARTS = (("detect_s", "noticed"), ("new_group_s", "new group"), ("spawn_s", "new processes"),
                  ("setup_s", "imports and setup"), ("restore_s", "build and restore"),
-                 ("first_step_s", "first step"), ("redo_s", "redoing"))
+                 ("first_batch_s", "first batch"), ("first_step_s", "first step"), ("redo_s", "redoing"))
+# The first start's parts (the "started" record rank 0 writes after its first step): the driver's
+# checks (the lease, the resume source, the data files' footers), Ray's start or join, our actors
+# (the controller, the memory tier's keepers), then as for a restart: Ray Train's controller and
+# the worker group's new processes, their imports and setup (process group included), build and
+# restore (the data stream's start included), the first step (its first batch included).
+START_PARTS = (("checks_s", "checks"), ("ray_s", "Ray"), ("actors_s", "our actors"), ("new_group_s", "worker group"),
+               ("spawn_s", "new processes"), ("setup_s", "imports and setup"), ("restore_s", "build and restore"),
+               ("first_batch_s", "first batch"), ("first_step_s", "first step"))
+
+
+def restart_clock(last: float, noticed: float | None, process_started: float | None, now: float) -> dict:
+    """How long a loss took to notice and to replace: from the lost group's last finished step to
+    Ray Train's failure report (`detect_s`), from that to the new group's first process
+    (`spawn_s`: the old group shut down, new processes), and from that to this call (`setup_s`:
+    their imports and Ray Train's setup). A process Ray had started before the loss has no spawn
+    time; without `process_started` the two are one, `new_group_s`. The process's start is read on
+    its own node's clock, the rest on the driver's: on one machine they are the same clock."""
+    clock, since = {}, last
+    if noticed is not None:
+        clock["detect_s"], since = noticed - last, noticed
+    if process_started is None:
+        return {**clock, "new_group_s": now - since}
+    spawned = min(max(process_started, since), now)
+    return {**clock, "spawn_s": spawned - since, "setup_s": now - spawned}
+
+
+def start_clock(driver: dict, process_started: float | None, now: float) -> dict:
+    """The first start's parts up to rank 0's first call, from the driver's stamps (`launched`,
+    `checked`, and where Ray Train runs the job `ray_up` and `fit`) and rank 0's process start."""
+    clock = {"checks_s": driver["checked"] - driver["launched"]}
+    if "fit" in driver:
+        clock.update(ray_s=driver["ray_up"] - driver["checked"], actors_s=driver["fit"] - driver["ray_up"])
+    return {**clock, **restart_clock(driver.get("fit", driver["checked"]), None, process_started, now)}
 
 
 def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_batch_size: int, wall_s: float) -> list[str]:
@@ -31,6 +64,12 @@ def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_
     last = max(r["step"] for r in steps)
     done = last - first
     lines = [f"{done} steps ({first + 1}-{last}) in {wall_s:.1f} s: {done * global_batch_size / wall_s:.0f} samples/s overall"]
+
+    started = next((r for r in mine if r["rank"] == 0 and r.get("event") == "started"), None)
+    if started:
+        parts = [(started[key], label) for key, label in START_PARTS if key in started]
+        lines.append(f"start: {sum(v for v, _ in parts):.1f} s to the end of the first step ("
+                     + ", ".join(f"{label} {v:.1f} s" for v, label in parts) + ")")
 
     stalls = [r["save_stall_s"] for r in mine if "save_stall_s" in r and r.get("event") is None]
     saves = sum(1 for r in steps if r.get("saved"))

@@ -78,7 +78,10 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
     stop = 0  # the controller's last should_stop answer (calls.SAVE_AND_STOP, STOP_NOW)
     for step in range(resume.step + 1, train.train_steps + 1):
         lr = learning_rate(train, samples.position)  # of the samples consumed before this step
+        waited = time.monotonic()
         batch = next(batches)
+        if step == resume.step + 1:
+            progress.first_batch(time.monotonic() - waited)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world, device)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -43,6 +45,11 @@ def ray_cluster():
         SESSION_RAY.update(address=ray.get_runtime_context().gcs_address, dashboard=dashboard)
     yield
     if started:
+        # A Ray Data iterator closed just before still has threads that finish its batches; one that
+        # reaches Ray after ray.shutdown() ends this process (exit 1, no summary). They end in a second or two.
+        deadline = time.monotonic() + 10
+        while any(t.name == "iter_threaded" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.1)
         ray.shutdown()
 
 

@@ -64,6 +64,9 @@ def spawn(fn, args: tuple, nprocs: int) -> None:
 class LocalStream(SampleStream):
     """SampleStream's plan and read function, run in this process instead of by Ray Data."""
 
+    def _read_workers_ready(self) -> bool:
+        return True
+
     def _execute(self, epoch: int, items):
         for item in items:
             yield _read_unit_batch({k: np.array([v]) for k, v in item.items()}, **self.read_args(epoch))

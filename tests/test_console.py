@@ -49,16 +49,16 @@ def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_pa
     assert lines[2].startswith(f"1 restart: after step {reached}: resumed from 4, {reached - 4} steps redone, ")
     # The restart's cost part by part (the harness has no Ray Train to notice the loss: no "noticed" part).
     assert re.fullmatch(r".* s lost \(new processes \d+\.\d s, imports and setup \d+\.\d s, build and restore \d+\.\d s, "
-                        r"first step \d+\.\d s, redoing \d+\.\d s\)", lines[2]) and len(lines) == 3, lines[2]
+                        r"first batch \d+\.\d s, first step \d+\.\d s, redoing \d+\.\d s\)", lines[2]) and len(lines) == 3, lines[2]
     [restart] = [r for r in read_metrics(root) if r.get("event") == "restart"]
     assert (restart["attempt"], restart["rank"], restart["step"], restart["caught_up"]) == (1, 0, 4, reached)
     # The line shows the record's parts, and the parts account for the time lost: each one a stretch
     # the new group spent (a new process started, imported, built and restored, stepped), together
     # all of it but the gaps between them and the first step beyond the lost ones: never more (a part
     # counted twice), never much less (a part left out).
-    shown = dict(re.findall(r"(new processes|imports and setup|build and restore|first step|redoing) (\d+\.\d) s", lines[2]))
+    shown = dict(re.findall(r"(new processes|imports and setup|build and restore|first batch|first step|redoing) (\d+\.\d) s", lines[2]))
     keys = {"new processes": "spawn_s", "imports and setup": "setup_s", "build and restore": "restore_s",
-            "first step": "first_step_s", "redoing": "redo_s"}
+            "first batch": "first_batch_s", "first step": "first_step_s", "redoing": "redo_s"}
     assert {label: f"{restart[key]:.1f}" for label, key in keys.items()} == shown
     assert all(restart[key] > 0 for key in ("spawn_s", "setup_s", "restore_s", "first_step_s"))
     lost = float(re.search(r"steps redone, (\d+\.\d) s lost", lines[2]).group(1))
@@ -78,7 +78,7 @@ def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_pa
 
 
 def test_a_restarts_new_group_time_splits_where_its_process_started():
-    from ray_resume.controller import restart_clock
+    from ray_resume.summary import restart_clock
 
     # Last step at 10, noticed at 10.5, rank 0's process started at 11, the new group called at 18.
     assert restart_clock(10.0, 10.5, 11.0, 18.0) == {"detect_s": 0.5, "spawn_s": 0.5, "setup_s": 7.0}
@@ -86,6 +86,21 @@ def test_a_restarts_new_group_time_splits_where_its_process_started():
     assert restart_clock(10.0, 10.5, 9.0, 18.0) == {"detect_s": 0.5, "spawn_s": 0.0, "setup_s": 7.5}
     assert restart_clock(10.0, 10.5, None, 18.0) == {"detect_s": 0.5, "new_group_s": 7.5}
     assert restart_clock(10.0, None, 12.0, 18.0) == {"spawn_s": 2.0, "setup_s": 6.0}  # no failure report (the harness)
+
+
+def test_the_first_start_splits_at_the_drivers_stamps_and_where_rank_0s_process_started():
+    from ray_resume.summary import start_clock, summarize
+
+    # Launched at 0, checks done at 1.5, Ray up at 4, fit() at 4.5, rank 0's process at 7, its first call at 12.
+    driver = {"launched": 0.0, "checked": 1.5, "ray_up": 4.0, "fit": 4.5}
+    assert start_clock(driver, 7.0, 12.0) == {"checks_s": 1.5, "ray_s": 2.5, "actors_s": 0.5, "spawn_s": 2.5, "setup_s": 5.0}
+    assert start_clock({"launched": 0.0, "checked": 1.5}, None, 12.0) == {"checks_s": 1.5, "new_group_s": 10.5}  # no Ray Train
+    started = {"job": "j", "rank": 0, "attempt": 0, "event": "started", "step": 0, "checks_s": 1.5, "ray_s": 2.5, "actors_s": 0.5,
+               "spawn_s": 2.5, "setup_s": 5.0, "restore_s": 1.0, "first_batch_s": 0.25, "first_step_s": 0.75}
+    steps = [{"job": "j", "rank": 0, "attempt": 0, "step": s, "loss": 1.0, "time": 20.0 + s} for s in (1, 2)]
+    lines = summarize([started, *steps], [{"attempt": 0, "step": 2, "time": 22.0}], job_id="j", global_batch_size=4, wall_s=30.0)
+    assert lines[1] == ("start: 14.0 s to the end of the first step (checks 1.5 s, Ray 2.5 s, our actors 0.5 s, new processes 2.5 s, "
+                        "imports and setup 5.0 s, build and restore 1.0 s, first batch 0.2 s, first step 0.8 s)"), lines
 
 
 def test_process_started_is_when_the_process_began_not_when_it_asked():

@@ -357,6 +357,42 @@ def test_lanes_resume_exactly_and_on_another_batch_size_take_the_same_samples(ds
         local(units, 5, True, 16, 0, 1, 36, lanes=8)
 
 
+@pytest.mark.invariant(3)
+def test_until_read_workers_have_started_the_stream_reads_itself_and_gives_the_same_batches(ds_path):
+    """Until processes for Ray Data's read tasks have started (seconds for a new job), the stream does
+    the next reads itself, then Ray Data gets the rest of the epoch's, and the next epoch's. Here the
+    processes start when the test says: before that, Ray Data is never asked."""
+    from harness import LocalStream
+
+    class Starting(LocalStream):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.started, self.asked = False, []
+
+        def _read_workers_ready(self):
+            return self.started
+
+        def _execute(self, epoch, items):
+            assert self.started, "Ray Data was asked before its read workers started"
+            self.asked.append((epoch, items[0]["segment"], len(items)))
+            yield from super()._execute(epoch, items)
+
+    units = scan_units(ds_path)
+    stream = Starting(units, 5, True, 16, 1, 2, 16)  # rank 1 of 2, from sample 16
+    batches = iter(stream)
+    got = [next(batches) for _ in range(2)]  # 32 more of the epoch's 100 samples, read here
+    stream.started = True
+    got += [next(batches) for _ in range(12)]  # into the next epoch
+    expected = take(local(units, 5, True, 16, 1, 2, 16), 14)
+    for a, b in zip(got, expected, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    assert stream.position == 16 + 14 * 16
+    (first, after, _), *later = stream.asked  # the rest of epoch 0 after the reads here, then whole epochs
+    assert first == 0 and after > 0 and later and [(e, k) for e, k, _ in later] == [(e, 0) for e in range(1, len(later) + 1)], stream.asked
+
+
 @pytest.fixture(scope="module")
 def many_groups(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("data") / "many"
@@ -475,23 +511,32 @@ def test_a_packed_run_killed_mid_way_ends_byte_identical(tmp_path):
 
 
 def test_data_map_preprocesses_the_rows_in_ray_datas_read_tasks(ray_ctx, ds_path):
-    """The stream's rows are the map's, in the same order; it ran in Ray Data's tasks, not here."""
+    """The stream's rows are the map's, in the same order; it runs in Ray Data's tasks, and here only
+    for the reads the stream does itself until Ray Data delivers (SampleStream._reads). Taken at a
+    training loop's pace (a consumer that never waits is served by those reads alone), until a row
+    mapped elsewhere comes, at most a minute."""
     import os
+    import time
 
     import plugin_models
 
-    plain = take(SampleStream(ds_path, 5, True, 16, 0, 1, 0, lanes=8), 3)
+    plain = iter(SampleStream(ds_path, 5, True, 16, 0, 1, 0, lanes=8))
     # The tasks' processes cannot import tests/ (a job's modules come with its working_dir): by value.
     ray_ctx.cloudpickle.register_pickle_by_value(plugin_models)
     try:
-        mapped = take(SampleStream(ds_path, 5, True, 16, 0, 1, 0, lanes=8, data_map=plugin_models.shift_tokens), 3)
+        mapped = iter(SampleStream(ds_path, 5, True, 16, 0, 1, 0, lanes=8, data_map=plugin_models.shift_tokens))
+        deadline, pids = time.monotonic() + 60, set()
+        while not pids - {os.getpid()} and time.monotonic() < deadline:
+            a, b = next(plain), next(mapped)
+            np.testing.assert_array_equal(b["sample_id"], a["sample_id"])
+            np.testing.assert_array_equal(b["input_ids"], (a["input_ids"] * 3 + 1) % 50)
+            pids |= set(b["pid"].tolist())
+            time.sleep(0.2)  # a step
     finally:
         ray_ctx.cloudpickle.unregister_pickle_by_value(plugin_models)
-    assert len(plain) == len(mapped) == 3
-    for a, b in zip(plain, mapped):
-        np.testing.assert_array_equal(b["sample_id"], a["sample_id"])
-        np.testing.assert_array_equal(b["input_ids"], (a["input_ids"] * 3 + 1) % 50)
-        assert os.getpid() not in set(b["pid"].tolist())
+        plain.close()  # their executions end here, not when collected
+        mapped.close()
+    assert pids - {os.getpid()}, "no row was mapped in Ray Data's tasks"
 
 
 @pytest.mark.invariant(6, 13)

@@ -164,5 +164,8 @@ def test_the_console_of_a_run_that_loses_a_worker(tmp_path, reference):
                   "Starting execution of Dataset", "[FailurePolicy]", "Attempting to start training worker group"):
         assert noise not in out, noise
     assert any(f"{FINAL} steps (1-{FINAL}) in " in line for line in lines)
+    [began] = [line for line in lines if "s to the end of the first step (" in line]  # the start, part by part
+    assert all(re.search(rf"[(,] ?{part} \d+\.\d s", began) for part in ("checks", "Ray", "our actors", "new processes", "imports and setup",
+                                                 "build and restore", "first batch", "first step")), began
     assert any(f"1 restart: after step {reached}: resumed from 4" in line for line in lines)
     assert len(lines) <= 3 * len(progress) + 40, "\n".join(lines)

@@ -1,5 +1,5 @@
 """The job's controller, on the driver's node: attempts, commits, retention, the memory tier's ledger."""
 
-from .job import CommitError, JobController, restart_clock
+from .job import CommitError, JobController
 
-__all__ = ["JobController", "CommitError", "restart_clock"]
+__all__ = ["JobController", "CommitError"]

@@ -37,6 +37,7 @@ from ..checkpoint.commit import commit_iteration
 from ..checkpoint.lease import LeaseLost
 from ..checkpoint.root import root_for
 from ..config import redacted
+from ..summary import restart_clock
 from .retention import Retention
 from .snapshots import SnapshotLedger
 
@@ -45,22 +46,6 @@ logger = logging.getLogger("ray_resume.controller")
 
 class CommitError(RuntimeError):
     """A commit failed: the run ends with this error, and its tracker stays on the last good commit."""
-
-
-def restart_clock(last: float, noticed: float | None, process_started: float | None, now: float) -> dict:
-    """How long a loss took to notice and to replace: from the lost group's last finished step to
-    Ray Train's failure report (`detect_s`), from that to the new group's first process
-    (`spawn_s`: the old group shut down, new processes), and from that to this call (`setup_s`:
-    their imports and Ray Train's setup). A process Ray had started before the loss has no spawn
-    time; without `process_started` the two are one, `new_group_s`. The process's start is read on
-    its own node's clock, the rest on the driver's: on one machine they are the same clock."""
-    clock, since = {}, last
-    if noticed is not None:
-        clock["detect_s"], since = noticed - last, noticed
-    if process_started is None:
-        return {**clock, "new_group_s": now - since}
-    spawned = min(max(process_started, since), now)
-    return {**clock, "spawn_s": spawned - since, "setup_s": now - spawned}
 
 
 class JobController(SnapshotLedger, Retention):

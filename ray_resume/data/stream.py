@@ -75,6 +75,12 @@ def _read_unit_batch(batch: Dict[str, np.ndarray], *, seed: int, epoch: int, shu
     return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
 
 
+def _start_read_worker() -> None:
+    """A Ray task: it leaves its worker process with what Ray Data's read tasks import (this module
+    comes with the function)."""
+    import ray.data  # noqa: F401
+
+
 def _items(units: Sequence[ReadUnit], plan: Sequence[Tuple[int, int, int]]) -> List[Dict[str, Any]]:
     """`plan`'s (unit_index, row_start, row_end) as the read function's input rows, `segment` = the position in it."""
     return [{"file": units[ui].file, "row_group": units[ui].row_group, "unit_index": ui, "row_start": rs, "row_end": re,
@@ -198,6 +204,7 @@ class SampleStream:
         self.fingerprint = data_fingerprint(self.units, self.seed, self.shuffle, self.columns, self.lanes, self.pack)
         self.prefetch_batches = int(prefetch_batches)
         self.read_num_cpus = float(read_num_cpus)
+        self._starting = None  # the tasks starting processes for the read tasks (_read_workers_ready)
 
     def read_args(self, epoch: int) -> Dict[str, Any]:
         """The read function's keyword arguments for `epoch`."""
@@ -234,6 +241,30 @@ class SampleStream:
                 raise
             raise DataError(str(found)) from None
 
+    def _read_workers_ready(self) -> bool:
+        """Whether processes for Ray Data's read tasks have started; the first call starts them, as
+        many as the stream reads at once, each with what a read task imports. Ray Data's tasks then
+        run in them (the same job and runtime environment), not in processes of their own to wait for."""
+        import ray
+
+        if self._starting is None:
+            start = ray.remote(num_cpus=self.read_num_cpus)(_start_read_worker)
+            self._starting = [start.remote() for _ in range(max(1, self.prefetch_batches))]
+        if self._starting:
+            _, self._starting = ray.wait(self._starting, num_returns=len(self._starting), timeout=0)
+        return not self._starting
+
+    def _reads(self, epoch: int, items: List[Dict[str, Any]]) -> Iterator[Dict[str, np.ndarray]]:
+        """`_read_checked`; until processes for its read tasks have started (4-5 s for a new job's
+        first here), the next reads are done in this process by the same function, and Ray Data
+        gets the rest. The first steps train meanwhile instead of waiting for the first rows."""
+        given = 0
+        while given < len(items) and not self._read_workers_ready():
+            yield _read_unit_batch({k: np.array([v]) for k, v in items[given].items()}, **self.read_args(epoch))
+            given += 1
+        if given < len(items):
+            yield from self._read_checked(epoch, items[given:])  # each keeps its index in the plan
+
     def _pieces(self, lanes: Sequence[int]) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
         """(lane, rows) for `lanes`, from the start offset on, forever; each epoch's reads ordered
         by where in its lane they start, so the lane that needs rows next has them first."""
@@ -248,7 +279,7 @@ class SampleStream:
                     at += re - rs
             plan.sort(key=lambda p: p[:2])
             k, left = 0, None  # the read being received, and its rows still to come
-            for batch in self._read_checked(epoch, _items(self.units, [p[2] for p in plan])):
+            for batch in self._reads(epoch, _items(self.units, [p[2] for p in plan])):
                 segments = batch[_SEGMENT_COL]
                 cuts = np.flatnonzero(np.diff(segments)) + 1
                 for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(segments)]):
