@@ -169,7 +169,7 @@ def _measured(began: float, ended: float, steps_run: list[dict], kills: list[flo
     steps_run = sorted(steps_run, key=lambda r: r["time"])
     gaps = [b["time"] - a["time"] for a, b in zip(steps_run, steps_run[1:])
             if b["step"] == a["step"] + 1 and b["attempt"] == a["attempt"]]
-    return {"wall_s": ended - began, "startup_s": steps_run[0]["time"] - began, "step_s": statistics.mean(gaps),
+    return {"began": began, "wall_s": ended - began, "startup_s": steps_run[0]["time"] - began, "step_s": statistics.mean(gaps),
             "kills": len(kills), "losses": losses}
 
 
