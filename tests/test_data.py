@@ -393,6 +393,20 @@ def test_until_read_workers_have_started_the_stream_reads_itself_and_gives_the_s
     assert first == 0 and after > 0 and later and [(e, k) for e, k, _ in later] == [(e, 0) for e in range(1, len(later) + 1)], stream.asked
 
 
+def test_without_ray_the_stream_says_so_and_starts_none(ds_path):
+    """Outside Ray (a loop of the user's that forgot ray.init()), no Ray task auto-starts a local Ray."""
+    import subprocess
+    import sys
+
+    from conftest import env_for_subprocess
+
+    code = ("import ray, sys; from ray_resume.data import SampleStream\n"
+            "try:\n    next(iter(SampleStream(sys.argv[1], 5, True, 16)))\n"
+            "except RuntimeError as exc:\n    print(exc, ray.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code, str(ds_path)], capture_output=True, text=True, env=env_for_subprocess(), timeout=120)
+    assert out.stdout.strip() == "SampleStream needs Ray to be initialised by the caller (ray.init()) False", out.stdout + out.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def many_groups(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("data") / "many"

@@ -247,6 +247,8 @@ class SampleStream:
         run in them (the same job and runtime environment), not in processes of their own to wait for."""
         import ray
 
+        if not ray.is_initialized():  # _execute says so; a task here would start a Ray of its own
+            return True
         if self._starting is None:
             start = ray.remote(num_cpus=self.read_num_cpus)(_start_read_worker)
             self._starting = [start.remote() for _ in range(max(1, self.prefetch_batches))]
