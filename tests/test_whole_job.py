@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import FINAL, REPO, SESSION_RAY, env_for_subprocess, read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import FINAL, REPO, SESSION_RAY, assert_same_as_reference, env_for_subprocess, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import paths
 
 
@@ -141,11 +141,14 @@ def test_sigterm_to_the_driver_saves_commits_and_exits_143(tmp_path, reference):
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+@pytest.mark.invariant(2, 3)
 def test_the_console_of_a_run_that_loses_a_worker(tmp_path, reference):
-    """`python -m ray_resume.run` with rank 1 killed at step 6, a progress line every step: each line
-    once, no blank worker lines, no Ray tracebacks for the recovered failure, the recovery in one
-    line of ours, a summary, and the whole console within 3x the progress lines + 40."""
-    config = write_config(tmp_path, reference, training={"log_every": 1},
+    """`python -m ray_resume.run` with rank 1 killed after its optimizer step 6, a progress line every
+    step: each line once, no blank worker lines, no Ray tracebacks for the recovered failure, the
+    recovery in one line of ours, a summary, and the whole console within 3x the progress lines + 40.
+    Saves are synchronous, so iteration 4 is certainly committed before step 5's all-reduce and the
+    group resumes from it, by itself, to end with the uninterrupted run's bytes."""
+    config = write_config(tmp_path, reference, training={"log_every": 1}, checkpoint={"async_save": False},
                           fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
     code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config)]), timeout=300)
     assert code == 0, out[-3000:]
@@ -169,3 +172,7 @@ def test_the_console_of_a_run_that_loses_a_worker(tmp_path, reference):
                                                  "build and restore", "first batch", "first step")), began
     assert any(f"1 restart: after step {reached}: resumed from 4" in line for line in lines)
     assert len(lines) <= 3 * len(progress) + 40, "\n".join(lines)
+    root = str(tmp_path / "ckpt")
+    assert_same_as_reference(root, reference)
+    restarts = [r for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0]
+    assert [r["step"] for r in restarts] == [0, 4] and restarts[1]["source"].endswith("iteration_00000004"), restarts
