@@ -60,7 +60,7 @@ class Progress:
             # What this start cost, part by part (summary.START_PARTS, RESTART_PARTS): recorded after the
             # first step, or after a restart once this group has redone the lost steps.
             self.start_parts = {"event": "restart" if attempt else "started", "step": resume.step,
-                            "caught_up": failed_after or resume.step if attempt else resume.step,
+                            "caught_up": (failed_after or resume.step) if attempt else resume.step,
                             **(clock or {}), "restore_s": restore_s, "since": time.monotonic()}
         if attempt > 0:  # a restart: the previous group was lost (Ray Train's account is in its log files)
             reached = f"after step {failed_after}" if failed_after is not None else "before its first step"

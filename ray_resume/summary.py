@@ -22,7 +22,7 @@ RESTART_PARTS = (("detect_s", "noticed"), ("new_group_s", "new group"), ("spawn_
 # checks (the lease, the resume source, the data files' footers), Ray's start or join, our actors
 # (the controller, the memory tier's keepers), then as for a restart: Ray Train's controller and
 # the worker group's new processes, their imports and setup (process group included), build and
-# restore (the data stream's start included), the first step (its first batch included).
+# restore (the data stream's start included), the wait for the first batch, the first step.
 START_PARTS = (("checks_s", "checks"), ("ray_s", "Ray"), ("actors_s", "our actors"), ("new_group_s", "worker group"),
                ("spawn_s", "new processes"), ("setup_s", "imports and setup"), ("restore_s", "build and restore"),
                ("first_batch_s", "first batch"), ("first_step_s", "first step"))

@@ -526,9 +526,9 @@ def test_a_packed_run_killed_mid_way_ends_byte_identical(tmp_path):
 
 def test_data_map_preprocesses_the_rows_in_ray_datas_read_tasks(ray_ctx, ds_path):
     """The stream's rows are the map's, in the same order; it runs in Ray Data's tasks, and here only
-    for the reads the stream does itself until Ray Data delivers (SampleStream._reads). Taken at a
-    training loop's pace (a consumer that never waits is served by those reads alone), until a row
-    mapped elsewhere comes, at most a minute."""
+    for the reads the stream does itself until the read tasks' processes have started
+    (SampleStream._reads). Taken at a training loop's pace until a row mapped elsewhere comes, at
+    most a minute."""
     import os
     import time
 
