@@ -25,11 +25,11 @@ from benchmarks.goodput import BATCH, QUICKSTART, ours, plain
 FIRST = 10  # steps in the first progress window
 
 
-def _parts(run: dict, steps: list[dict], began: float) -> dict:
+def _parts(run: dict, steps: list[dict]) -> dict:
     """Wall time split at the first and last step; the first window's rate against the steady one."""
     times = sorted(r["time"] for r in steps)
     return {"wall_s": run["wall_s"], "to_first_step_s": run["startup_s"], "steps_s": times[-1] - times[0] + run["step_s"],
-            "after_last_step_s": began + run["wall_s"] - times[-1], "step_s": run["step_s"],
+            "after_last_step_s": run["began"] + run["wall_s"] - times[-1], "step_s": run["step_s"],
             "first_window_samples_per_s": FIRST * BATCH / (times[FIRST - 1] - times[0] + run["step_s"] + run["first_gap_s"]),
             "steady_samples_per_s": BATCH / run["step_s"]}
 
@@ -42,9 +42,8 @@ def run_ours(tmp: Path, steps: int, data: str) -> dict:
     [started] = [r for r in records if r.get("event") == "started" and r["rank"] == 0]
     [start] = [r for r in records if r.get("event") == "start" and r["rank"] == 0]
     steps_run = [r for r in records if r["rank"] == 0 and "loss" in r]
-    first = min(r["time"] for r in steps_run)
-    run["first_gap_s"] = first - run["step_s"] - start["time"]  # the window opens at the start record
-    row = _parts(run, steps_run, run["began"])
+    run["first_gap_s"] = min(r["time"] for r in steps_run) - run["step_s"] - start["time"]  # the window opens at the start record
+    row = _parts(run, steps_run)
     row["start"] = {k: v for k, v in started.items() if k.endswith("_s") and k != "redo_s"}
     return row
 
@@ -55,7 +54,7 @@ def run_plain(tmp: Path, steps: int, data: str) -> dict:
     [start] = [r for r in records if r.get("event") == "start"]
     steps_run = [r for r in records if "step" in r and "event" not in r]
     run["first_gap_s"] = min(r["time"] for r in steps_run) - run["step_s"] - start["loaded"]
-    return _parts(run, steps_run, run["began"])
+    return _parts(run, steps_run)
 
 
 def main(argv=None) -> dict:

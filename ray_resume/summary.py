@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import statistics
 
-# A restart's parts (the "restart" record rank 0 writes once the lost steps are redone): Ray Train
-# noticing the loss, the new worker group up to its first call (where the process's start is
-# known: the old group's shutdown and new processes, then their imports and Ray Train's setup),
-# model build and restore, the wait for the first batch, the first step, and the rest of the
-# steps done again.
-RESTART_PARTS = (("detect_s", "noticed"), ("new_group_s", "new group"), ("spawn_s", "new processes"),
-                 ("setup_s", "imports and setup"), ("restore_s", "build and restore"),
-                 ("first_batch_s", "first batch"), ("first_step_s", "first step"), ("redo_s", "redoing"))
-# The first start's parts (the "started" record rank 0 writes after its first step): the driver's
-# checks (the lease, the resume source, the data files' footers), Ray's start or join, our actors
-# (the controller, the memory tier's keepers), then as for a restart: Ray Train's controller and
-# the worker group's new processes, their imports and setup (process group included), build and
-# restore (the data stream's start included), the wait for the first batch, the first step.
-START_PARTS = (("checks_s", "checks"), ("ray_s", "Ray"), ("actors_s", "our actors"), ("new_group_s", "worker group"),
-               ("spawn_s", "new processes"), ("setup_s", "imports and setup"), ("restore_s", "build and restore"),
-               ("first_batch_s", "first batch"), ("first_step_s", "first step"))
+# What a worker-group start costs, a restart's and the first one's alike: the new group up to its
+# first call (where the process's start is known: the old group's shutdown, if any, and Ray Train's
+# new processes, then their imports and setup, process group included), model build and restore
+# (the data stream's start included), the wait for the first batch, the first step.
+GROUP_PARTS = (("new_group_s", "new group"), ("spawn_s", "new processes"), ("setup_s", "imports and setup"),
+               ("restore_s", "build and restore"), ("first_batch_s", "first batch"), ("first_step_s", "first step"))
+# A restart's (the "restart" record rank 0 writes once the lost steps are redone): Ray Train noticing
+# the loss, the group's parts, and the rest of the steps done again.
+RESTART_PARTS = (("detect_s", "noticed"), *GROUP_PARTS, ("redo_s", "redoing"))
+# The first start's (the "started" record rank 0 writes after its first step): the driver's checks
+# (the lease, the resume source, the data files' footers), Ray's start or join, our actors (the
+# controller, the memory tier's keepers), then the group's parts.
+START_PARTS = (("checks_s", "checks"), ("ray_s", "Ray"), ("actors_s", "our actors"), *GROUP_PARTS)
+
+
+def _split(record: dict, parts) -> str:
+    """`record`'s parts among `parts`, as the summary says them."""
+    return ", ".join(f"{label} {record[key]:.1f} s" for key, label in parts if key in record)
 
 
 def restart_clock(last: float, noticed: float | None, process_started: float | None, now: float) -> dict:
@@ -67,9 +69,8 @@ def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_
 
     started = next((r for r in mine if r["rank"] == 0 and r.get("event") == "started"), None)
     if started:
-        parts = [(started[key], label) for key, label in START_PARTS if key in started]
-        lines.append(f"start: {sum(v for v, _ in parts):.1f} s to the end of the first step ("
-                     + ", ".join(f"{label} {v:.1f} s" for v, label in parts) + ")")
+        total = sum(started[key] for key, _ in START_PARTS if key in started)
+        lines.append(f"start: {total:.1f} s to the end of the first step ({_split(started, START_PARTS)})")
 
     stalls = [r["save_stall_s"] for r in mine if "save_stall_s" in r and r.get("event") is None]
     saves = sum(1 for r in steps if r.get("saved"))
@@ -86,8 +87,7 @@ def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_
         redone = lost["step"] - start["step"]
         beyond = [r["time"] for r in steps if r["attempt"] == again["attempt"] and r["step"] > lost["step"]]
         cost = f"{min(beyond) - lost['time']:.1f} s" if beyond else "the rest of the run"
-        split = parts.get(again["attempt"], {})
-        split = ", ".join(f"{label} {split[key]:.1f} s" for key, label in RESTART_PARTS if key in split)
+        split = _split(parts.get(again["attempt"], {}), RESTART_PARTS)
         restarts.append(f"after step {lost['step']}: resumed from {start['step']}, {redone} steps redone, {cost} lost"
                         + (f" ({split})" if split else ""))
     if len(attempts) > 1:
