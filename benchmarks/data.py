@@ -34,7 +34,7 @@ SAMPLES, SEQ_LEN, FILES, GROUPS_PER_FILE = 2560, 256, 4, 16  # 64 row groups of 
 
 def stream_run(units, lanes: int, rank: int, world: int, storage) -> tuple[int, float, float]:
     """Bytes read, samples/s, and the mean number of row groups a batch of this rank mixes."""
-    stream = SampleStream(units, 1, True, GBS, rank, world, 0, lanes=lanes, storage=storage)
+    stream = SampleStream(units, 1, True, GBS, rank, world, 0, lanes=lanes, storage=storage, read_tasks_above=0)
     batches = iter(stream)
     first = [next(batches)]  # the pipeline's start is not a rate
     started = time.perf_counter()

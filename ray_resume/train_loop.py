@@ -67,7 +67,8 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
     tokens = expected_tokens(plugins, cfg)
     samples = stream(units or cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
                      resume.consumed_samples, columns=cfg.data.columns or None, lanes=cfg.data.lanes, storage=cfg.checkpoint.storage,
-                     pack=cfg.pack_tokens(), data_map=plugins.data_map, vocab_size=tokens.vocab_size if tokens else None)
+                     pack=cfg.pack_tokens(), data_map=plugins.data_map, vocab_size=tokens.vocab_size if tokens else None,
+                     read_tasks_above=cfg.data.read_tasks_above)
     progress = Progress(cfg, rank, attempt, job.job_id, controller)
     progress.resumed(resume, world, attempt, **job.ended, restore_s=time.monotonic() - began)
 

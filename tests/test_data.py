@@ -47,6 +47,12 @@ def ds_path(tmp_path_factory) -> Path:
     return p
 
 
+def ray_stream(*args, **kwargs) -> SampleStream:
+    """A stream whose reads go to Ray Data's read tasks as soon as their processes have started,
+    however cheap (by default, reads that cost a rank little stay in it)."""
+    return SampleStream(*args, read_tasks_above=0, **kwargs)
+
+
 def take(stream, k):
     return list(itertools.islice(iter(stream), k))
 
@@ -128,16 +134,16 @@ def test_order_pure(ds_path):
 def test_stream_order_matches_pure_order(ray_ctx, ds_path):
     units = scan_units(ds_path)
     # gbs = N: one step per epoch
-    steps = take(SampleStream(ds_path, 5, True, N, 0, 1, 0), 2)
+    steps = take(ray_stream(ds_path, 5, True, N, 0, 1, 0), 2)
     for e, b in enumerate(steps):
         np.testing.assert_array_equal(b["sample_id"], ids_of(units, epoch_order(units, 5, e, True)))
         np.testing.assert_array_equal(np.sort(b["sample_id"]), np.arange(N))
     assert not np.array_equal(steps[0]["sample_id"], steps[1]["sample_id"])
-    again = take(SampleStream(units, 5, True, N, 0, 1, 0), 1)[0]
+    again = take(ray_stream(units, 5, True, N, 0, 1, 0), 1)[0]
     np.testing.assert_array_equal(again["sample_id"], steps[0]["sample_id"])
-    other = take(SampleStream(units, 6, True, N, 0, 1, 0), 1)[0]
+    other = take(ray_stream(units, 6, True, N, 0, 1, 0), 1)[0]
     assert not np.array_equal(other["sample_id"], steps[0]["sample_id"])
-    plain = take(SampleStream(units, 5, False, 30, 0, 1, 0), 4)
+    plain = take(ray_stream(units, 5, False, 30, 0, 1, 0), 4)
     np.testing.assert_array_equal(np.concatenate([b["sample_id"] for b in plain]),
                                   np.r_[np.arange(N), np.arange(20)])
     # input_ids belong to the sample ids
@@ -155,13 +161,13 @@ def test_stream_order_matches_pure_order(ray_ctx, ds_path):
 @pytest.mark.invariant(3)
 def test_resume_equivalence_across_epochs(ray_ctx, ds_path):
     gbs, steps = 16, 12  # 192 samples: crosses the epoch boundary at 100
-    full = take(SampleStream(ds_path, 11, True, gbs, 0, 1, 0), steps)
+    full = take(ray_stream(ds_path, 11, True, gbs, 0, 1, 0), steps)
     flat_ids = np.concatenate([b["sample_id"] for b in full])
     flat_tok = np.concatenate([b["input_ids"] for b in full])
     np.testing.assert_array_equal(np.sort(flat_ids[:N]), np.arange(N))  # epoch 0 is a permutation
     assert len(np.unique(flat_ids[N:])) == len(flat_ids) - N  # epoch 1 starts fresh, no repeats
     k = 3
-    s = SampleStream(ds_path, 11, True, gbs, 0, 1, k * gbs)
+    s = ray_stream(ds_path, 11, True, gbs, 0, 1, k * gbs)
     resumed = take(s, steps - k)
     assert s.position == steps * gbs
     for a, b in zip(full[k:], resumed):
@@ -169,7 +175,7 @@ def test_resume_equivalence_across_epochs(ray_ctx, ds_path):
         np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
     # offset not a multiple of gbs (and spanning the epoch boundary)
     for off in (37, 99):
-        r = take(SampleStream(ds_path, 11, True, gbs, 0, 1, off), 4)
+        r = take(ray_stream(ds_path, 11, True, gbs, 0, 1, off), 4)
         got_ids = np.concatenate([b["sample_id"] for b in r])
         got_tok = np.concatenate([b["input_ids"] for b in r])
         np.testing.assert_array_equal(got_ids, flat_ids[off:off + 4 * gbs])
@@ -179,9 +185,9 @@ def test_resume_equivalence_across_epochs(ray_ctx, ds_path):
 @pytest.mark.invariant(3)
 def test_world_size_invariance(ray_ctx, ds_path):
     gbs, steps, start = 16, 8, 37
-    ref = take(SampleStream(ds_path, 4, True, gbs, 0, 1, start), steps)
+    ref = take(ray_stream(ds_path, 4, True, gbs, 0, 1, start), steps)
     for w in (2, 4):
-        per_rank = [take(SampleStream(ds_path, 4, True, gbs, r, w, start), steps) for r in range(w)]
+        per_rank = [take(ray_stream(ds_path, 4, True, gbs, r, w, start), steps) for r in range(w)]
         for s in range(steps):
             parts = [per_rank[r][s] for r in range(w)]
             assert all(len(p["sample_id"]) == gbs // w for p in parts)
@@ -378,7 +384,7 @@ def test_until_read_workers_have_started_the_stream_reads_itself_and_gives_the_s
             yield from super()._execute(epoch, items)
 
     units = scan_units(ds_path)
-    stream = Starting(units, 5, True, 16, 1, 2, 16)  # rank 1 of 2, from sample 16
+    stream = Starting(units, 5, True, 16, 1, 2, 16, read_tasks_above=0)  # rank 1 of 2, from sample 16
     batches = iter(stream)
     got = [next(batches) for _ in range(2)]  # 32 more of the epoch's 100 samples, read here
     stream.started = True
@@ -393,18 +399,60 @@ def test_until_read_workers_have_started_the_stream_reads_itself_and_gives_the_s
     assert first == 0 and after > 0 and later and [(e, k) for e, k, _ in later] == [(e, 0) for e in range(1, len(later) + 1)], stream.asked
 
 
-def test_without_ray_the_stream_says_so_and_starts_none(ds_path):
-    """Outside Ray (a loop of the user's that forgot ray.init()), no Ray task auto-starts a local Ray."""
+@pytest.mark.invariant(3)
+def test_reads_that_cost_the_rank_little_stay_in_it_and_costly_ones_go_to_ray_data(ds_path, monkeypatch):
+    """The stream reads itself while its reads take at most `read_tasks_above` of the rank's time:
+    it starts no read worker and never asks Ray Data. Reads that take more (a data.map costing a
+    second per read on the stream's clock) go to Ray Data once judged. The batches are the same."""
+    import ray_resume.data.stream as stream_module
+    from harness import LocalStream
+
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(stream_module, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+
+    class Counting(LocalStream):
+        started = asked = 0
+
+        def _read_workers_ready(self):
+            self.started += 1
+            return True
+
+        def _execute(self, epoch, items):
+            self.asked += len(items)
+            yield from super()._execute(epoch, items)
+
+    def costly(rows):
+        clock.now += 1.0
+        return rows
+
+    units = scan_units(ds_path)
+    expected = take(local(units, 5, True, 16, 1, 2, 16), 20)  # 2 epochs and more
+    for data_map, step_s, ray_data in ((None, 0.5, False), (costly, 0.01, True)):
+        stream = Counting(units, 5, True, 16, 1, 2, 16, data_map=data_map)
+        batches = iter(stream)
+        for want in expected:
+            got = next(batches)
+            clock.now += step_s  # the step the batch is for
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key])
+        assert (stream.started > 0, stream.asked > 0) == (ray_data, ray_data), (data_map, stream.started, stream.asked)
+        assert stream.read_cost.too_high() == ray_data
+
+
+def test_without_ray_the_stream_reads_in_its_own_process_and_starts_no_ray(ds_path):
+    """Outside Ray (a loop of the user's without ray.init()), the stream reads every row itself,
+    even when told to hand its reads to Ray Data, and no Ray task auto-starts a local Ray."""
     import subprocess
     import sys
 
     from conftest import env_for_subprocess
 
     code = ("import ray, sys; from ray_resume.data import SampleStream\n"
-            "try:\n    next(iter(SampleStream(sys.argv[1], 5, True, 16)))\n"
-            "except RuntimeError as exc:\n    print(exc, ray.is_initialized())")
+            "ids = [b['sample_id'].tolist() for b, _ in zip(SampleStream(sys.argv[1], 5, True, 16, read_tasks_above=0), range(9))]\n"
+            "print(ids, ray.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code, str(ds_path)], capture_output=True, text=True, env=env_for_subprocess(), timeout=120)
-    assert out.stdout.strip() == "SampleStream needs Ray to be initialised by the caller (ray.init()) False", out.stdout + out.stderr[-2000:]
+    expected = [b["sample_id"].tolist() for b in take(local(ds_path, 5, True, 16), 9)]  # into the second epoch
+    assert out.stdout.strip() == f"{expected} False", out.stdout + out.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -538,7 +586,7 @@ def test_data_map_preprocesses_the_rows_in_ray_datas_read_tasks(ray_ctx, ds_path
     # The tasks' processes cannot import tests/ (a job's modules come with its working_dir): by value.
     ray_ctx.cloudpickle.register_pickle_by_value(plugin_models)
     try:
-        mapped = iter(SampleStream(ds_path, 5, True, 16, 0, 1, 0, lanes=8, data_map=plugin_models.shift_tokens))
+        mapped = iter(ray_stream(ds_path, 5, True, 16, 0, 1, 0, lanes=8, data_map=plugin_models.shift_tokens))
         deadline, pids = time.monotonic() + 60, set()
         while not pids - {os.getpid()} and time.monotonic() < deadline:
             a, b = next(plain), next(mapped)

@@ -73,9 +73,11 @@ def test_a_run_on_object_storage_data_killed_mid_way_ends_as_the_run_on_local_da
 @pytest.mark.invariant(2, 3, 11)
 def test_on_ray_the_read_tasks_reach_object_storage_and_no_key_lands_in_rays_logs(tmp_path, s3, reference):
     """Ray Data's read tasks take checkpoint.storage's keys (moto takes any): the run ends as the
-    local-data one, and neither key is in any file of Ray's session directory."""
+    local-data one, and neither key is in any file of Ray's session directory. The reads go to
+    Ray Data's tasks however cheap (data.read_tasks_above: 0)."""
     keys = {"access_key_id": f"AKIA{uuid.uuid4().hex[:16].upper()}", "secret_access_key": uuid.uuid4().hex * 2}
-    cfg = tiny_config(tmp_path, checkpoint={"storage": {**s3, **keys}}, fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    cfg = tiny_config(tmp_path, checkpoint={"storage": {**s3, **keys}}, data={"read_tasks_above": 0},
+                      fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
     cfg["data"]["path"] = upload(reference["data"], s3)
     run_job(cfg)
     assert_same_as_reference(cfg["checkpoint"]["save_path"], reference)

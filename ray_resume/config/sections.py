@@ -91,11 +91,12 @@ class DataConfig(_Section):
     synthetic: Optional[SyntheticDataConfig] = None  # if set, generate the dataset at `path` when missing
     columns: dict[str, str] = {}  # parquet column -> numpy dtype for the batch, cast without loss ({} = input_ids: int32)
     collate: ImportPath = ""  # "pkg.module:fn" turning a dict of numpy arrays into the batch your loss takes
-    map: ImportPath = ""  # "pkg.module:fn" preprocessing rows in Ray Data's read tasks: dict of numpy arrays -> the same rows, deterministic
+    map: ImportPath = ""  # "pkg.module:fn" preprocessing rows where they are read (Ray Data's read tasks or the rank): dict of numpy arrays -> the same rows, deterministic
     allow_change: bool = False  # resume although data.seed/shuffle/columns or the dataset differ from the checkpoint's
     eval_path: str = ""  # a held-out dataset (same columns) for the eval loss every training.eval_every steps
     pack: bool = False  # rows of input_ids are documents of any length, concatenated in the sample order and cut in seq_len + 1 token windows (docs/data.md)
     lanes: int = Field(0, ge=0)  # parts each epoch's order is cut in, read by the ranks they go to (0: the checkpoint's, else gcd(global_batch_size, 8)); docs/data.md
+    read_tasks_above: float = Field(0.02, ge=0, le=1)  # Ray Data's read tasks take the reads once reading in the rank takes more than this share of its time (0: always); docs/data.md
 
     @field_validator("columns")
     @classmethod

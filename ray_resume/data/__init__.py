@@ -51,10 +51,11 @@ start in their lane, and executes them as
 ``read_fn`` reads one row group with pyarrow and applies the within-unit
 permutation and the slice.  ``preserve_order`` is on, and the stream
 checks that every row arrives in plan order (each carries its read's
-index).  Ray Data is the only reader (there is no silent pure-pyarrow
-fallback); Ray must already be initialised by the caller (inside Ray Train
-workers it is).  The read tasks request a fraction of a CPU so they can be
-scheduled while training workers hold whole CPUs.
+index).  While reading costs the rank under ``read_tasks_above`` of its
+time (``data.read_tasks_above``), and until the read tasks' processes have
+started, the rank runs the same read function on the same plan itself;
+outside Ray it always does.  The read tasks request a fraction of a CPU so
+they can be scheduled while training workers hold whole CPUs.
 """
 
 from ..errors import DataError

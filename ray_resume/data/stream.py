@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -140,6 +141,32 @@ def quiet_ray_data() -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "Progress bars disabled", once per process
 
 
+class ReadCost:
+    """The share of a rank's time its own reads take, from the end of its first read (which pays for
+    imports and the first open) on, judged once a second has passed (a step's reads come back to
+    back); `too_high()` once it passes `above` (0: from the start) and ever after."""
+
+    JUDGED_AFTER_S = 1.0
+
+    def __init__(self, above: float):
+        self.above = float(above)
+        self.since: Optional[float] = None
+        self.seconds = 0.0  # spent reading since then
+        self.high = self.above <= 0
+
+    def add(self, seconds: float) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            return
+        self.seconds += seconds
+        elapsed = now - self.since
+        self.high = self.high or (elapsed >= self.JUDGED_AFTER_S and self.seconds > self.above * elapsed)
+
+    def too_high(self) -> bool:
+        return self.high
+
+
 class SampleStream:
     """Infinite stream of this rank's slice of each global batch.
 
@@ -161,12 +188,15 @@ class SampleStream:
     ``storage``: object storage settings for an ``s3://`` dataset (checkpoint.storage's keys);
     ``pack``: rows are documents, packed in windows of that many tokens; ``data_map``: a
     row-preserving function Ray Data's read tasks apply to the rows they read.
+    ``read_tasks_above``: the rank reads itself while its reads take less than this share of its
+    time, and Ray Data's read tasks take over once they take more (0: as soon as they can start).
     """
 
     def __init__(self, source: Union[str, os.PathLike, Sequence[ReadUnit]], seed: int, shuffle: bool,
                  global_batch_size: int, rank: int = 0, world_size: int = 1, start_sample: int = 0,
                  columns: Optional[Dict[str, str]] = None, lanes: int = 1, storage=None, pack: int = 0, data_map=None,
-                 vocab_size: Optional[int] = None, *, prefetch_batches: int = 2, read_num_cpus: float = 0.25):
+                 vocab_size: Optional[int] = None, *, prefetch_batches: int = 2, read_num_cpus: float = 0.25,
+                 read_tasks_above: float = 0.02):
         self.columns = dict(columns or DEFAULT_COLUMNS)
         self.data_map = data_map  # rows -> the same rows, in the read tasks (data.map)
         self.vocab_size = vocab_size  # input_ids are token ids below it (the built-in model's), checked as read
@@ -205,6 +235,7 @@ class SampleStream:
         self.prefetch_batches = int(prefetch_batches)
         self.read_num_cpus = float(read_num_cpus)
         self._starting = None  # the tasks starting processes for the read tasks (_read_workers_ready)
+        self.read_cost = ReadCost(read_tasks_above)
 
     def read_args(self, epoch: int) -> Dict[str, Any]:
         """The read function's keyword arguments for `epoch`."""
@@ -247,8 +278,8 @@ class SampleStream:
         run in them (the same job and runtime environment), not in processes of their own to wait for."""
         import ray
 
-        if not ray.is_initialized():  # _execute says so; a task here would start a Ray of its own
-            return True
+        if not ray.is_initialized():  # a loop outside Ray: its process reads (a task would start a Ray of its own)
+            return False
         if self._starting is None:
             start = ray.remote(num_cpus=self.read_num_cpus)(_start_read_worker)
             self._starting = [start.remote() for _ in range(max(1, self.prefetch_batches))]
@@ -257,12 +288,17 @@ class SampleStream:
         return not self._starting
 
     def _reads(self, epoch: int, items: List[Dict[str, Any]]) -> Iterator[Dict[str, np.ndarray]]:
-        """`_read_checked`; until processes for its read tasks have started (4-5 s for a new job's
-        first here), the next reads are done in this process by the same function, and Ray Data
-        gets the rest. The first steps train meanwhile instead of waiting for the first rows."""
+        """`_read_checked` once reading here costs the rank more than `read_tasks_above` of its time
+        and processes for the read tasks have started (4-5 s for a new job's first here); until then
+        the next reads are done in this process by the same function, and Ray Data gets the rest.
+        Cheap reads never start a process: on 2 cores four read workers starting beside two ranks
+        slowed the quickstart's first 30 steps 2-7x, for reads of 1 ms per 8 steps."""
         given = 0
-        while given < len(items) and not self._read_workers_ready():
-            yield _read_unit_batch({k: np.array([v]) for k, v in items[given].items()}, **self.read_args(epoch))
+        while given < len(items) and not (self.read_cost.too_high() and self._read_workers_ready()):
+            began = time.monotonic()
+            rows = _read_unit_batch({k: np.array([v]) for k, v in items[given].items()}, **self.read_args(epoch))
+            self.read_cost.add(time.monotonic() - began)
+            yield rows
             given += 1
         if given < len(items):
             yield from self._read_checked(epoch, items[given:])  # each keeps its index in the plan
