@@ -75,7 +75,7 @@ def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float
     cfg = Config.from_dict({
         "name": f"goodput-{memory_every}", "model": QUICKSTART,
         "data": {"path": data, "synthetic": {"samples": 4096, "files": 4, "row_groups_per_file": 4}},
-        "training": {"global_batch_size": BATCH, "micro_batch_size": 8, "train_steps": steps, "log_every": 50},
+        "training": {"global_batch_size": BATCH, "micro_batch_size": BATCH // 2, "train_steps": steps, "log_every": 50},
         "scaling": {"num_workers": 2}, "failure": {"max_failures": -1},
         "checkpoint": {"save_path": str(root), "save_interleaved_steps": save_every, "memory_interleaved_steps": memory_every},
     })

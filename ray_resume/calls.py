@@ -43,8 +43,9 @@ def tell(controller, method: str, *args) -> None:
 
 class Polled:
     """`method`'s answer, asked in the background: `latest()` returns the newest answer received (never
-    waiting for one; `default` until the first) and asks again. For what a progress line shows, which
-    must not stall a step on a round trip to the driver."""
+    waiting for one; `default` until the first) and asks again; `now()` waits for a fresh one. For
+    what a step need not stall on a round trip to the driver for (a progress line, should_stop
+    between saves)."""
 
     def __init__(self, controller, method: str, default=None):
         self.controller, self.method, self.value = controller, method, default
@@ -56,6 +57,11 @@ class Polled:
             self.value = getattr(self.controller, self.method)()
         else:
             self.pending = getattr(self.controller, self.method).remote()
+
+    def now(self):
+        """The answer asked now and waited for."""
+        self.value = call(self.controller, self.method)
+        return self.value
 
     def latest(self):
         ray = _ray_actor(self.controller)

@@ -185,12 +185,17 @@ class RankCheckpointer:
         self._global_batch_size = global_batch_size or self._global_batch_size
         said = {"consumed_samples": consumed_samples, "common": common}
         self._last = (step, said)
-        if ckpt.enable_save and (force or step % ckpt.save_interleaved_steps == 0):
+        if self.saves_at(step) or (force and ckpt.enable_save):
             self._save(step, said, durable=True)
             return True
         if ckpt.memory_interleaved_steps and step % ckpt.memory_interleaved_steps == 0:
             self._save(step, said, durable=False)
         return False
+
+    def saves_at(self, step: int) -> bool:
+        """Whether `maybe_save(step)` writes a durable save without being forced."""
+        ckpt = self._cfg.checkpoint
+        return ckpt.enable_save and step % ckpt.save_interleaved_steps == 0
 
     def _save(self, step: int, said: dict, *, durable: bool) -> None:
         optimizer = self._optimizer

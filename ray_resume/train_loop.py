@@ -19,8 +19,8 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from . import collectives, parallel
-from .calls import STOP_NOW, call, tell
+from . import parallel
+from .calls import STOP_NOW, Polled, call, tell
 from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
 from .data import DEFAULT_COLUMNS, SAMPLE_ID, ReadUnit, SampleStream, quiet_ray_data, read_eval_set
 from .errors import ConfigError
@@ -76,6 +76,7 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
     batches = iter(samples)
     accumulation = train.accumulation_steps(world)
     noticed = False  # a preemption notice was seen and saved for
+    stop_poll = Polled(controller, "should_stop", 0) if rank == 0 else None
     stop = 0  # the controller's last should_stop answer (calls.SAVE_AND_STOP, STOP_NOW)
     for step in range(resume.step + 1, train.train_steps + 1):
         lr = learning_rate(train, samples.position)  # of the samples consumed before this step
@@ -85,13 +86,21 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
             progress.first_batch(time.monotonic() - waited)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, world, device)
+        loss = train_step(model, optimizer, plugins, batch, train.micro_batch_size, accumulation, device)
         job.faults.maybe_kill("after_optimizer_step", step)
         consumed = samples.position
         stop, notice = 0, False
         if step < train.train_steps:
-            stop, notice = _agree_on_stop_or_notice(controller, rank, preempted if step % train.log_every == 0 and not noticed else None)
-            noticed = noticed or notice
+            looks = step % train.log_every == 0 and not noticed  # for a preemption notice (a save if one came)
+            notice = looks and preempted()
+            if stop_poll is not None:
+                # A step that may save waits for the controller's answer now: no save may write into a
+                # root whose lease was lost. Any other takes the newest answer in, never a round trip.
+                stop = stop_poll.latest()
+                if stop or looks or ck.saves_at(step):
+                    stop = stop_poll.now()
+        loss, stop, notice = _agree_after_step(loss, stop, notice, world)
+        noticed = noticed or notice
         if stop == STOP_NOW:  # the writer lease is lost: no more saves; the driver ends the run with it
             break
         saved = ck.maybe_save(step, consumed_samples=consumed, global_batch_size=train.global_batch_size,
@@ -153,8 +162,9 @@ def scalar_loss(loss):
     return loss
 
 
-def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumulation: int, world: int, device) -> float:
-    """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
+def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumulation: int, device) -> torch.Tensor:
+    """One optimizer step over this rank's share of the global batch; returns this rank's loss (a
+    mean over its micro-batches), which `_agree_after_step` sums over the ranks."""
     columns = {k: v for k, v in batch.items() if k != "sample_id"}
     optimizer.zero_grad()
     total = torch.zeros((), device=device)
@@ -167,12 +177,13 @@ def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumul
             optimizer.backward(loss)
         total += loss.detach().float()
     optimizer.step()
-    dist.all_reduce(total)
-    return total.item() / world
+    return total
 
 
-def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[int, bool]:
-    """(the controller's `should_stop` answer, save now and go on), the same on every rank.
+def _agree_after_step(loss: torch.Tensor, stop: int, notice: bool, world: int) -> tuple[float, int, bool]:
+    """(the global mean loss, the controller's `should_stop` answer, save now and go on), the same on
+    every rank, in one collective: a sum, to which only rank 0 brings the answer and every rank
+    its own loss and notice.
 
     SAVE_AND_STOP: the driver got SIGTERM, or a commit failed. STOP_NOW: the
     lease is lost. Save and go on: `preempted()` (Ray Train's notice that a
@@ -181,10 +192,10 @@ def _agree_on_stop_or_notice(controller, rank: int, preempted) -> tuple[int, boo
     the node's remaining time: the commit bounds what its loss costs, and
     the group restarts from it when the node is gone.
     """
-    stop = call(controller, "should_stop") if rank == 0 else 0
-    notice = preempted is not None and preempted()
-    stop, notice = collectives.largest([int(stop), int(notice)])
-    return stop, bool(notice)
+    total = torch.stack([loss.float(), *torch.tensor([stop, notice], dtype=torch.float32, device=loss.device)])
+    dist.all_reduce(total)
+    summed, stop, notices = total.tolist()
+    return summed / world, int(stop), notices > 0
 
 
 class Evaluator:
