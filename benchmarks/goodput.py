@@ -1,6 +1,6 @@
 """Goodput under failures: the same job with a training worker SIGKILLed every `--every` seconds.
 
-    python -m benchmarks.goodput                 # kills every 30 s (600 steps) and every 120 s (2000 steps), ~20 min
+    python -m benchmarks.goodput                 # 3 kills 30 s apart and 3 kills 120 s apart per contender, ~40 min
     python -m benchmarks.goodput --every 30      # one interval
 
 Three contenders on the same 2-worker job (the quickstart's GPT and data, global batch 32, DDP on CPU):
@@ -12,20 +12,25 @@ Three contenders on the same 2-worker job (the quickstart's GPT and data, global
   `ray.train.get_checkpoint()` + `torch.load` on a restart; its batches come from the same
   `ray_resume.SampleStream`, restarted at the checkpoint's step, so only checkpointing differs.
 
-Each contender first runs 600 steps without a kill: its mean step time (saves included). Then, per
-interval, a killer thread SIGKILLs a live `RayTrainWorker` every `--every` seconds from the first
-step on. Effective training time ratio (ETTR) = steps x the clean mean step time / the wall time of
-`fit()`. The time lost per failure is (wall - the run's own startup, fit() to its first step -
-steps x the clean step time) / failures, all included, and its parts
-from the contender's own timestamps: restart (from the kill to the new group's train function; for
-ours, Ray Train noticing it and the new group), reload (to the resumed state) and redone steps (the
-steps run again, at the clean step time).
+First the restart floor (benchmarks/restart_floor.py: two fresh interpreters importing what a rank
+imports, at once), then each contender runs 600 steps without a kill: its mean step time (saves
+included). Then, per interval, a killer thread SIGKILLs a live `RayTrainWorker` every `--every`
+seconds from the first step on, `--kills` times, in a run long enough for them (the same steps
+for every contender). Effective training time ratio (ETTR) = steps x the clean mean step time /
+the wall time of `fit()`. The time lost per failure is (wall - the run's own startup, fit() to its
+first step - steps x the clean step time) / failures, all included. Each failure on its own: "back
+in", from the last step finished before the kill to the moment that step is finished again (its
+mean, min and max over the failures), and its parts from the contender's own timestamps: restart
+(from the kill to the new group's train function; for ours, Ray Train noticing it and the new
+group, and of that the new processes' imports and setup), reload (to the resumed state) and redone
+steps (the steps run again, at the clean step time).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -48,7 +53,9 @@ def live_workers() -> list[int]:
 
 
 class Killer(threading.Thread):
-    """SIGKILLs one live training worker every `every` seconds, once `started()` is true."""
+    """SIGKILLs one live training worker every `every` seconds, `times` times, once `started()` is true."""
+
+    times = 3  # --kills
 
     def __init__(self, every: float | None, started):
         super().__init__(daemon=True)
@@ -59,7 +66,7 @@ class Killer(threading.Thread):
     def run(self) -> None:
         while not self.done.is_set() and not self.started():
             time.sleep(0.2)
-        while not self.done.wait(self.every):
+        while len(self.kills) < self.times and not self.done.wait(self.every):
             pids = live_workers()
             if pids:
                 os.kill(pids[-1], signal.SIGKILL)
@@ -87,7 +94,8 @@ def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float
     steps_run = [r for r in records if r.get("rank") == 0 and "loss" in r]
     restarts = [r for r in records if r.get("event") == "restart"]
     return _measured(began, time.time(), steps_run, killer.kills, [
-        {"restart": sum(r.get(k, 0) for k in ("detect_s", "new_group_s", "spawn_s", "setup_s")), "reload": r["restore_s"], "redone": r["caught_up"] - r["step"]}
+        {"restart": sum(r.get(k, 0) for k in ("detect_s", "new_group_s", "spawn_s", "setup_s")), "setup": r.get("setup_s"),
+         "reload": r["restore_s"], "redone": r["caught_up"] - r["step"]}
         for r in restarts])
 
 
@@ -170,16 +178,30 @@ def _measured(began: float, ended: float, steps_run: list[dict], kills: list[flo
     gaps = [b["time"] - a["time"] for a, b in zip(steps_run, steps_run[1:])
             if b["step"] == a["step"] + 1 and b["attempt"] == a["attempt"]]
     return {"began": began, "wall_s": ended - began, "startup_s": steps_run[0]["time"] - began, "step_s": statistics.mean(gaps),
-            "kills": len(kills), "losses": losses}
+            "kills": len(kills), "losses": losses, "back_in": _back_in(steps_run, kills)}
+
+
+def _back_in(steps_run: list[dict], kills: list[float]) -> list[float]:
+    """Per kill: from the last step finished before it to that step finished again (or a later one)."""
+    out = []
+    for kill in kills:
+        before = [r for r in steps_run if r["time"] < kill]
+        if before:
+            again = [r["time"] for r in steps_run if r["time"] > kill and r["step"] >= before[-1]["step"]]
+            if again:
+                out.append(min(again) - before[-1]["time"])
+    return out
 
 
 def _row(steps: int, run: dict, clean: dict) -> dict:
     """ETTR and the time lost per failure: the run's wall time less its own startup and its steps at
     the clean run's step time."""
     step_s, losses = clean["step_s"], run["losses"]
-    part = lambda key: statistics.mean([x[key] for x in losses]) if losses else 0.0
-    lost = run["wall_s"] - run["startup_s"] - steps * step_s
+    part = lambda key: statistics.mean([x[key] for x in losses if x.get(key) is not None] or [0.0])
+    lost, back = run["wall_s"] - run["startup_s"] - steps * step_s, run["back_in"] or [0.0]
     return {"steps": steps, "wall_s": round(run["wall_s"], 1), "kills": run["kills"], "failures": len(losses),
+            "back_in_s": round(statistics.mean(back), 1), "back_in_min_s": round(min(back), 1), "back_in_max_s": round(max(back), 1),
+            "setup_s": round(part("setup"), 1) if any(x.get("setup") is not None for x in losses) else None,
             "startup_s": round(run["startup_s"], 1), "clean_step_s": round(step_s, 4), "ettr": round(steps * step_s / run["wall_s"], 3),
             "lost_per_failure_s": round(lost / max(1, len(losses)), 1), "restart_s": round(part("restart"), 1),
             "reload_s": round(part("reload"), 2), "redone_s": round(part("redone") * step_s, 1)}
@@ -188,7 +210,8 @@ def _row(steps: int, run: dict, clean: dict) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=float, nargs="+", default=[30, 120], help="seconds between kills")
-    parser.add_argument("--steps", type=int, default=0, help="steps per run with kills (default: 600 for 30 s, 2000 for 120 s)")
+    parser.add_argument("--kills", type=int, default=3, help="kills per run")
+    parser.add_argument("--steps", type=int, default=0, help="steps per run with kills (default: enough for --kills + 1/2 intervals)")
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--out", default="benchmarks/goodput_results.json")
     args = parser.parse_args(argv)
@@ -196,8 +219,13 @@ def main(argv=None) -> None:
     from ray_resume.data import ensure_dataset
     from ray_resume.driver import init_local_ray
 
+    from benchmarks.restart_floor import CASES, timed
+
+    floor = statistics.median(timed(CASES["imports"], 2) for _ in range(3))
+    print(f"restart floor: {floor:.2f} s for 2 fresh interpreters importing a rank's modules at once (median of 3)", flush=True)
+    Killer.times = args.kills
     init_local_ray(num_cpus=4)
-    results = {}
+    results = {"restart_floor_s": round(floor, 2)}
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
         # Written once, before any run is timed (the first would count it as its startup).
@@ -211,17 +239,22 @@ def main(argv=None) -> None:
             clean[name] = runner(Path(tempfile.mkdtemp(dir=tmp)), CLEAN_STEPS, None)
             print(f"no kills | {name}: startup {clean[name]['startup_s']:.1f} s, {clean[name]['step_s']:.4f} s per step", flush=True)
         for every in args.every:
-            steps = args.steps or (600 if every <= 60 else 2000)
+            steps = args.steps or math.ceil((args.kills + 0.5) * every / min(c["step_s"] for c in clean.values()))
             for name, runner in contenders.items():
                 row = _row(steps, runner(Path(tempfile.mkdtemp(dir=tmp)), steps, every), clean[name])
                 results[f"every {every:g} s: {name}"] = row
                 print(f"kill every {every:g} s | {name}: {row}", flush=True)
     print()
-    print("| kill every | contender | ETTR | lost per failure | restart | reload | redone | kills |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"restart floor: {floor:.2f} s")
+    print("| kill every | contender | ETTR | lost per failure | back in: mean (min-max) | restart | of it imports and setup | reload | redone | kills |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key, r in results.items():
+        if not key.startswith("every "):
+            continue
         every, name = key.split(": ", 1)
-        print(f"| {every.removeprefix('every ')} | {name} | {r['ettr']:.2f} | {r['lost_per_failure_s']:.1f} s | {r['restart_s']:.1f} s | "
+        setup = "-" if r["setup_s"] is None else f"{r['setup_s']:.1f} s"
+        print(f"| {every.removeprefix('every ')} | {name} | {r['ettr']:.2f} | {r['lost_per_failure_s']:.1f} s | "
+              f"{r['back_in_s']:.1f} s ({r['back_in_min_s']:.1f}-{r['back_in_max_s']:.1f}) | {r['restart_s']:.1f} s | {setup} | "
               f"{r['reload_s']:.2f} s | {r['redone_s']:.1f} s | {r['kills']} |")
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
