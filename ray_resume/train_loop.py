@@ -94,11 +94,7 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
             looks = step % train.log_every == 0 and not noticed  # for a preemption notice (a save if one came)
             notice = looks and preempted()
             if stop_poll is not None:
-                # A step that may save waits for the controller's answer now: no save may write into a
-                # root whose lease was lost. Any other takes the newest answer in, never a round trip.
-                stop = stop_poll.latest()
-                if stop or looks or ck.saves_at(step):
-                    stop = stop_poll.now()
+                stop = should_stop(stop_poll, may_save=looks or ck.saves_at(step))
         loss, stop, notice = _agree_after_step(loss, stop, notice, world)
         noticed = noticed or notice
         if stop == STOP_NOW:  # the writer lease is lost: no more saves; the driver ends the run with it
@@ -178,6 +174,14 @@ def train_step(model, optimizer, plugins, batch: dict, micro_batch: int, accumul
         total += loss.detach().float()
     optimizer.step()
     return total
+
+
+def should_stop(poll, may_save: bool) -> int:
+    """Rank 0's `should_stop` answer for this step, from `poll` (calls.Polled). A step that may save
+    (or stop, saving) waits for a fresh answer: no save may write into a root whose lease was lost.
+    Any other takes the newest answer in, without a round trip to the driver."""
+    stop = poll.latest()
+    return poll.now() if stop or may_save else stop
 
 
 def _agree_after_step(loss: torch.Tensor, stop: int, notice: bool, world: int) -> tuple[float, int, bool]:

@@ -154,6 +154,31 @@ def test_a_job_that_lost_its_lease_commits_nothing_more(tmp_path, local_referenc
     assert max(saved) == 8  # and saved nothing more into a root another job holds
 
 
+def test_between_saves_rank_0_takes_the_newest_stop_answer_and_before_a_save_a_fresh_one():
+    """On Ray, `should_stop` is asked in the background (the harness's controller answers at once,
+    so the test above cannot tell): a step that may save, or whose newest answer says stop, waits
+    for a fresh answer; the lease may have been lost since the newest one."""
+    from ray_resume.calls import STOP_NOW
+    from ray_resume.train_loop import should_stop
+
+    class Poll:
+        def __init__(self, newest, fresh):
+            self.newest, self.fresh, self.waited = newest, fresh, 0
+
+        def latest(self):
+            return self.newest
+
+        def now(self):
+            self.waited += 1
+            return self.fresh
+
+    quiet = Poll(0, STOP_NOW)
+    assert should_stop(quiet, may_save=False) == 0 and quiet.waited == 0  # no round trip between saves
+    assert should_stop(quiet, may_save=True) == STOP_NOW and quiet.waited == 1
+    stale = Poll(1, STOP_NOW)
+    assert should_stop(stale, may_save=False) == STOP_NOW and stale.waited == 1
+
+
 def marked_slow_loss(marks: str, step_sleep: float, model, batch):
     """The built-in loss (the same numbers), slower, leaving a file named by the pid that trains."""
     (Path(marks) / str(os.getpid())).touch()
