@@ -196,7 +196,7 @@ def _agree_after_step(loss: torch.Tensor, stop: int, notice: bool, world: int) -
     the node's remaining time: the commit bounds what its loss costs, and
     the group restarts from it when the node is gone.
     """
-    total = torch.stack([loss.float(), *torch.tensor([stop, notice], dtype=torch.float32, device=loss.device)])
+    total = torch.cat([loss.float().reshape(1), torch.tensor([stop, notice], dtype=torch.float32, device=loss.device)])
     dist.all_reduce(total)
     summed, stop, notices = total.tolist()
     return summed / world, int(stop), notices > 0
