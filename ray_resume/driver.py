@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -152,6 +153,7 @@ class RayTrain:
         """The job to its end: the controller's account (committed, metrics, attempts, error, user_error),
         the failure `fit()` raised (`failure`), and the wall time."""
         init_ray(self.address, cfg)
+        print_every_line_of(cfg.name)
         clock = loop_config[INTERNAL]["clock"]
         clock["ray_up"] = time.time()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -263,6 +265,21 @@ def init_ray(address: str | None, cfg: Config) -> None:
     else:
         # Room for the training workers plus the Ray Data read tasks beside them.
         init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers + 2))
+
+
+def print_every_line_of(name: str) -> None:
+    """This driver prints every line of the job's own (`[name] ...`) as its ranks say it. Ray's
+    driver folds lines of one shape (numbers aside) from several processes within 5 s into one
+    "[repeated Nx across cluster]": a restarted group's first progress lines, said by a new rank 0
+    within seconds of the lost one's, were missing from the console."""
+    from ray._private import ray_logging
+
+    ours = rf"\[{re.escape(name)}\] "
+    for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
+        if dedup.allow_re is None:
+            dedup.allow_re = re.compile(ours)
+        elif ours not in dedup.allow_re.pattern:  # a later job of this process, same name
+            dedup.allow_re = re.compile(f"{dedup.allow_re.pattern}|{ours}")
 
 
 def init_local_ray(**options) -> str:

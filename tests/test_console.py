@@ -188,3 +188,32 @@ def test_two_chunks_flushed_within_one_millisecond_are_both_kept(tmp_path, monke
         writer.add({"step": step})
         writer.flush()
     assert sorted(r["step"] for r in read_metrics(str(tmp_path / "ckpt"))) == [5, 6]
+
+
+def test_a_restarted_groups_progress_lines_are_printed_not_folded_by_rays_log_deduplication():
+    """Ray's driver folds lines of one shape from several processes within 5 s into one "[repeated
+    Nx across cluster]": a new rank 0's first progress lines after a fast restart went missing (the
+    console test caught it in CI). The driver lets every line of the job's own through."""
+    from ray._private import ray_logging
+    from ray._private.ray_logging import LogDeduplicator
+
+    from ray_resume import driver
+
+    def said(dedup, pid, line):
+        batch = {"ip": "127.0.0.1", "pid": pid, "lines": [line]}
+        return [text for out in dedup.deduplicate(batch) for text in out["lines"]]
+
+    lost, restarted = "[tiny] step 6/12 | loss 4.1 | 300 samples/s", "[tiny] step 5/12 | loss 4.2 | 250 samples/s"
+    plain = LogDeduplicator(5, None, None, _timesource=lambda: 0.0)
+    assert said(plain, 1, lost) == [lost] and said(plain, 2, restarted) == []  # Ray's own behaviour
+    saved = ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator
+    ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator = (LogDeduplicator(5, None, None, _timesource=lambda: 0.0)
+                                                                        for _ in range(2))
+    try:
+        driver.print_every_line_of("tiny")
+        ours = ray_logging.stdout_deduplicator
+        assert said(ours, 1, lost) == [lost] and said(ours, 2, restarted) == [restarted]
+        other = "(pid) something 1 of Ray's own"
+        assert said(ours, 1, other) == [other] and said(ours, 2, other.replace("1", "2")) == []  # the rest is still folded
+    finally:
+        ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator = saved
