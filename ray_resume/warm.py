@@ -1,0 +1,78 @@
+"""Standby processes for a restarted worker group, its imports already done.
+
+Ray Train replaces the whole worker group after a failure: new actors, and for each a new
+process that imports Ray Train, torch and ray_resume again before its first step (the restart
+floor, ~5 s here, more where many processes import at once). Ray's raylet gives a new actor an
+idle worker process when that process was started for the same job and runtime env and never
+ran anything. So every group keeps such processes ready for the next one:
+
+- the ranks' runtime env names `import_rank_modules` as Ray's worker process setup hook
+  (`rank_runtime_env`), which every process started with it runs before it takes work;
+- local rank 0 of each node asks its node's raylet to start one process per rank on the node
+  with exactly the ranks' runtime env (`keep_standby`: Ray core's PrestartWorkers call, which
+  Ray's Python API does not expose; the keep-alive keeps Ray from ending them as idle). They
+  import while they wait, and the next group's actors land in them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as SETUP_HOOK
+
+logger = logging.getLogger("ray_resume")
+
+KEEP_ALIVE_S = 7 * 24 * 3600  # a standby process waits as long as the job runs (Ray ends the job's processes with it)
+
+
+def rank_runtime_env(runtime_env: dict) -> dict:
+    """Ray Train's `worker_runtime_env` with our setup hook beside the user's env vars (a hook
+    of the user's own is kept: the standby processes then run theirs)."""
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars.setdefault(SETUP_HOOK, f"{__name__}.import_rank_modules")
+    return {**runtime_env, "env_vars": env_vars}
+
+
+def import_rank_modules() -> None:
+    """Ray's worker process setup hook for the ranks' processes: import what a rank imports before
+    its first step (in a standby process, while it waits)."""
+    import torch._dynamo  # noqa: F401  (DDP's constructor imports it)
+    import ray.train.torch  # noqa: F401
+    from ray.train.v2._internal.execution.worker_group import worker  # noqa: F401  (Ray Train's worker actor)
+
+    from . import rank, train_loop  # noqa: F401
+
+
+def keep_standby(processes: int) -> threading.Thread:
+    """In the background: ask this node's raylet for `processes` idle worker processes with this
+    rank's job and runtime env, for the next worker group. A refusal costs a slower restart, never
+    the run: it is logged."""
+    thread = threading.Thread(target=_prestart, args=(processes,), name="ray_resume-standby", daemon=True)
+    thread.start()
+    return thread
+
+
+def _prestart(processes: int) -> None:
+    import ray
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray._private.utils import get_runtime_env_info
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+    from ray.runtime_env import RuntimeEnv
+
+    try:
+        context = ray.get_runtime_context()
+        node = next(n for n in ray.nodes() if n["NodeID"] == context.get_node_id())
+        # The string this process was started with, byte for byte: the raylet matches processes
+        # to actors by its hash, and Ray merged the job's runtime env into it.
+        serialized = context.get_runtime_env_string()
+        info = get_runtime_env_info(RuntimeEnv.deserialize(serialized))
+        info.serialized_runtime_env = serialized
+        request = node_manager_pb2.PrestartWorkersRequest(
+            language=common_pb2.PYTHON, job_id=bytes.fromhex(context.get_job_id()), runtime_env_info=info,
+            keep_alive_duration_secs=KEEP_ALIVE_S, num_workers=processes)
+        with init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}") as channel:
+            node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=30)
+    except Exception as exc:  # noqa: BLE001  (a slower restart, not a failed run)
+        logger.warning("standby processes for a restart were not started (%s: %s); a restart starts new ones",
+                       type(exc).__name__, exc)

@@ -1,0 +1,82 @@
+"""A restarted worker group lands in standby processes that were started, and had imported what a
+rank imports, before the failure (ray_resume.warm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from ray import cloudpickle
+
+import ray_resume
+from ray_resume.rank import process_started
+from ray_resume.warm import SETUP_HOOK
+
+STEPS = 4
+
+
+def standby_pids(ranks: set[int]) -> set[int]:
+    """This machine's processes started with the ranks' setup hook that are not ranks and hold torch's library."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in ranks:
+            continue
+        try:
+            if f"{SETUP_HOOK}=".encode() in (entry / "environ").read_bytes() and "libtorch" in (entry / "maps").read_text():
+                found.add(int(entry.name))
+        except OSError:  # another user's, or gone
+            continue
+    return found
+
+
+def train_func(config: dict) -> None:
+    """Each rank says its pid and when its process started; on the first attempt rank 1 waits for
+    standby processes, says which they are and when, and is SIGKILLed."""
+    import ray.train
+
+    ctx = ray.train.get_context()
+    rank, out = ctx.get_world_rank(), Path(config["dir"])
+    ck = ray_resume.get_checkpointer()
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    attempt = "restarted" if (out / "killed.json").exists() else "first"
+    (out / f"{attempt}-{rank}.json").write_text(json.dumps({"pid": os.getpid(), "started": process_started()}))
+    start = ck.restore(model, opt)
+    for step in range(start.step + 1, STEPS + 1):
+        torch.distributed.all_reduce(torch.ones(1))  # rank 0 waits here for the lost rank 1
+        if attempt == "first" and step == 2 and rank == 1:
+            deadline = time.monotonic() + 120
+            ranks = {json.loads((out / f"first-{r}.json").read_text())["pid"] for r in range(2)}
+            while len(standby := standby_pids(ranks)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            (out / "killed.json").write_text(json.dumps({"standby": sorted(standby), "at": time.time()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        ck.maybe_save(step, consumed_samples=step, global_batch_size=1)
+
+
+@pytest.fixture
+def by_value():
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.mark.usefixtures("ray_cluster", "by_value")
+def test_a_restarted_group_runs_in_standby_processes_started_before_the_failure(tmp_path):
+    import ray.train
+
+    result = ray_resume.fit(train_func, train_loop_config={"dir": str(tmp_path)},
+                            checkpoint={"save_path": str(tmp_path / "root"), "save_interleaved_steps": 1},
+                            scaling_config=ray.train.ScalingConfig(num_workers=2), failure_config={"max_failures": 1})
+    assert result.committed_iteration == STEPS
+    killed = json.loads((tmp_path / "killed.json").read_text())
+    restarted = [json.loads((tmp_path / f"restarted-{rank}.json").read_text()) for rank in range(2)]
+    # Both new ranks run in processes that existed, torch imported, before rank 1 was killed: not new ones.
+    assert {r["pid"] for r in restarted} <= set(killed["standby"]), (restarted, killed)
+    assert all(r["started"] < killed["at"] for r in restarted), (restarted, killed)
