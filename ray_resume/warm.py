@@ -36,12 +36,11 @@ def rank_runtime_env(runtime_env: dict) -> dict:
 
 def import_rank_modules() -> None:
     """Ray's worker process setup hook for the ranks' processes: import what a rank imports before
-    its first step (in a standby process, while it waits)."""
+    its first step (in a standby process, while it waits): all but ray_resume's own modules
+    (0.15 s of the 5 s here), which import this one."""
     import torch._dynamo  # noqa: F401  (DDP's constructor imports it)
     import ray.train.torch  # noqa: F401
     from ray.train.v2._internal.execution.worker_group import worker  # noqa: F401  (Ray Train's worker actor)
-
-    from . import rank, train_loop  # noqa: F401
 
 
 def keep_standby(processes: int) -> threading.Thread:
