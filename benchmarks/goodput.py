@@ -5,7 +5,8 @@
 
 Three contenders on the same 2-worker job (the quickstart's GPT and data, global batch 32, DDP on CPU):
 
-* ours with the memory tier: durable saves every `--save-every` steps, snapshots every 5;
+* ours with the memory tier: durable saves every `--save-every` steps, snapshots every
+  `--memory-every` (20: Young's interval for a snapshot's cost here and a failure every 30 s);
 * ours with durable saves only;
 * Ray Train without us: the pattern its docs teach, a `torch.save` of the model and optimizer
   every `--save-every` steps handed to `ray.train.report(checkpoint=...)`, and
@@ -13,17 +14,20 @@ Three contenders on the same 2-worker job (the quickstart's GPT and data, global
   `ray_resume.SampleStream`, restarted at the checkpoint's step, so only checkpointing differs.
 
 First the restart floor (benchmarks/restart_floor.py: two fresh interpreters importing what a rank
-imports, at once), then each contender runs 600 steps without a kill: its mean step time (saves
-included). Then, per interval, a killer thread SIGKILLs a live `RayTrainWorker` every `--every`
+imports, at once), then each contender runs 800 steps without a kill (its steady step time, shown
+for reference and to size the runs). Then, per interval, a killer thread SIGKILLs a live `RayTrainWorker` every `--every`
 seconds from the first step on, `--kills` times, in a run long enough for them (the same steps
-for every contender). Effective training time ratio (ETTR) = steps x the clean mean step time /
-the wall time of `fit()`. The time lost per failure is (wall - the run's own startup, fit() to its
-first step - steps x the clean step time) / failures, all included. Each failure on its own: "back
+for every contender). A run's steady step time is the mean of its steps after each group's first
+200 (saves included), measured in that run: this machine's speed drifts over minutes by more than
+the failures cost. Effective training time ratio (ETTR) = steps x the steady step time / the wall
+time of `fit()`. The time lost per failure is (wall - the run's own startup, fit() to its first
+step - steps x the steady step time) / failures: the restarts, the redone steps and each new
+group's slower first steps. Each failure on its own: "back
 in", from the last step finished before the kill to the moment that step is finished again (its
 mean, min and max over the failures), and its parts from the contender's own timestamps: restart
 (from the kill to the new group's train function; for ours, Ray Train noticing it and the new
 group, and of that the new processes' imports and setup), reload (to the resumed state) and redone
-steps (the steps run again, at the clean step time).
+steps (the steps run again, at the steady step time).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ import ray
 
 QUICKSTART = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_layers": 2, "n_heads": 4}
 BATCH = 32
-CLEAN_STEPS = 600
+CLEAN_STEPS = 800
+SETTLE = 200  # steps of each group's start left out of the steady step time (see _measured)
 
 
 def live_workers() -> list[int]:
@@ -173,11 +178,21 @@ def plain(tmp: Path, steps: int, save_every: int, every: float | None, data: str
 
 
 def _measured(began: float, ended: float, steps_run: list[dict], kills: list[float], losses: list[dict]) -> dict:
-    """A run's wall time, startup (to its first step), mean step time within attempts, and failures."""
+    """A run's wall time, startup (to its first step), steady step time, and failures. The steady step
+    time is the mean of the steps that each group took after its first SETTLE (saves included): a
+    group's start (its first batches, the standby processes' imports beside its steps) is left to
+    the run's startup and to the failure that caused it. `attempt_step_s`: the same per group."""
     steps_run = sorted(steps_run, key=lambda r: r["time"])
-    gaps = [b["time"] - a["time"] for a, b in zip(steps_run, steps_run[1:])
-            if b["step"] == a["step"] + 1 and b["attempt"] == a["attempt"]]
-    return {"began": began, "wall_s": ended - began, "startup_s": steps_run[0]["time"] - began, "step_s": statistics.mean(gaps),
+    first = {}
+    for r in steps_run:
+        first.setdefault(r["attempt"], r["step"])
+    gaps: dict[int, list[float]] = {}
+    for a, b in zip(steps_run, steps_run[1:]):
+        if b["step"] == a["step"] + 1 and b["attempt"] == a["attempt"] and a["step"] - first[a["attempt"]] >= SETTLE:
+            gaps.setdefault(a["attempt"], []).append(b["time"] - a["time"])
+    return {"began": began, "wall_s": ended - began, "startup_s": steps_run[0]["time"] - began,
+            "step_s": statistics.mean(g for group in gaps.values() for g in group),
+            "attempt_step_s": [round(statistics.mean(group), 4) for _, group in sorted(gaps.items())],
             "kills": len(kills), "losses": losses, "back_in": _back_in(steps_run, kills)}
 
 
@@ -195,14 +210,16 @@ def _back_in(steps_run: list[dict], kills: list[float]) -> list[float]:
 
 def _row(steps: int, run: dict, clean: dict) -> dict:
     """ETTR and the time lost per failure: the run's wall time less its own startup and its steps at
-    the clean run's step time."""
-    step_s, losses = clean["step_s"], run["losses"]
+    its own steady step time (measured in the same run: this machine's speed drifts by more than
+    the failures cost over minutes, so a clean run's step time is shown beside it, not used)."""
+    step_s, losses = run["step_s"], run["losses"]
     part = lambda key: statistics.mean([x[key] for x in losses if x.get(key) is not None] or [0.0])
     lost, back = run["wall_s"] - run["startup_s"] - steps * step_s, run["back_in"] or [0.0]
     return {"steps": steps, "wall_s": round(run["wall_s"], 1), "kills": run["kills"], "failures": len(losses),
             "back_in_s": round(statistics.mean(back), 1), "back_in_min_s": round(min(back), 1), "back_in_max_s": round(max(back), 1),
             "setup_s": round(part("setup"), 1) if any(x.get("setup") is not None for x in losses) else None,
-            "startup_s": round(run["startup_s"], 1), "clean_step_s": round(step_s, 4), "ettr": round(steps * step_s / run["wall_s"], 3),
+            "startup_s": round(run["startup_s"], 1), "step_s": round(step_s, 4), "clean_step_s": round(clean["step_s"], 4),
+            "attempt_step_s": run["attempt_step_s"], "ettr": round(steps * step_s / run["wall_s"], 3),
             "lost_per_failure_s": round(lost / max(1, len(losses)), 1), "restart_s": round(part("restart"), 1),
             "reload_s": round(part("reload"), 2), "redone_s": round(part("redone") * step_s, 1)}
 
@@ -213,6 +230,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kills", type=int, default=3, help="kills per run")
     parser.add_argument("--steps", type=int, default=0, help="steps per run with kills (default: enough for --kills + 1/2 intervals)")
     parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--memory-every", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/goodput_results.json")
     args = parser.parse_args(argv)
     from ray_resume.config import SyntheticDataConfig
@@ -231,7 +249,7 @@ def main(argv=None) -> None:
         # Written once, before any run is timed (the first would count it as its startup).
         ensure_dataset(data, SyntheticDataConfig(samples=4096, files=4, row_groups_per_file=4), QUICKSTART["seq_len"],
                        QUICKSTART["vocab_size"])
-        contenders = {"ours, memory tier": lambda t, n, every: ours(t, n, args.save_every, 5, every, data),
+        contenders = {"ours, memory tier": lambda t, n, every: ours(t, n, args.save_every, args.memory_every, every, data),
                       "ours, durable only": lambda t, n, every: ours(t, n, args.save_every, 0, every, data),
                       "Ray Train + torch.save": lambda t, n, every: plain(t, n, args.save_every, every, data)}
         clean = {}
@@ -246,14 +264,14 @@ def main(argv=None) -> None:
                 print(f"kill every {every:g} s | {name}: {row}", flush=True)
     print()
     print(f"restart floor: {floor:.2f} s")
-    print("| kill every | contender | ETTR | lost per failure | back in: mean (min-max) | restart | of it imports and setup | reload | redone | kills |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| kill every | contender | steady step | ETTR | lost per failure | back in: mean (min-max) | restart | of it imports and setup | reload | redone | kills |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for key, r in results.items():
         if not key.startswith("every "):
             continue
         every, name = key.split(": ", 1)
         setup = "-" if r["setup_s"] is None else f"{r['setup_s']:.1f} s"
-        print(f"| {every.removeprefix('every ')} | {name} | {r['ettr']:.2f} | {r['lost_per_failure_s']:.1f} s | "
+        print(f"| {every.removeprefix('every ')} | {name} | {r['step_s']:.4f} s | {r['ettr']:.2f} | {r['lost_per_failure_s']:.1f} s | "
               f"{r['back_in_s']:.1f} s ({r['back_in_min_s']:.1f}-{r['back_in_max_s']:.1f}) | {r['restart_s']:.1f} s | {setup} | "
               f"{r['reload_s']:.2f} s | {r['redone_s']:.1f} s | {r['kills']} |")
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
