@@ -11,12 +11,13 @@ ran anything. So every group keeps such processes ready for the next one:
 - local rank 0 of each node asks its node's raylet to start one process per rank on the node
   with exactly the ranks' runtime env (`keep_standby`: Ray core's PrestartWorkers call, which
   Ray's Python API does not expose; the keep-alive keeps Ray from ending them as idle). They
-  import while they wait, and the next group's actors land in them.
+  import while they wait, on idle CPU, and the next group's actors land in them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as SETUP_HOOK
@@ -37,10 +38,31 @@ def rank_runtime_env(runtime_env: dict) -> dict:
 def import_rank_modules() -> None:
     """Ray's worker process setup hook for the ranks' processes: import what a rank imports before
     its first step (in a standby process, while it waits): all but ray_resume's own modules
-    (0.15 s of the 5 s here), which import this one."""
+    (0.15 s of the 5 s here), which import this one. The imports run on a thread of idle CPU
+    priority (SCHED_IDLE is a thread's own: the process keeps its policy), so a standby process
+    takes only what the training leaves; where the ranks use every core it may still be importing
+    at the next failure, and that group starts in new processes, as without it."""
+    thread = threading.Thread(target=_import_idle, name="ray_resume-imports")
+    thread.start()
+    thread.join()
+
+
+def _import_idle() -> None:
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux: at normal priority
+        pass
     import torch._dynamo  # noqa: F401  (DDP's constructor imports it)
     import ray.train.torch  # noqa: F401
     from ray.train.v2._internal.execution.worker_group import worker  # noqa: F401  (Ray Train's worker actor)
+
+
+def wanted(setting: bool | str, ranks_here: int) -> bool:
+    """Whether this node keeps standby processes: `failure.standby_processes`, where "auto" means
+    where the node has 2 CPUs per rank on it. A standby process's imports cost CPU once per group
+    start (~5 s of a core here); where the ranks use every core, that comes out of the training
+    steps and a restart gains no more than it (measured: README, "Standby processes")."""
+    return setting is True or (setting == "auto" and (os.cpu_count() or 1) >= 2 * ranks_here)
 
 
 def keep_standby(processes: int) -> threading.Thread:

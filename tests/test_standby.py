@@ -73,7 +73,7 @@ def test_a_restarted_group_runs_in_standby_processes_started_before_the_failure(
 
     result = ray_resume.fit(train_func, train_loop_config={"dir": str(tmp_path)},
                             checkpoint={"save_path": str(tmp_path / "root"), "save_interleaved_steps": 1},
-                            scaling_config=ray.train.ScalingConfig(num_workers=2), failure_config={"max_failures": 1})
+                            scaling_config=ray.train.ScalingConfig(num_workers=2), failure_config={"max_failures": 1, "standby_processes": True})
     assert result.committed_iteration == STEPS
     killed = json.loads((tmp_path / "killed.json").read_text())
     restarted = [json.loads((tmp_path / f"restarted-{rank}.json").read_text()) for rank in range(2)]
