@@ -176,8 +176,7 @@ class BenchWorker:
         os.close(fd)
         elapsed = time.perf_counter() - start
         del blobs
-        self._barrier()
-        shutil.rmtree(out, ignore_errors=True)
+        self.cleanup("raw")
         return {"total": elapsed, "bytes": sum(info["size"] for _, info in files)}
 
     def ours_load(self, step: int, balanced: bool) -> dict:
@@ -274,6 +273,9 @@ class BenchWorker:
                         shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
             else:
                 shutil.rmtree(path, ignore_errors=True)
+            # The deletes' journal and discards are flushed here, not inside the next timed write
+            # (every contender's write starts on a settled disk, the raw write's included).
+            os.sync()
         self._barrier()
 
     # ------------------------------------------------------------------ training throughput
