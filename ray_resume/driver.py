@@ -201,8 +201,8 @@ class RayTrain:
             logging_config=(yours.logging_config if yours.logging_config not in (None, ray.train.LoggingConfig())
                             else ray.train.LoggingConfig(log_level="INFO" if self.verbose else "CRITICAL")),
             callbacks=[*(yours.callbacks or []), FailedRanks(controller)],
-            worker_runtime_env=(yours.worker_runtime_env if cfg.failure.standby_processes is False
-                                else warm.rank_runtime_env(yours.worker_runtime_env or {})),
+            worker_runtime_env=(warm.rank_runtime_env(yours.worker_runtime_env or {})
+                                if warm.wanted(cfg.failure.standby_processes, cfg.scaling.use_gpu) else yours.worker_runtime_env),
         )
 
 

@@ -57,12 +57,14 @@ def _import_idle() -> None:
     from ray.train.v2._internal.execution.worker_group import worker  # noqa: F401  (Ray Train's worker actor)
 
 
-def wanted(setting: bool | str, ranks_here: int) -> bool:
-    """Whether this node keeps standby processes: `failure.standby_processes`, where "auto" means
-    where the node has 2 CPUs per rank on it. A standby process's imports cost CPU once per group
-    start (~5 s of a core here); where the ranks use every core, that comes out of the training
-    steps and a restart gains no more than it (measured: README, "Standby processes")."""
-    return setting is True or (setting == "auto" and (os.cpu_count() or 1) >= 2 * ranks_here)
+def wanted(setting: bool | str, use_gpu: bool) -> bool:
+    """Whether the ranks keep standby processes: `failure.standby_processes`, where "auto" means
+    when they train on GPUs. A standby process's imports cost CPU once per group start (~5 s of a
+    core here), which the steps of ranks on GPUs leave free; ranks that train on the CPU use its
+    cores, the imports come out of their steps, and a restart gains no more than they cost
+    (measured: docs/restarts.md). Where it is not wanted, no rank process runs the setup hook either:
+    an import at idle priority in a rank's own process would wait for every busy core."""
+    return setting is True or (setting == "auto" and use_gpu)
 
 
 def keep_standby(processes: int) -> threading.Thread:

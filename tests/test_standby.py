@@ -80,3 +80,24 @@ def test_a_restarted_group_runs_in_standby_processes_started_before_the_failure(
     # Both new ranks run in processes that existed, torch imported, before rank 1 was killed: not new ones.
     assert {r["pid"] for r in restarted} <= set(killed["standby"]), (restarted, killed)
     assert all(r["started"] < killed["at"] for r in restarted), (restarted, killed)
+
+
+@pytest.mark.parametrize(("standby", "use_gpu", "hooked"), [("auto", False, False), ("auto", True, True), (True, False, True),
+                                                            (False, True, False)])
+def test_the_ranks_setup_hook_is_set_exactly_where_standby_processes_are_kept(tmp_path, standby, use_gpu, hooked):
+    """`auto` keeps them for ranks on GPUs only (ranks on the CPU use its cores), and where none are
+    kept no rank process runs the hook: its imports at idle priority would wait for every busy core.
+    The user's own runtime env is kept either way."""
+    import ray.train
+
+    from ray_resume.config import Config
+    from ray_resume.driver import RayTrain
+    from ray_resume.warm import wanted
+    from conftest import tiny_config
+
+    cfg = Config.from_dict(tiny_config(tmp_path, scaling={"num_workers": 2, "use_gpu": use_gpu},
+                                       failure={"standby_processes": standby}))
+    yours = {"env_vars": {"MY_FLAG": "1"}, "pip": ["six"]}
+    env = RayTrain(run_config=ray.train.RunConfig(worker_runtime_env=yours))._run_config(cfg, "job", None).worker_runtime_env
+    assert wanted(standby, use_gpu) is hooked
+    assert env == ({**yours, "env_vars": {"MY_FLAG": "1", SETUP_HOOK: "ray_resume.warm.import_rank_modules"}} if hooked else yours)

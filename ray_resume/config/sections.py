@@ -185,7 +185,7 @@ class ScalingConfig(_Section):
 class FailureConfig(_Section):
     max_failures: int = Field(3, ge=-1)  # worker-group restarts Ray allows; -1 = unlimited
     health_check_interval_s: Number = Field(0.5, gt=0)  # how often Ray Train polls the workers, so how soon a lost one is noticed (Ray's default: 2)
-    standby_processes: Union[bool, Literal["auto"]] = "auto"  # keep one idle process per rank on each node, its imports done, for a restarted group (ray_resume.warm); auto: where the node has 2 CPUs per rank on it
+    standby_processes: Union[bool, Literal["auto"]] = "auto"  # keep one idle process per rank on each node, its imports done, for a restarted group (ray_resume.warm); auto: when the ranks train on GPUs (on the CPU they use its cores)
 
     @field_validator("standby_processes", mode="wrap")
     @classmethod
