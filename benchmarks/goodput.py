@@ -8,6 +8,8 @@ Three contenders on the same 2-worker job (the quickstart's GPT and data, global
 * ours with the memory tier: durable saves every `--save-every` steps, snapshots every
   `--memory-every` (20: Young's interval for a snapshot's cost here and a failure every 30 s);
 * ours with durable saves only;
+* with `--standby`, ours with the memory tier and standby processes forced on (`auto`, the default
+  of the other two, leaves them off for ranks that train on the CPU, as here);
 * Ray Train without us: the pattern its docs teach, a `torch.save` of the model and optimizer
   every `--save-every` steps handed to `ray.train.report(checkpoint=...)`, and
   `ray.train.get_checkpoint()` + `torch.load` on a restart; its batches come from the same
@@ -78,7 +80,8 @@ class Killer(threading.Thread):
                 self.kills.append(time.time())
 
 
-def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float | None, data: str) -> dict:
+def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float | None, data: str,
+         standby: bool | str = "auto") -> dict:
     from ray_resume.config import Config
     from ray_resume.metrics import read_metrics
     from ray_resume.api import train
@@ -88,7 +91,7 @@ def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float
         "name": f"goodput-{memory_every}", "model": QUICKSTART,
         "data": {"path": data, "synthetic": {"samples": 4096, "files": 4, "row_groups_per_file": 4}},
         "training": {"global_batch_size": BATCH, "micro_batch_size": BATCH // 2, "train_steps": steps, "log_every": 50},
-        "scaling": {"num_workers": 2}, "failure": {"max_failures": -1},
+        "scaling": {"num_workers": 2}, "failure": {"max_failures": -1, "standby_processes": standby},
         "checkpoint": {"save_path": str(root), "save_interleaved_steps": save_every, "memory_interleaved_steps": memory_every},
     })
     killer = Killer(every, lambda: any(root.parent.glob(f"{root.name}-metrics/*.jsonl")))
@@ -231,6 +234,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps per run with kills (default: enough for --kills + 1/2 intervals)")
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--memory-every", type=int, default=20)
+    parser.add_argument("--standby", action="store_true",
+                        help="a fourth contender: the memory tier with standby processes forced on (auto leaves them off on 2 cores)")
     parser.add_argument("--out", default="benchmarks/goodput_results.json")
     args = parser.parse_args(argv)
     from ray_resume.config import SyntheticDataConfig
@@ -252,6 +257,8 @@ def main(argv=None) -> None:
         contenders = {"ours, memory tier": lambda t, n, every: ours(t, n, args.save_every, args.memory_every, every, data),
                       "ours, durable only": lambda t, n, every: ours(t, n, args.save_every, 0, every, data),
                       "Ray Train + torch.save": lambda t, n, every: plain(t, n, args.save_every, every, data)}
+        if args.standby:
+            contenders["ours, memory tier, standby"] = lambda t, n, every: ours(t, n, args.save_every, args.memory_every, every, data, True)
         clean = {}
         for name, runner in contenders.items():
             clean[name] = runner(Path(tempfile.mkdtemp(dir=tmp)), CLEAN_STEPS, None)
