@@ -3,7 +3,7 @@
     python -m benchmarks.goodput                 # 3 kills 30 s apart and 3 kills 120 s apart per contender, ~40 min
     python -m benchmarks.goodput --every 30      # one interval
 
-Three contenders on the same 2-worker job (the quickstart's GPT and data, global batch 32, DDP on CPU):
+Three contenders (four with `--standby`) on the same 2-worker job (the quickstart's GPT and data, global batch 32, DDP on CPU):
 
 * ours with the memory tier: durable saves every `--save-every` steps, snapshots every
   `--memory-every` (20: Young's interval for a snapshot's cost here and a failure every 30 s);
@@ -190,9 +190,12 @@ def _measured(began: float, ended: float, steps_run: list[dict], kills: list[flo
     for r in steps_run:
         first.setdefault(r["attempt"], r["step"])
     gaps: dict[int, list[float]] = {}
-    for a, b in zip(steps_run, steps_run[1:]):
-        if b["step"] == a["step"] + 1 and b["attempt"] == a["attempt"] and a["step"] - first[a["attempt"]] >= SETTLE:
-            gaps.setdefault(a["attempt"], []).append(b["time"] - a["time"])
+    for settle in (SETTLE, 0):  # a run whose groups all ran fewer than SETTLE steps: every step
+        for a, b in zip(steps_run, steps_run[1:]):
+            if b["step"] == a["step"] + 1 and b["attempt"] == a["attempt"] and a["step"] - first[a["attempt"]] >= settle:
+                gaps.setdefault(a["attempt"], []).append(b["time"] - a["time"])
+        if gaps:
+            break
     return {"began": began, "wall_s": ended - began, "startup_s": steps_run[0]["time"] - began,
             "step_s": statistics.mean(g for group in gaps.values() for g in group),
             "attempt_step_s": [round(statistics.mean(group), 4) for _, group in sorted(gaps.items())],
@@ -235,7 +238,7 @@ def main(argv=None) -> None:
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--memory-every", type=int, default=20)
     parser.add_argument("--standby", action="store_true",
-                        help="a fourth contender: the memory tier with standby processes forced on (auto leaves them off on 2 cores)")
+                        help="a fourth contender: the memory tier with standby processes forced on (auto leaves them off for ranks on the CPU)")
     parser.add_argument("--out", default="benchmarks/goodput_results.json")
     args = parser.parse_args(argv)
     from ray_resume.config import SyntheticDataConfig
