@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from pathlib import Path
 
 from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as SETUP_HOOK
 
@@ -67,10 +68,32 @@ def wanted(setting: bool | str, use_gpu: bool) -> bool:
     return setting is True or (setting == "auto" and use_gpu)
 
 
+def waiting_here(job_id: str, proc: Path = Path("/proc")) -> int:
+    """This node's standby processes of job `job_id`: started with the ranks' setup hook (and the job
+    id the raylet gives a worker's environment), holding no actor yet, idle (`ray::IDLE`) or still
+    importing (not yet titled by Ray). 0 where there is no /proc."""
+    hook, job = f"{SETUP_HOOK}={__name__}.import_rank_modules".encode(), f"RAY_JOB_ID={job_id}".encode()
+    waiting = 0
+    try:
+        entries = [e for e in proc.iterdir() if e.name.isdigit()]
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0]
+        except OSError:  # gone, or another user's
+            continue
+        if hook in env and job in env and (title == b"ray::IDLE" or not title.startswith(b"ray::")):
+            waiting += 1
+    return waiting
+
+
 def keep_standby(processes: int) -> threading.Thread:
-    """In the background: ask this node's raylet for `processes` idle worker processes with this
-    rank's job and runtime env, for the next worker group. A refusal costs a slower restart, never
-    the run: it is logged."""
+    """In the background: ask this node's raylet for idle worker processes with this rank's job and
+    runtime env, for the next worker group, up to `processes` waiting (one that was still importing
+    when this group started in new processes waits for the next failure). A refusal costs a slower
+    restart, never the run: it is logged."""
     thread = threading.Thread(target=_prestart, args=(processes,), name="ray_resume-standby", daemon=True)
     thread.start()
     return thread
@@ -85,6 +108,9 @@ def _prestart(processes: int) -> None:
 
     try:
         context = ray.get_runtime_context()
+        processes -= waiting_here(context.get_job_id())
+        if processes <= 0:
+            return
         node = next(n for n in ray.nodes() if n["NodeID"] == context.get_node_id())
         # The string this process was started with, byte for byte: the raylet matches processes
         # to actors by its hash, and Ray merged the job's runtime env into it.

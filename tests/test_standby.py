@@ -16,7 +16,7 @@ from ray import cloudpickle
 
 import ray_resume
 from ray_resume.rank import process_started
-from ray_resume.warm import SETUP_HOOK
+from ray_resume.warm import SETUP_HOOK, waiting_here
 
 STEPS = 4
 
@@ -38,6 +38,7 @@ def standby_pids(ranks: set[int]) -> set[int]:
 def train_func(config: dict) -> None:
     """Each rank says its pid and when its process started; on the first attempt rank 1 waits for
     standby processes, says which they are and when, and is SIGKILLed."""
+    import ray
     import ray.train
 
     ctx = ray.train.get_context()
@@ -55,7 +56,8 @@ def train_func(config: dict) -> None:
             ranks = {json.loads((out / f"first-{r}.json").read_text())["pid"] for r in range(2)}
             while len(standby := standby_pids(ranks)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
-            (out / "killed.json").write_text(json.dumps({"standby": sorted(standby), "at": time.time()}))
+            waiting = waiting_here(ray.get_runtime_context().get_job_id())  # what the next group's request subtracts
+            (out / "killed.json").write_text(json.dumps({"standby": sorted(standby), "waiting": waiting, "at": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)
         ck.maybe_save(step, consumed_samples=step, global_batch_size=1)
 
@@ -80,6 +82,7 @@ def test_a_restarted_group_runs_in_standby_processes_started_before_the_failure(
     # Both new ranks run in processes that existed, torch imported, before rank 1 was killed: not new ones.
     assert {r["pid"] for r in restarted} <= set(killed["standby"]), (restarted, killed)
     assert all(r["started"] < killed["at"] for r in restarted), (restarted, killed)
+    assert killed["waiting"] == len(killed["standby"]) == 2  # the ranks' count of them, as Ray titles them
 
 
 @pytest.mark.parametrize(("standby", "use_gpu", "hooked"), [("auto", False, False), ("auto", True, True), (True, False, True),
@@ -101,3 +104,30 @@ def test_the_ranks_setup_hook_is_set_exactly_where_standby_processes_are_kept(tm
     env = RayTrain(run_config=ray.train.RunConfig(worker_runtime_env=yours))._run_config(cfg, "job", None).worker_runtime_env
     assert wanted(standby, use_gpu) is hooked
     assert env == ({**yours, "env_vars": {"MY_FLAG": "1", SETUP_HOOK: "ray_resume.warm.import_rank_modules"}} if hooked else yours)
+
+
+def test_a_group_counts_the_standby_processes_still_waiting_on_its_node():
+    """A group asks for standby processes only up to one per rank waiting: one that was still
+    importing when the group started in new processes waits for the next failure, and is counted.
+    Real processes, titled as Ray titles its workers: idle, not yet titled (importing), holding an
+    actor; of another job; without the hook."""
+    import subprocess
+
+
+    job, hook = "0a000000", f"{SETUP_HOOK}=ray_resume.warm.import_rank_modules"
+    kinds = [("ray::IDLE", True, job), ("python", True, job), ("ray::RayTrainWorker", True, job),
+             ("ray::IDLE", True, "0b000000"), ("ray::IDLE", False, job)]
+    procs = [subprocess.Popen([title, "60"], executable="/bin/sleep",
+                              env={"RAY_JOB_ID": other, **({SETUP_HOOK: hook.split("=", 1)[1]} if hooked else {})})
+             for title, hooked, other in kinds]
+    try:
+        deadline = time.monotonic() + 10  # until every child has exec'd /bin/sleep under its title
+        while time.monotonic() < deadline and any(Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[0] != t.encode()
+                                                  for p, (t, _, _) in zip(procs, kinds)):
+            time.sleep(0.05)
+        assert waiting_here(job) == 2  # the idle one and the one still importing
+        assert waiting_here("0c000000") == 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
