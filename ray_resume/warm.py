@@ -8,8 +8,8 @@ ran anything. So every group keeps such processes ready for the next one:
 
 - the ranks' runtime env names `import_rank_modules` as Ray's worker process setup hook
   (`rank_runtime_env`), which every process started with it runs before it takes work;
-- local rank 0 of each node asks its node's raylet to start one process per rank on the node
-  with exactly the ranks' runtime env (`keep_standby`: Ray core's PrestartWorkers call, which
+- local rank 0 of each node asks its node's raylet to start processes, up to one waiting per
+  rank on the node, with exactly the ranks' runtime env (`keep_standby`: Ray core's PrestartWorkers call, which
   Ray's Python API does not expose; the keep-alive keeps Ray from ending them as idle). They
   import while they wait, on idle CPU, and the next group's actors land in them.
 """
@@ -68,14 +68,14 @@ def wanted(setting: bool | str, use_gpu: bool) -> bool:
     return setting is True or (setting == "auto" and use_gpu)
 
 
-def waiting_here(job_id: str, proc: Path = Path("/proc")) -> int:
+def waiting_here(job_id: str) -> int:
     """This node's standby processes of job `job_id`: started with the ranks' setup hook (and the job
     id the raylet gives a worker's environment), holding no actor yet, idle (`ray::IDLE`) or still
     importing (not yet titled by Ray). 0 where there is no /proc."""
     hook, job = f"{SETUP_HOOK}={__name__}.import_rank_modules".encode(), f"RAY_JOB_ID={job_id}".encode()
     waiting = 0
     try:
-        entries = [e for e in proc.iterdir() if e.name.isdigit()]
+        entries = [e for e in Path("/proc").iterdir() if e.name.isdigit()]
     except OSError:
         return 0
     for entry in entries:
