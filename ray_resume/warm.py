@@ -25,6 +25,8 @@ from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as SETU
 
 logger = logging.getLogger("ray_resume")
 
+HOOK = f"{__name__}.import_rank_modules"  # the setup hook's value in the ranks' runtime env
+
 KEEP_ALIVE_S = 7 * 24 * 3600  # a standby process waits as long as the job runs (Ray ends the job's processes with it)
 
 
@@ -32,7 +34,7 @@ def rank_runtime_env(runtime_env: dict) -> dict:
     """Ray Train's `worker_runtime_env` with our setup hook beside the user's env vars (a hook
     of the user's own is kept: the standby processes then run theirs)."""
     env_vars = dict(runtime_env.get("env_vars") or {})
-    env_vars.setdefault(SETUP_HOOK, f"{__name__}.import_rank_modules")
+    env_vars.setdefault(SETUP_HOOK, HOOK)
     return {**runtime_env, "env_vars": env_vars}
 
 
@@ -72,7 +74,7 @@ def waiting_here(job_id: str) -> int:
     """This node's standby processes of job `job_id`: started with the ranks' setup hook (and the job
     id the raylet gives a worker's environment), holding no actor yet, idle (`ray::IDLE`) or still
     importing (not yet titled by Ray). 0 where there is no /proc."""
-    hook, job = f"{SETUP_HOOK}={__name__}.import_rank_modules".encode(), f"RAY_JOB_ID={job_id}".encode()
+    hook, job = f"{SETUP_HOOK}={HOOK}".encode(), f"RAY_JOB_ID={job_id}".encode()
     waiting = 0
     try:
         entries = [e for e in Path("/proc").iterdir() if e.name.isdigit()]

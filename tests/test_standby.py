@@ -38,7 +38,6 @@ def standby_pids(ranks: set[int]) -> set[int]:
 def train_func(config: dict) -> None:
     """Each rank says its pid and when its process started; on the first attempt rank 1 waits for
     standby processes, says which they are and when, and is SIGKILLed."""
-    import ray
     import ray.train
 
     ctx = ray.train.get_context()
@@ -113,12 +112,11 @@ def test_a_group_counts_the_standby_processes_still_waiting_on_its_node():
     actor; of another job; without the hook."""
     import subprocess
 
-
-    job, hook = "0a000000", f"{SETUP_HOOK}=ray_resume.warm.import_rank_modules"
+    job = "0a000000"
     kinds = [("ray::IDLE", True, job), ("python", True, job), ("ray::RayTrainWorker", True, job),
              ("ray::IDLE", True, "0b000000"), ("ray::IDLE", False, job)]
     procs = [subprocess.Popen([title, "60"], executable="/bin/sleep",
-                              env={"RAY_JOB_ID": other, **({SETUP_HOOK: hook.split("=", 1)[1]} if hooked else {})})
+                              env={"RAY_JOB_ID": other, **({SETUP_HOOK: "ray_resume.warm.import_rank_modules"} if hooked else {})})
              for title, hooked, other in kinds]
     try:
         deadline = time.monotonic() + 10  # until every child has exec'd /bin/sleep under its title
