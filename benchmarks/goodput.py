@@ -3,13 +3,13 @@
     python -m benchmarks.goodput                 # 3 kills 30 s apart and 3 kills 120 s apart per contender, ~40 min
     python -m benchmarks.goodput --every 30      # one interval
 
-Three contenders (four with `--standby`) on the same 2-worker job (the quickstart's GPT and data, global batch 32, DDP on CPU):
+Three contenders (four with `--without-fork-server`) on the same 2-worker job (the quickstart's GPT and data, global batch 32, DDP on CPU):
 
 * ours with the memory tier: durable saves every `--save-every` steps, snapshots every
   `--memory-every` (20: Young's interval for a snapshot's cost here and a failure every 30 s);
 * ours with durable saves only;
-* with `--standby`, ours with the memory tier and standby processes forced on (`auto`, the default
-  of the other two, leaves them off for ranks that train on the CPU, as here);
+* with `--without-fork-server`, ours with the memory tier and `failure.fork_server: false` (the
+  other two start the restarted ranks from the fork server, by its default);
 * Ray Train without us: the pattern its docs teach, a `torch.save` of the model and optimizer
   every `--save-every` steps handed to `ray.train.report(checkpoint=...)`, and
   `ray.train.get_checkpoint()` + `torch.load` on a restart; its batches come from the same
@@ -81,22 +81,27 @@ class Killer(threading.Thread):
 
 
 def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float | None, data: str,
-         standby: bool | str = "auto") -> dict:
-    from ray_resume.config import Config
-    from ray_resume.metrics import read_metrics
+         fork_server: bool | str = "auto") -> dict:
+    import ray.train
+
     from ray_resume.api import train
+    from ray_resume.config import Config
+    from ray_resume.driver import RayTrain
+    from ray_resume.metrics import read_metrics
 
     root = tmp / f"ours-{memory_every}"
     cfg = Config.from_dict({
         "name": f"goodput-{memory_every}", "model": QUICKSTART,
         "data": {"path": data, "synthetic": {"samples": 4096, "files": 4, "row_groups_per_file": 4}},
         "training": {"global_batch_size": BATCH, "micro_batch_size": BATCH // 2, "train_steps": steps, "log_every": 50},
-        "scaling": {"num_workers": 2}, "failure": {"max_failures": -1, "standby_processes": standby},
+        "scaling": {"num_workers": 2}, "failure": {"max_failures": -1, "fork_server": fork_server},
         "checkpoint": {"save_path": str(root), "save_interleaved_steps": save_every, "memory_interleaved_steps": memory_every},
     })
     killer = Killer(every, lambda: any(root.parent.glob(f"{root.name}-metrics/*.jsonl")))
     began = time.time()
-    train(cfg)
+    # Every run in a runtime env of its own: it starts its own fork server, as a new job does (this
+    # driver's runs are one Ray job, whose server would otherwise serve them all from the first).
+    train(cfg, backend=RayTrain(run_config=ray.train.RunConfig(worker_runtime_env={"env_vars": {"GOODPUT_RUN": str(root)}})))
     killer.done.set()
     records = read_metrics(str(root))
     steps_run = [r for r in records if r.get("rank") == 0 and "loss" in r]
@@ -183,7 +188,7 @@ def plain(tmp: Path, steps: int, save_every: int, every: float | None, data: str
 def _measured(began: float, ended: float, steps_run: list[dict], kills: list[float], losses: list[dict]) -> dict:
     """A run's wall time, startup (to its first step), steady step time, and failures. The steady step
     time is the mean of the steps that each group took after its first SETTLE (saves included): a
-    group's start (its first batches, the standby processes' imports beside its steps) is left to
+    group's start (its first batches, the fork server's imports beside its steps) is left to
     the run's startup and to the failure that caused it. `attempt_step_s`: the same per group."""
     steps_run = sorted(steps_run, key=lambda r: r["time"])
     first = {}
@@ -237,8 +242,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps per run with kills (default: enough for --kills + 1/2 intervals)")
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--memory-every", type=int, default=20)
-    parser.add_argument("--standby", action="store_true",
-                        help="a fourth contender: the memory tier with standby processes forced on (auto leaves them off for ranks on the CPU)")
+    parser.add_argument("--without-fork-server", action="store_true",
+                        help="a fourth contender: the memory tier with failure.fork_server false (restarted ranks in new processes)")
     parser.add_argument("--out", default="benchmarks/goodput_results.json")
     args = parser.parse_args(argv)
     from ray_resume.config import SyntheticDataConfig
@@ -260,8 +265,8 @@ def main(argv=None) -> None:
         contenders = {"ours, memory tier": lambda t, n, every: ours(t, n, args.save_every, args.memory_every, every, data),
                       "ours, durable only": lambda t, n, every: ours(t, n, args.save_every, 0, every, data),
                       "Ray Train + torch.save": lambda t, n, every: plain(t, n, args.save_every, every, data)}
-        if args.standby:
-            contenders["ours, memory tier, standby"] = lambda t, n, every: ours(t, n, args.save_every, args.memory_every, every, data, True)
+        if args.without_fork_server:
+            contenders["ours, memory tier, no fork server"] = lambda t, n, every: ours(t, n, args.save_every, args.memory_every, every, data, False)
         clean = {}
         for name, runner in contenders.items():
             clean[name] = runner(Path(tempfile.mkdtemp(dir=tmp)), CLEAN_STEPS, None)

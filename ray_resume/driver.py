@@ -31,7 +31,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from . import warm
+from . import forkserver
 from .checkpoint import paths
 from .checkpoint.memory import MemoryKeeper
 from .checkpoint.root import ResumeSource, root_for
@@ -154,6 +154,11 @@ class RayTrain:
         """The job to its end: the controller's account (committed, metrics, attempts, error, user_error),
         the failure `fit()` raised (`failure`), and the wall time."""
         init_ray(self.address, cfg)
+        ranks_env = (self.run_config or ray.train.RunConfig()).worker_runtime_env
+        fork_server = forkserver.wanted(cfg.failure.fork_server, ranks_env, ray.get_runtime_context().runtime_env)
+        if fork_server:
+            ranks_env = forkserver.rank_runtime_env(ranks_env or {})
+        loop_config[INTERNAL]["fork_server"] = fork_server
         print_every_line_of(cfg.name)
         clock = loop_config[INTERNAL]["clock"]
         clock["ray_up"] = time.time()
@@ -170,7 +175,7 @@ class RayTrain:
         clock["fit"] = time.time()
         trainer = TorchTrainer(rank_entry, train_loop_config=loop_config,
                                scaling_config=self.scaling_config or scaling_config(cfg.scaling),
-                               run_config=self._run_config(cfg, job_id, controller))
+                               run_config=self._run_config(cfg, job_id, controller, ranks_env))
         failure = None
         started = time.monotonic()
         # Read by Ray Train when fit() starts its controller (and handed on to it): a lost worker is
@@ -188,7 +193,7 @@ class RayTrain:
             ray.kill(keeper)
         return {**outcome, "failure": failure, "wall_s": wall_s}
 
-    def _run_config(self, cfg: Config, job_id: str, controller) -> ray.train.RunConfig:
+    def _run_config(self, cfg: Config, job_id: str, controller, ranks_env: dict | None) -> ray.train.RunConfig:
         yours = self.run_config or ray.train.RunConfig()
         return dataclasses.replace(
             yours,
@@ -201,8 +206,7 @@ class RayTrain:
             logging_config=(yours.logging_config if yours.logging_config not in (None, ray.train.LoggingConfig())
                             else ray.train.LoggingConfig(log_level="INFO" if self.verbose else "CRITICAL")),
             callbacks=[*(yours.callbacks or []), FailedRanks(controller)],
-            worker_runtime_env=(warm.rank_runtime_env(yours.worker_runtime_env or {})
-                                if warm.wanted(cfg.failure.standby_processes, cfg.scaling.use_gpu) else yours.worker_runtime_env),
+            worker_runtime_env=ranks_env,
         )
 
 

@@ -111,8 +111,8 @@ def test_wrong_type_names_full_key():
     assert problems(cfg(model="big")) == ["x.yaml: model must be a mapping, got str 'big'"]
     assert problems(cfg(scaling={"num_workers": "2"})) == [
         "x.yaml: scaling.num_workers must be an integer or a list of integers, got str '2'"]
-    assert problems(cfg(failure={"standby_processes": "maybe"})) == [
-        "x.yaml: failure.standby_processes must be true, false or auto, got str 'maybe'"]
+    assert problems(cfg(failure={"fork_server": "maybe"})) == [
+        "x.yaml: failure.fork_server must be true, false or auto, got str 'maybe'"]
 
 
 

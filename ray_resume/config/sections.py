@@ -185,15 +185,15 @@ class ScalingConfig(_Section):
 class FailureConfig(_Section):
     max_failures: int = Field(3, ge=-1)  # worker-group restarts Ray allows; -1 = unlimited
     health_check_interval_s: Number = Field(0.5, gt=0)  # how often Ray Train polls the workers, so how soon a lost one is noticed (Ray's default: 2)
-    standby_processes: Union[bool, Literal["auto"]] = "auto"  # keep one idle process per rank on each node, its imports done, for a restarted group (ray_resume.warm); auto: when the ranks train on GPUs (on the CPU they use its cores)
+    fork_server: Union[bool, Literal["auto"]] = "auto"  # start the ranks' processes as forks of a per-node server with their imports done (ray_resume.forkserver); auto: unless their runtime env gives them a Python of its own
 
-    @field_validator("standby_processes", mode="wrap")
+    @field_validator("fork_server", mode="wrap")
     @classmethod
     def _bool_or_auto(cls, value: Any, handler) -> Union[bool, str]:
         try:
             return handler(value)
         except ValidationError:  # one line, not one per member of the union
-            raise ConfigError(f"failure.standby_processes must be true, false or auto, {got(value)}") from None
+            raise ConfigError(f"failure.fork_server must be true, false or auto, {got(value)}") from None
 
 
 class StorageConfig(_Section):

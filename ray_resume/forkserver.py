@@ -1,0 +1,340 @@
+"""A fork server per node and job: a restarted group's processes forked from one that has already
+imported what a rank imports, so a restart pays no imports.
+
+Ray Train replaces the whole worker group after a failure, and Ray starts each new actor in a new
+process (`bash -c "exec <py_executable> default_worker.py ..."`) that imports Ray Train, torch and
+`torch._dynamo` again before its first step: the restart floor, ~5 s of a core here, more where
+many processes import at once. The ranks' runtime env names this module as that `py_executable`
+(`rank_runtime_env`; the interpreter stays the driver's, Ray's own default). That process, the
+*client*, asks its node's server for a fork:
+
+- where no server has the node's address yet (an abstract Unix socket named by the raylet, the
+  job and the runtime env's hash), the client starts one, detached (Ray ends a worker's child
+  processes with it), and runs Ray's worker itself, as without us. So the server is a process
+  Ray started, as a worker is: its environment, directory, niceness, cgroup;
+- the server imports nothing until a rank of the group tells it that the ranks are past their own
+  imports (`prepare`: a server importing beside them slowed them), then imports what a rank
+  imports, once, on a thread of idle CPU priority, and serves from then on;
+- a client served hands the server its arguments, environment, working directory and standard
+  streams, and the server forks a child that runs Ray's `default_worker.py` in them. The client
+  stays as the process Ray started: it passes Ray's signals on to the child and ends as the child
+  ends (its exit code, or its signal); the child ends the moment the client does (Ray may SIGKILL
+  it). A client the server cannot serve yet runs the worker itself.
+
+Only processes of the server's own user are served (the abstract namespace has no file
+permissions). The server ends once the raylet is gone, or no process of its job has been left on
+its node for `IDLE_EXIT_S`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Literal, Union
+
+MODULE = "ray_resume.forkserver"  # its name also where it runs as __main__
+IDLE_EXIT_S = 30.0  # no process of the job on the node this long: the job has ended here
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# Runtime env fields with which Ray runs the ranks in a Python of their own (a venv, a container):
+# a fork of ours would not be it.
+OWN_PYTHON = ("py_executable", "pip", "uv", "conda", "image_uri", "container")
+
+
+def wanted(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any]) -> bool:
+    """Whether the ranks start through the fork server: `failure.fork_server`, where "auto" means
+    unless the ranks' runtime env (Ray Train's `worker_runtime_env`, the job's) runs them in a
+    Python of its own, and on Linux; `true` where it cannot be is a mistake, said before any rank
+    starts."""
+    own = next((key for env in runtime_envs for key in OWN_PYTHON if (env or {}).get(key)), None)
+    if setting is True and (own or not sys.platform.startswith("linux")):
+        from .errors import ConfigError
+
+        why = (f"the ranks' runtime env sets `{own}`, which runs them in a Python of its own that a fork of the server "
+               "would not be" if own else f"it needs Linux (abstract Unix sockets, /proc), and this is {sys.platform}")
+        raise ConfigError(f"failure.fork_server is true, but {why}; set failure.fork_server to auto (on wherever it "
+                          "can be) or false")
+    return setting is True or (setting == "auto" and own is None and sys.platform.startswith("linux"))
+
+
+def rank_runtime_env(runtime_env: dict) -> dict:
+    """The ranks' runtime env with this module as their Python's entry: the driver's interpreter
+    (Ray's default), `-m ray_resume.forkserver` before Ray's worker arguments."""
+    return {**runtime_env, "py_executable": f"{sys.executable} -m {MODULE}"}
+
+
+def _address(argv: list[str], env: dict[str, str]) -> str:
+    env_hash = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--runtime-env-hash=")), "")
+    parts = (env.get("RAY_RAYLET_PID", ""), env.get("RAY_JOB_ID", ""), env_hash)
+    return "ray_resume-forkserver-" + "-".join(parts)  # "\0" + this: in the abstract namespace, no file to remove
+
+
+# --- the client: the process Ray started ---------------------------------------------------------
+
+def client(argv: list[str]) -> None:
+    """Run Ray's worker `argv` (`default_worker.py ...`) in a fork of this node's server, or here."""
+    address = _address(argv, os.environ)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect("\0" + address)
+    except OSError:  # no server: start one for the clients to come
+        conn.close()
+        _start_server(address)
+        os.execv(sys.executable, [sys.executable, *argv])
+    try:
+        _send(conn, {"fork": {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}}, [0, 1, 2])
+        child = struct.unpack("!i", _read(conn, 4))[0]
+    except OSError:  # not serving yet
+        conn.close()
+        os.execv(sys.executable, [sys.executable, *argv])
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: _signal(child, signum))
+    try:
+        status = struct.unpack("!i", _read(conn, 4))[0]  # the child's wait status, sent when it ends
+    except OSError:  # the server died: the child follows this process
+        os._exit(1)
+    if os.WIFSIGNALED(status):  # end by the same signal, without the handler set above
+        if os.WTERMSIG(status) in FORWARDED:
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def prepare() -> bool:
+    """In a rank past its imports: tell this node's server for the ranks of this job and runtime env
+    that it may import now (for the next group, should this one fail); whether it serves."""
+    return _prepare(_address(sys.argv, os.environ))
+
+
+def _prepare(address: str) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect("\0" + address)
+            _send(conn, {"prepare": True})
+            return _read(conn, 1) == b"1"
+    except OSError:  # none here (a rank not started through a client)
+        return False
+
+
+def _start_server(address: str) -> None:
+    middle = os.fork()  # the server's parent ends at once: the server is no worker's child
+    if middle == 0:
+        try:
+            subprocess.Popen([sys.executable, "-m", MODULE, "--serve", address], start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finally:
+            os._exit(0)
+    os.waitpid(middle, 0)
+
+
+def _send(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
+    body = json.dumps(message).encode()
+    socket.send_fds(conn, [struct.pack("!I", len(body)) + body], fds)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _read(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+# --- the server --------------------------------------------------------------------------------------
+
+def serve(address: str, idle_exit_s: float = IDLE_EXIT_S) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind("\0" + address)
+    except OSError:  # another server has it
+        return
+    listener.listen(64)
+    job, raylet = os.environ.get("RAY_JOB_ID", ""), int(os.environ.get("RAY_RAYLET_PID") or 0)
+    imports: threading.Thread | None = None  # started when a rank says the ranks are past their own
+    serving = False
+    clients: dict[int, socket.socket] = {}  # child pid -> the connection of the client it serves
+    alone_since = None
+    while True:
+        if select.select([listener], [], [], 0.2 if imports and imports.is_alive() else 1.0)[0]:
+            conn, _ = listener.accept()
+            try:
+                if _peer_uid(conn) == os.getuid():
+                    message, fds = _receive(conn)
+                    if "prepare" in message:
+                        if imports is None:
+                            imports = threading.Thread(target=_import_rank_modules, name="ray_resume-imports")
+                            imports.start()
+                        conn.sendall(b"1" if serving else b"0")
+                    elif serving:
+                        clients[_fork(conn, message["fork"], fds, [listener, *clients.values()])] = conn
+                        continue
+                    for fd in fds:
+                        os.close(fd)
+            except Exception:  # noqa: BLE001  (a client that went away, a message not ours: not the server's end)
+                pass
+            conn.close()  # a client not served runs its worker itself
+        if imports and not serving and not imports.is_alive():
+            imports.join()
+            # Never fork with a Python thread running (it may hold a lock the child would wait on
+            # forever) or a CUDA context (a child cannot use it).
+            serving = threading.active_count() == 1 and not _cuda_initialized()
+        _reap(clients)
+        if raylet and not os.path.exists(f"/proc/{raylet}"):  # Ray has stopped on this node
+            return
+        if clients or _job_alive_here(job):
+            alone_since = None
+        elif alone_since is None:
+            alone_since = time.monotonic()
+        elif time.monotonic() - alone_since > idle_exit_s:
+            return
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    conn.settimeout(5.0)
+    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+    try:
+        if len(head) < 4:
+            raise ConnectionError("no message")
+        return json.loads(_read(conn, struct.unpack("!I", head)[0])), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socket.socket]) -> int:
+    try:
+        pid = os.fork()
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    if pid == 0:
+        try:
+            for sock in (conn, *others):  # the server's: a client's end must close when the server's does
+                sock.close()
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            _run_worker(request)
+        finally:
+            os._exit(1)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(struct.pack("!i", pid))
+    return pid
+
+
+def _run_worker(request: dict) -> None:
+    """In the child: become the process Ray started (its environment, directory and arguments) and
+    run Ray's worker as `python default_worker.py ...` would."""
+    os.setsid()
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _follow(request["client"])
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def _follow(client: int) -> None:
+    """SIGKILL this child the moment its client ends."""
+    def watch() -> None:
+        try:
+            select.select([os.pidfd_open(client)], [], [])
+        except (AttributeError, OSError):  # no pidfd here: poll
+            while os.path.exists(f"/proc/{client}"):
+                time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="ray_resume-client", daemon=True).start()
+
+
+def _reap(clients: dict[int, socket.socket]) -> None:
+    while clients:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = clients.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(struct.pack("!i", status))
+            except OSError:
+                pass
+            conn.close()
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+
+
+def _job_alive_here(job: str) -> bool:
+    """Whether another process of `job` runs here (Ray gives its workers RAY_JOB_ID; fork servers,
+    ours or another's, do not count)."""
+    mark, me = f"RAY_JOB_ID={job}".encode(), str(os.getpid())
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and entry != me:
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f"{MODULE}\0--serve".encode() not in f.read():
+                        return True
+            except OSError:  # gone, or another user's
+                continue
+    return False
+
+
+def _import_rank_modules() -> None:
+    """What a rank imports before its first step, but ray_resume's own modules (0.15 s of the 5 s)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread's own policy
+    except (AttributeError, OSError):  # not Linux: at normal priority
+        pass
+    import torch._dynamo  # noqa: F401  (DDP's constructor imports it)
+    import ray.train.torch  # noqa: F401
+    from ray.train.v2._internal.execution.worker_group import worker  # noqa: F401  (Ray Train's worker actor)
+
+
+def _cuda_initialized() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2], *map(float, sys.argv[3:4]))
+    else:
+        client(sys.argv[1:])
