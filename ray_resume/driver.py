@@ -155,7 +155,8 @@ class RayTrain:
         the failure `fit()` raised (`failure`), and the wall time."""
         init_ray(self.address, cfg)
         ranks_env = (self.run_config or ray.train.RunConfig()).worker_runtime_env
-        fork_server = forkserver.wanted(cfg.failure.fork_server, ranks_env, ray.get_runtime_context().runtime_env)
+        fork_server = forkserver.wanted(cfg.failure.fork_server, ranks_env, ray.get_runtime_context().runtime_env,
+                                        ray_client=ray.util.client.ray.is_connected())
         if fork_server:
             ranks_env = forkserver.rank_runtime_env(ranks_env or {})
         loop_config[INTERNAL]["fork_server"] = fork_server

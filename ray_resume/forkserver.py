@@ -49,20 +49,23 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 OWN_PYTHON = ("py_executable", "pip", "uv", "conda", "image_uri", "container")
 
 
-def wanted(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any]) -> bool:
+def wanted(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any], ray_client: bool = False) -> bool:
     """Whether the ranks start through the fork server: `failure.fork_server`, where "auto" means
-    unless the ranks' runtime env (Ray Train's `worker_runtime_env`, the job's) runs them in a
-    Python of its own, and on Linux; `true` where it cannot be is a mistake, said before any rank
-    starts."""
+    on Linux, unless the ranks' runtime env (Ray Train's `worker_runtime_env`, the job's) runs them
+    in a Python of its own or the driver is a Ray Client (`ray://`: its interpreter's path is its
+    own machine's); `true` where it cannot be is a mistake, said before any rank starts."""
     own = next((key for env in runtime_envs for key in OWN_PYTHON if (env or {}).get(key)), None)
-    if setting is True and (own or not sys.platform.startswith("linux")):
+    why = (f"the ranks' runtime env sets `{own}`, which runs them in a Python of its own that a fork of the server "
+           "would not be" if own else
+           "the driver is a Ray Client (ray://), and the nodes may not have its interpreter" if ray_client else
+           f"it needs Linux (abstract Unix sockets, /proc), and this is {sys.platform}"
+           if not sys.platform.startswith("linux") else None)
+    if setting is True and why:
         from .errors import ConfigError
 
-        why = (f"the ranks' runtime env sets `{own}`, which runs them in a Python of its own that a fork of the server "
-               "would not be" if own else f"it needs Linux (abstract Unix sockets, /proc), and this is {sys.platform}")
         raise ConfigError(f"failure.fork_server is true, but {why}; set failure.fork_server to auto (on wherever it "
                           "can be) or false")
-    return setting is True or (setting == "auto" and own is None and sys.platform.startswith("linux"))
+    return setting is True or (setting == "auto" and why is None)
 
 
 def rank_runtime_env(runtime_env: dict) -> dict:
@@ -193,8 +196,8 @@ def serve(address: str, idle_exit_s: float = IDLE_EXIT_S) -> None:
         if imports and not serving and not imports.is_alive():
             imports.join()
             # Never fork with a Python thread running (it may hold a lock the child would wait on
-            # forever) or a CUDA context (a child cannot use it).
-            serving = threading.active_count() == 1 and not _cuda_initialized()
+            # forever) or a CUDA context (a child cannot use it), nor where forks would share IDs.
+            serving = threading.active_count() == 1 and not _cuda_initialized() and _forks_draw_distinct_ids()
         _reap(clients)
         if raylet and not os.path.exists(f"/proc/{raylet}"):  # Ray has stopped on this node
             return
@@ -317,14 +320,35 @@ def _job_alive_here(job: str) -> bool:
 
 
 def _import_rank_modules() -> None:
-    """What a rank imports before its first step, but ray_resume's own modules (0.15 s of the 5 s)."""
+    """What a rank imports before its first step, up to Ray's core: torch, `torch._dynamo` (DDP's
+    constructor imports it) and `ray`, 1.8 s of the 2.4 s here. Not Ray Train: importing it (its
+    `ray.dag`) draws from the seed pool of Ray's ID generator (absl's, process-wide, not fork-safe),
+    and every fork after that drew the same IDs (two ranks died in Ray's object store warm-up,
+    "Seal() called on an object without a reference to it"). `_forks_draw_distinct_ids` checks it."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread's own policy
     except (AttributeError, OSError):  # not Linux: at normal priority
         pass
-    import torch._dynamo  # noqa: F401  (DDP's constructor imports it)
-    import ray.train.torch  # noqa: F401
-    from ray.train.v2._internal.execution.worker_group import worker  # noqa: F401  (Ray Train's worker actor)
+    import torch._dynamo  # noqa: F401
+    import ray  # noqa: F401
+
+
+def _forks_draw_distinct_ids() -> bool:
+    """Whether two forks of this process draw different random Ray IDs."""
+    from ray._raylet import ObjectID
+
+    drawn = []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, ObjectID.from_random().binary())
+            os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        drawn.append(os.read(read, 64))
+        os.close(read)
+    return drawn[0] != drawn[1]
 
 
 def _cuda_initialized() -> bool:

@@ -86,8 +86,11 @@ def test_a_restarted_group_runs_in_forks_of_the_fork_server(tmp_path):
 WORKER = textwrap.dedent("""
     import json, os, sys, time
     print("hello from the worker", flush=True)
+    import ray.train  # what a rank imports after the fork (Ray's ID generator seeded here, not in the server)
+    from ray._raylet import ObjectID
     json.dump({"pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(), "argv": sys.argv,
-               "mine": os.environ.get("MY_VAR"), "torch_loaded": "torch" in sys.modules}, open("report.json", "w"))
+               "mine": os.environ.get("MY_VAR"), "torch_loaded": "torch" in sys.modules,
+               "ray_id": ObjectID.from_random().hex()}, open(f"report{os.environ.get('NTH', '')}.json", "w"))
     if "--wait" in sys.argv:
         time.sleep(120)
     sys.exit(7)
@@ -129,11 +132,11 @@ def run_client(env: dict, argv: list[str], cwd: Path, *extra: str) -> subprocess
                             cwd=cwd, stdout=subprocess.PIPE, text=True)
 
 
-def report(cwd: Path, timeout: float = 30) -> dict:
+def report(cwd: Path, nth: str = "", timeout: float = 30) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            return json.loads((cwd / "report.json").read_text())
+            return json.loads((cwd / f"report{nth}.json").read_text())
         except (OSError, ValueError):
             time.sleep(0.05)
     raise AssertionError("the worker wrote no report")
@@ -167,6 +170,17 @@ def test_a_client_runs_the_worker_in_a_fork_of_the_server_in_its_own_environment
     assert got["parent"] == proc.pid and got["pid"] != client.pid
     assert got["torch_loaded"] is True  # imported by the server, before the fork
     assert (got["cwd"], got["argv"], got["mine"]) == (str(tmp_path), [*argv, "a b"], "x")
+
+
+def test_forks_of_the_server_draw_distinct_ray_ids(server, tmp_path):
+    """Ray's random IDs (objects, tasks) come from a generator whose seed pool forks share once it
+    is drawn from: two forks that drew the same IDs died in Ray's object store warm-up."""
+    _, env, argv, _ = server
+    clients = [run_client({**env, "NTH": str(n)}, argv, tmp_path) for n in range(2)]
+    for client in clients:
+        client.communicate(timeout=60)
+    ids = [report(tmp_path, str(n))["ray_id"] for n in range(2)]
+    assert ids[0] != ids[1], ids
 
 
 def test_the_worker_ends_with_its_client_and_the_client_with_its_worker(server, tmp_path):
@@ -206,6 +220,10 @@ def test_fork_server_true_where_it_cannot_be_is_a_config_error(monkeypatch):
     assert str(err.value) == ("failure.fork_server is true, but the ranks' runtime env sets `uv`, which runs them in a Python "
                               "of its own that a fork of the server would not be; set failure.fork_server to auto (on wherever "
                               "it can be) or false")
+    with pytest.raises(ConfigError, match=r"failure.fork_server is true, but the driver is a Ray Client \(ray://\), and the "
+                                          r"nodes may not have its interpreter; set"):
+        forkserver.wanted(True, None, {}, ray_client=True)
+    assert forkserver.wanted("auto", None, {}, ray_client=True) is False
     monkeypatch.setattr(sys, "platform", "darwin")
     assert forkserver.wanted("auto", None, {}) is False
     with pytest.raises(ConfigError, match=r"failure.fork_server is true, but it needs Linux \(abstract Unix sockets, /proc\), "
