@@ -1,6 +1,6 @@
-"""A restarted group's processes are forks of the node's fork server, which imported what a rank
-imports before the failure (ray_resume.forkserver): on a real `fit()`, and the protocol on its own
-with real processes (a stand-in for Ray's worker script)."""
+"""A restarted group's processes are forks of the node's fork server, which imported torch and Ray
+before the failure (ray_resume.forkserver): on a real `fit()`, and the protocol on its own with
+real processes (a stand-in for Ray's worker script)."""
 
 from __future__ import annotations
 
