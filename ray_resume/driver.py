@@ -159,7 +159,6 @@ class RayTrain:
                                         ray_client=ray.util.client.ray.is_connected())
         if fork_server:
             ranks_env = forkserver.rank_runtime_env(ranks_env or {})
-        loop_config[INTERNAL]["fork_server"] = fork_server
         print_every_line_of(cfg.name)
         clock = loop_config[INTERNAL]["clock"]
         clock["ray_up"] = time.time()

@@ -1,25 +1,24 @@
-"""A fork server per node and job: a restarted group's processes forked from one that has already
-imported torch and Ray, so a restart pays the rest of a rank's imports only (0.6 of 2.4 s here).
+"""A fork server per node and job: a group's processes forked from one that has imported what a
+rank imports, once, so that a restart pays none of those imports (3.9 s of a core here).
 
 Ray Train replaces the whole worker group after a failure, and Ray starts each new actor in a new
 process (`bash -c "exec <py_executable> default_worker.py ..."`) that imports Ray Train, torch and
-`torch._dynamo` again before its first step: the restart floor, ~5 s of a core here, more where
-many processes import at once. The ranks' runtime env names this module as that `py_executable`
-(`rank_runtime_env`; the interpreter stays the driver's, Ray's own default). That process, the
-*client*, asks its node's server for a fork:
+`torch._dynamo` again before its first step: the restart floor, more where many processes import at
+once. The ranks' runtime env names this module as that `py_executable` (`rank_runtime_env`; the
+interpreter stays the driver's, Ray's own default). That process, the *client*, asks its node's
+server for a fork:
 
 - where no server has the node's address yet (an abstract Unix socket named by the raylet, the
-  job and the runtime env's hash), the client starts one, detached (Ray ends a worker's child
-  processes with it), and runs Ray's worker itself, as without us. So the server is a process
-  Ray started, as a worker is: its environment, directory, niceness, cgroup;
-- the server imports nothing until a rank of the group tells it that the ranks are past their own
-  imports (`prepare`: a server importing beside them slowed them), then imports torch and Ray's
-  core, once, on a thread of idle CPU priority, and serves from then on;
+  job and the runtime env's hash), the client binds it and starts the server, detached (Ray ends a
+  worker's child processes with it). So the server is a process Ray started, as a worker is: its
+  environment, directory, niceness, cgroup;
+- the server imports what a rank does, once, while the first group's clients wait (one import
+  for the node's ranks instead of one each), and forks a child per client from then on;
 - a client served hands the server its arguments, environment, working directory and standard
-  streams, and the server forks a child that runs Ray's `default_worker.py` in them. The client
-  stays as the process Ray started: it passes Ray's signals on to the child and ends as the child
-  ends (its exit code, or its signal); the child ends the moment the client does (Ray may SIGKILL
-  it). A client the server cannot serve yet runs the worker itself.
+  streams, and the child runs Ray's `default_worker.py` in them. The client stays as the process
+  Ray started: it passes Ray's signals on to the child and ends as the child ends (its exit code,
+  or its signal); the child ends the moment the client does (Ray may SIGKILL it). A client the
+  server cannot serve runs the worker itself.
 
 Only processes of the server's own user are served (the abstract namespace has no file
 permissions). The server ends once the raylet is gone, or no process of its job has been left on
@@ -28,6 +27,7 @@ its node for `IDLE_EXIT_S`.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -83,19 +83,19 @@ def _address(argv: list[str], env: dict[str, str]) -> str:
 # --- the client: the process Ray started ---------------------------------------------------------
 
 def client(argv: list[str]) -> None:
-    """Run Ray's worker `argv` (`default_worker.py ...`) in a fork of this node's server, or here."""
+    """Run Ray's worker `argv` (`default_worker.py ...`) in a fork of this node's server, started
+    here where there is none yet, or here where the server cannot serve."""
     address = _address(argv, os.environ)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect("\0" + address)
-    except OSError:  # no server: start one for the clients to come
-        conn.close()
-        _start_server(address)
-        os.execv(sys.executable, [sys.executable, *argv])
-    try:
+        try:
+            conn.connect("\0" + address)
+        except OSError:  # no server yet
+            _start_server(address)
+            conn.connect("\0" + address)
         _send(conn, {"fork": {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}}, [0, 1, 2])
-        child = struct.unpack("!i", _read(conn, 4))[0]
-    except OSError:  # not serving yet
+        child = struct.unpack("!i", _read(conn, 4))[0]  # once the server has imported
+    except OSError:  # a server that cannot serve
         conn.close()
         os.execv(sys.executable, [sys.executable, *argv])
     for sig in FORWARDED:
@@ -111,31 +111,41 @@ def client(argv: list[str]) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def prepare() -> bool:
-    """In a rank past its imports: tell this node's server for the ranks of this job and runtime env
-    that it may import now (for the next group, should this one fail); whether it serves."""
-    return _prepare(_address(sys.argv, os.environ))
+def serving() -> bool:
+    """In a rank: whether this node's server for the ranks of this job and runtime env serves."""
+    return _serving(_address(sys.argv, os.environ))
 
 
-def _prepare(address: str) -> bool:
+def _serving(address: str) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect("\0" + address)
-            _send(conn, {"prepare": True})
+            _send(conn, {"serving": True})
             return _read(conn, 1) == b"1"
     except OSError:  # none here (a rank not started through a client)
         return False
 
 
 def _start_server(address: str) -> None:
+    """Bind the server's address here, so that this client and the next ones connect at once, and
+    hand it to a new server, detached (Ray ends a worker's child processes with it)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind("\0" + address)
+    except OSError:  # another client was first
+        listener.close()
+        return
+    listener.listen(64)
     middle = os.fork()  # the server's parent ends at once: the server is no worker's child
     if middle == 0:
         try:
-            subprocess.Popen([sys.executable, "-m", MODULE, "--serve", address], start_new_session=True,
+            subprocess.Popen([sys.executable, "-m", MODULE, "--serve", address, str(IDLE_EXIT_S), str(listener.fileno())],
+                             pass_fds=[listener.fileno()], start_new_session=True,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         finally:
             os._exit(0)
     os.waitpid(middle, 0)
+    listener.close()
 
 
 def _send(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
@@ -162,46 +172,62 @@ def _read(conn: socket.socket, n: int) -> bytes:
 
 # --- the server --------------------------------------------------------------------------------------
 
-def serve(address: str, idle_exit_s: float = IDLE_EXIT_S) -> None:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind("\0" + address)
-    except OSError:  # another server has it
-        return
-    listener.listen(64)
+def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | None = None) -> None:
+    """Import what a rank does, then fork a worker for each client, the ones that came during the
+    imports first; end when Ray or the job has left the node."""
+    if listener_fd is None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind("\0" + address)
+        except OSError:  # another server has it
+            return
+        listener.listen(64)
+    else:  # bound by the client that started this server
+        listener = socket.socket(fileno=listener_fd)
     job, raylet = os.environ.get("RAY_JOB_ID", ""), int(os.environ.get("RAY_RAYLET_PID") or 0)
-    imports: threading.Thread | None = None  # started when a rank says the ranks are past their own
-    serving = False
+    imports = threading.Thread(target=_import_rank_modules, name="ray_resume-imports", daemon=True)
+    imports.start()
+    can_serve: bool | None = None  # known once the imports are done
+    waiting: list[tuple[socket.socket, dict, list[int]]] = []  # clients, each with its standard streams
     clients: dict[int, socket.socket] = {}  # child pid -> the connection of the client it serves
     alone_since = None
     while True:
-        if select.select([listener], [], [], 0.2 if imports and imports.is_alive() else 1.0)[0]:
+        if select.select([listener], [], [], 1.0 if can_serve is not None else 0.1)[0]:
             conn, _ = listener.accept()
             try:
                 if _peer_uid(conn) == os.getuid():
                     message, fds = _receive(conn)
-                    if "prepare" in message:
-                        if imports is None:
-                            imports = threading.Thread(target=_import_rank_modules, name="ray_resume-imports")
-                            imports.start()
-                        conn.sendall(b"1" if serving else b"0")
-                    elif serving:
-                        clients[_fork(conn, message["fork"], fds, [listener, *clients.values()])] = conn
-                        continue
-                    for fd in fds:
-                        os.close(fd)
+                    if "fork" in message:
+                        waiting.append((conn, message["fork"], fds))
+                        conn = None
+                    else:
+                        _close(fds)
+                        conn.sendall(b"1" if can_serve else b"0")
             except Exception:  # noqa: BLE001  (a client that went away, a message not ours: not the server's end)
                 pass
-            conn.close()  # a client not served runs its worker itself
-        if imports and not serving and not imports.is_alive():
+            if conn:
+                conn.close()
+        if can_serve is None and not imports.is_alive():
             imports.join()
             # Never fork with a Python thread running (it may hold a lock the child would wait on
             # forever) or a CUDA context (a child cannot use it), nor where forks would share IDs.
-            serving = threading.active_count() == 1 and not _cuda_initialized() and _forks_draw_distinct_ids()
+            can_serve = threading.active_count() == 1 and not _cuda_initialized() and _forks_draw_distinct_ids()
+            gc.freeze()  # what is imported stays out of the forks' collections (pages they would copy)
+        while can_serve is not None and waiting:
+            conn, request, fds = waiting.pop(0)
+            try:
+                if can_serve:  # else the client runs its worker itself
+                    others = [listener, *clients.values(), *(c for c, _, _ in waiting)]
+                    clients[_fork(conn, request, fds, others, [fd for _, _, more in waiting for fd in more])] = conn
+                    continue
+            except Exception:  # noqa: BLE001  (a client that went away; a fork the system refused)
+                pass
+            _close(fds)
+            conn.close()
         _reap(clients)
         if raylet and not os.path.exists(f"/proc/{raylet}"):  # Ray has stopped on this node
             return
-        if clients or _job_alive_here(job):
+        if clients or waiting or _job_alive_here(job):
             alone_since = None
         elif alone_since is None:
             alone_since = time.monotonic()
@@ -217,32 +243,38 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
             raise ConnectionError("no message")
         return json.loads(_read(conn, struct.unpack("!I", head)[0])), fds
     except BaseException:
-        for fd in fds:
-            os.close(fd)
+        _close(fds)
         raise
 
 
-def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socket.socket]) -> int:
+def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socket.socket], other_fds: list[int]) -> int:
+    """A child running `request`'s worker with `fds` as its standard streams, and none of the
+    server's sockets (`others`: a client's end must close when the server's does) or other clients'
+    streams."""
     try:
         pid = os.fork()
     except OSError:
-        for fd in fds:
-            os.close(fd)
+        _close(fds)
         raise
     if pid == 0:
         try:
-            for sock in (conn, *others):  # the server's: a client's end must close when the server's does
+            for sock in (conn, *others):
                 sock.close()
+            _close(other_fds)
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
                 os.close(fd)
             _run_worker(request)
         finally:
             os._exit(1)
-    for fd in fds:
-        os.close(fd)
+    _close(fds)
     conn.sendall(struct.pack("!i", pid))
     return pid
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _run_worker(request: dict) -> None:
@@ -320,17 +352,31 @@ def _job_alive_here(job: str) -> bool:
 
 
 def _import_rank_modules() -> None:
-    """What a rank imports before its first step, up to Ray's core: torch, `torch._dynamo` (DDP's
-    constructor imports it) and `ray`, 1.8 s of the 2.4 s here. Not Ray Train: importing it (its
-    `ray.dag`) draws from the seed pool of Ray's ID generator (absl's, process-wide, not fork-safe),
-    and every fork after that drew the same IDs (two ranks died in Ray's object store warm-up,
-    "Seal() called on an object without a reference to it"). `_forks_draw_distinct_ids` checks it."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread's own policy
-    except (AttributeError, OSError):  # not Linux: at normal priority
-        pass
+    """What a rank imports before its first step: torch, `torch._dynamo` (DDP's constructor imports
+    it), Ray, Ray Train (its worker actor's module, `ray.train.torch`) and ours. Module-level `@ray.remote` classes in Ray Train and Ray Data draw an `ActorClassID` at
+    import, and the first draw seeds Ray's ID generator, whose state forks share: every fork after
+    it drew the same IDs (two ranks died in Ray's object store warm-up, "Seal() called on an object
+    without a reference to it"). Those class IDs come from the OS here instead (they are a class's
+    label, never looked up); `_forks_draw_distinct_ids` checks that no other draw was made."""
     import torch._dynamo  # noqa: F401
-    import ray  # noqa: F401
+    import ray.actor
+    from ray._raylet import ActorClassID
+
+    class FromTheOS:
+        @staticmethod
+        def from_random() -> ActorClassID:
+            return ActorClassID(os.urandom(ActorClassID.size()))
+
+    ray.actor.ActorClassID = FromTheOS
+    try:
+        import ray.train.torch  # noqa: F401
+        import ray.train.v2._internal.execution.worker_group.worker  # noqa: F401  (Ray Train's worker actor)
+        import ray.tune  # noqa: F401  (Ray Train's worker imports it when it sets up torch)
+
+        import ray_resume.driver  # noqa: F401  (the job's configuration refers to it)
+        import ray_resume.rank  # noqa: F401
+    finally:
+        ray.actor.ActorClassID = ActorClassID
 
 
 def _forks_draw_distinct_ids() -> bool:
@@ -359,6 +405,6 @@ def _cuda_initialized() -> bool:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        serve(sys.argv[2], *map(float, sys.argv[3:4]))
+        serve(sys.argv[2], *map(float, sys.argv[3:4]), *map(int, sys.argv[4:5]))
     else:
         client(sys.argv[1:])

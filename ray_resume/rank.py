@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import collectives, forkserver
+from . import collectives
 from .calls import call
 from .checkpoint.checkpointer import Checkpointer, Start
 from .checkpoint.root import CommittedIteration, ResumeSource
@@ -64,8 +64,6 @@ def rank_entry(loop_config: dict) -> None:
     controller = ours["controller"]
     cfg = Config.from_dict(call(controller, "job_config"))  # the train_loop_config Ray Train shows is redacted
     ctx = ray.train.get_context()
-    if ours.get("fork_server") and ctx.get_local_rank() == 0:
-        forkserver.prepare()  # the node's server may import now, for the next group should this one fail
     run_rank(cfg, controller, ctx.get_world_rank(), ctx.get_world_size(), ours["train_func"], loop_config[USER],
              source=ours["source"], job_id=ours["job_id"], driver_clock=ours["clock"])
 

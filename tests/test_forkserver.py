@@ -1,6 +1,6 @@
-"""A restarted group's processes are forks of the node's fork server, which imported torch and Ray
-before the failure (ray_resume.forkserver): on a real `fit()`, and the protocol on its own with
-real processes (a stand-in for Ray's worker script)."""
+"""A group's processes, the first and a restarted one, are forks of the node's fork server, which
+imported what a rank imports once (ray_resume.forkserver): on a real `fit()`, and the protocol on
+its own with real processes (a stand-in for Ray's worker script)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ STEPS = 4
 
 
 def train_func(config: dict) -> None:
-    """Each rank says its pid and its parent; on the first attempt rank 1 waits until its node's
-    fork server serves, says so, and is SIGKILLed."""
+    """Each rank says its pid and its parent; on the first attempt rank 1 says whether its node's
+    fork server serves and is SIGKILLed."""
     import ray.train
 
     ctx = ray.train.get_context()
@@ -41,10 +41,7 @@ def train_func(config: dict) -> None:
     for step in range(start.step + 1, STEPS + 1):
         torch.distributed.all_reduce(torch.ones(1))  # rank 0 waits here for the lost rank 1
         if attempt == "first" and step == 2 and rank == 1:
-            deadline = time.monotonic() + 120
-            while not forkserver.prepare() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            (out / "killed.json").write_text(json.dumps({"serving": forkserver.prepare(), "at": time.time()}))
+            (out / "killed.json").write_text(json.dumps({"serving": forkserver.serving(), "at": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)
         ck.maybe_save(step, consumed_samples=step, global_batch_size=1)
 
@@ -64,11 +61,9 @@ def command_line(pid: int) -> str:
 
 
 @pytest.mark.usefixtures("ray_cluster", "by_value")
-def test_a_restarted_group_runs_in_forks_of_the_fork_server(tmp_path):
-    """By default (`failure.fork_server: auto`), on CPU ranks too: the restarted group's processes
-    are new forks of the node's server, which was serving before the kill. (The first group's are
-    Ray's own in a new job; here the suite's earlier jobs on this driver may have started the
-    server already.)"""
+def test_both_groups_run_in_forks_of_the_fork_server(tmp_path):
+    """By default (`failure.fork_server: auto`), on CPU ranks too: the first group's processes and
+    the restarted group's new ones are forks of one server on the node."""
     import ray.train
 
     result = ray_resume.fit(train_func, train_loop_config={"dir": str(tmp_path)},
@@ -78,7 +73,7 @@ def test_a_restarted_group_runs_in_forks_of_the_fork_server(tmp_path):
     assert json.loads((tmp_path / "killed.json").read_text())["serving"] is True
     first, restarted = ([json.loads((tmp_path / f"{attempt}-{rank}.json").read_text()) for rank in range(2)]
                         for attempt in ("first", "restarted"))
-    assert len({r["parent"] for r in restarted}) == 1, restarted  # one server for the node
+    assert len({r["parent"] for r in first + restarted}) == 1, (first, restarted)  # one server for the node
     assert f"-m {forkserver.MODULE} --serve" in command_line(restarted[0]["parent"])
     assert not {r["pid"] for r in restarted} & {r["pid"] for r in first}, (first, restarted)  # new processes
 
@@ -86,10 +81,11 @@ def test_a_restarted_group_runs_in_forks_of_the_fork_server(tmp_path):
 WORKER = textwrap.dedent("""
     import json, os, sys, time
     print("hello from the worker", flush=True)
-    import ray.train  # what a rank imports after the fork (Ray's ID generator seeded here, not in the server)
+    imported = {name: name in sys.modules for name in ("torch", "ray.train.torch", "ray_resume.rank")}
+    import ray.train
     from ray._raylet import ObjectID
     json.dump({"pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(), "argv": sys.argv,
-               "mine": os.environ.get("MY_VAR"), "torch_loaded": "torch" in sys.modules,
+               "mine": os.environ.get("MY_VAR"), "imported": imported,
                "ray_id": ObjectID.from_random().hex()}, open(f"report{os.environ.get('NTH', '')}.json", "w"))
     if "--wait" in sys.argv:
         time.sleep(120)
@@ -120,7 +116,7 @@ def server(tmp_path):
     env, argv, address = job_env(tmp_path)
     job_process = subprocess.Popen(["sleep", "600"], env=env)
     proc = subprocess.Popen([sys.executable, "-m", forkserver.MODULE, "--serve", address, "1"], env=env)
-    until(lambda: forkserver._prepare(address), "the server serves")
+    until(lambda: forkserver._serving(address), "the server serves")
     yield proc, env, argv, job_process
     for p in (proc, job_process):
         p.kill()
@@ -142,19 +138,30 @@ def report(cwd: Path, nth: str = "", timeout: float = 30) -> dict:
     raise AssertionError("the worker wrote no report")
 
 
-def test_without_a_server_a_client_runs_the_worker_itself_and_starts_one_that_imports_once_told(tmp_path):
+def test_without_a_server_a_client_starts_one_and_runs_the_worker_in_a_fork_of_it(tmp_path):
     env, argv, address = job_env(tmp_path)
     client = run_client(env, argv, tmp_path)
-    out, _ = client.communicate(timeout=60)
-    assert (client.returncode, out, report(tmp_path)["pid"]) == (7, "hello from the worker\n", client.pid)
+    out, _ = client.communicate(timeout=120)
+    got = report(tmp_path)
     server = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and address in command_line(int(p.name)))
     try:
-        time.sleep(1)
-        assert "libtorch" not in Path(f"/proc/{server}/maps").read_text()  # nothing imported before a rank says so
-        until(lambda: forkserver._prepare(address), "the server serves")
-        assert "libtorch" in Path(f"/proc/{server}/maps").read_text()
+        assert (client.returncode, out) == (7, "hello from the worker\n")
+        assert got["parent"] == server and got["pid"] != client.pid
+        assert got["imported"] == {"torch": True, "ray.train.torch": True, "ray_resume.rank": True}  # by the server
     finally:
         os.kill(server, signal.SIGKILL)
+
+
+def test_a_client_the_server_cannot_serve_runs_the_worker_itself(tmp_path):
+    """A server that closes the connection (as ours does where it cannot fork safely)."""
+    env, argv, address = job_env(tmp_path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as refusing:
+        refusing.bind("\0" + address)
+        refusing.listen(1)
+        client = run_client(env, argv, tmp_path)
+        refusing.accept()[0].close()
+        out, _ = client.communicate(timeout=60)
+    assert (client.returncode, out, report(tmp_path)["pid"]) == (7, "hello from the worker\n", client.pid)
 
 
 def test_a_client_runs_the_worker_in_a_fork_of_the_server_in_its_own_environment(server, tmp_path):
@@ -168,13 +175,14 @@ def test_a_client_runs_the_worker_in_a_fork_of_the_server_in_its_own_environment
     assert out == "hello from the worker\n"  # its stdout is the client's
     got = report(tmp_path)
     assert got["parent"] == proc.pid and got["pid"] != client.pid
-    assert got["torch_loaded"] is True  # imported by the server, before the fork
+    assert got["imported"] == {"torch": True, "ray.train.torch": True, "ray_resume.rank": True}  # by the server
     assert (got["cwd"], got["argv"], got["mine"]) == (str(tmp_path), [*argv, "a b"], "x")
 
 
 def test_forks_of_the_server_draw_distinct_ray_ids(server, tmp_path):
-    """Ray's random IDs (objects, tasks) come from a generator whose seed pool forks share once it
-    is drawn from: two forks that drew the same IDs died in Ray's object store warm-up."""
+    """Ray's random IDs (objects, tasks) come from a generator whose state forks share once it has
+    been drawn from, and importing Ray Train draws (its module-level actor classes): two forks that
+    drew the same IDs died in Ray's object store warm-up."""
     _, env, argv, _ = server
     clients = [run_client({**env, "NTH": str(n)}, argv, tmp_path) for n in range(2)]
     for client in clients:
