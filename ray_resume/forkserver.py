@@ -1,5 +1,5 @@
 """A fork server per node and job: a group's processes forked from one that has imported what a
-rank imports, once, so that a restart pays none of those imports (3.9 s of a core here).
+rank imports, once, so that a restart pays none of those imports (3-4 s of a core here).
 
 Ray Train replaces the whole worker group after a failure, and Ray starts each new actor in a new
 process (`bash -c "exec <py_executable> default_worker.py ..."`) that imports Ray Train, torch and
@@ -353,11 +353,12 @@ def _job_alive_here(job: str) -> bool:
 
 def _import_rank_modules() -> None:
     """What a rank imports before its first step: torch, `torch._dynamo` (DDP's constructor imports
-    it), Ray, Ray Train (its worker actor's module, `ray.train.torch`) and ours. Module-level `@ray.remote` classes in Ray Train and Ray Data draw an `ActorClassID` at
-    import, and the first draw seeds Ray's ID generator, whose state forks share: every fork after
-    it drew the same IDs (two ranks died in Ray's object store warm-up, "Seal() called on an object
-    without a reference to it"). Those class IDs come from the OS here instead (they are a class's
-    label, never looked up); `_forks_draw_distinct_ids` checks that no other draw was made."""
+    it), Ray, Ray Train (its worker actor's module, `ray.train.torch`) and ours. Module-level
+    `@ray.remote` classes in Ray Train and Ray Data draw an `ActorClassID` at import, and the first
+    draw seeds Ray's ID generator, whose state forks share: every fork after it drew the same IDs
+    (two ranks died in Ray's object store warm-up, "Seal() called on an object without a reference
+    to it"). Those class IDs come from the OS here instead (they are a class's label, never looked
+    up); `_forks_draw_distinct_ids` checks that no other draw was made."""
     import torch._dynamo  # noqa: F401
     import ray.actor
     from ray._raylet import ActorClassID
