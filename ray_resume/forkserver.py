@@ -215,15 +215,15 @@ def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | Non
             gc.freeze()  # what is imported stays out of the forks' collections (pages they would copy)
         while can_serve is not None and waiting:
             conn, request, fds = waiting.pop(0)
+            if not can_serve:  # the client runs its worker itself
+                _close(fds)
+                conn.close()
+                continue
+            others = [listener, *clients.values(), *(c for c, _, _ in waiting)]
             try:
-                if can_serve:  # else the client runs its worker itself
-                    others = [listener, *clients.values(), *(c for c, _, _ in waiting)]
-                    clients[_fork(conn, request, fds, others, [fd for _, _, more in waiting for fd in more])] = conn
-                    continue
-            except Exception:  # noqa: BLE001  (a client that went away; a fork the system refused)
-                pass
-            _close(fds)
-            conn.close()
+                clients[_fork(conn, request, fds, others, [fd for _, _, more in waiting for fd in more])] = conn
+            except OSError:  # the system refused the fork: the client runs its worker itself
+                conn.close()
         _reap(clients)
         if raylet and not os.path.exists(f"/proc/{raylet}"):  # Ray has stopped on this node
             return
@@ -248,9 +248,9 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socket.socket], other_fds: list[int]) -> int:
-    """A child running `request`'s worker with `fds` as its standard streams, and none of the
-    server's sockets (`others`: a client's end must close when the server's does) or other clients'
-    streams."""
+    """A child running `request`'s worker with `fds` as its standard streams (closed here in any
+    case), and none of the server's sockets (`others`: a client's end must close when the server's
+    does) or other clients' streams."""
     try:
         pid = os.fork()
     except OSError:
@@ -268,7 +268,10 @@ def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socke
         finally:
             os._exit(1)
     _close(fds)
-    conn.sendall(struct.pack("!i", pid))
+    try:
+        conn.sendall(struct.pack("!i", pid))
+    except OSError:  # the client is gone (Ray ended it while it waited): the child follows it
+        pass
     return pid
 
 

@@ -152,6 +152,29 @@ def test_without_a_server_a_client_starts_one_and_runs_the_worker_in_a_fork_of_i
         os.kill(server, signal.SIGKILL)
 
 
+def test_a_client_gone_while_the_server_imports_leaves_it_serving_the_next(tmp_path):
+    """Ray may end a process it started while the server is still importing (a job cancelled as it
+    starts): the server forks for it anyway, the fork ends with its client, and the server serves on."""
+    env, argv, address = job_env(tmp_path)
+    job_process = subprocess.Popen(["sleep", "600"], env=env)
+    server = subprocess.Popen([sys.executable, "-m", forkserver.MODULE, "--serve", address, "1"], env=env)
+    ended = subprocess.Popen(["true"])  # a client that has ended
+    ended.wait()
+    (tmp_path / "gone").mkdir()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+            until(lambda: gone.connect_ex("\0" + address) == 0, "the server listens")
+            forkserver._send(gone, {"fork": {"argv": argv, "env": env, "cwd": str(tmp_path / "gone"), "client": ended.pid}},
+                             [0, 1, 2])
+        client = run_client(env, argv, tmp_path)
+        out, _ = client.communicate(timeout=120)
+        assert (client.returncode, out, report(tmp_path)["parent"]) == (7, "hello from the worker\n", server.pid)
+    finally:
+        for p in (server, job_process):
+            p.kill()
+            p.wait()
+
+
 def test_a_client_the_server_cannot_serve_runs_the_worker_itself(tmp_path):
     """A server that closes the connection (as ours does where it cannot fork safely)."""
     env, argv, address = job_env(tmp_path)
