@@ -158,7 +158,7 @@ class RayTrain:
         fork_server = forkserver.wanted(cfg.failure.fork_server, ranks_env, ray.get_runtime_context().runtime_env,
                                         ray_client=ray.util.client.ray.is_connected())
         if fork_server:
-            ranks_env = forkserver.rank_runtime_env(ranks_env or {})
+            ranks_env = forkserver.rank_runtime_env(ranks_env or {}, preload=(rank_entry.__module__, __name__))
         print_every_line_of(cfg.name)
         clock = loop_config[INTERNAL]["clock"]
         clock["ray_up"] = time.time()

@@ -28,6 +28,7 @@ its node for `IDLE_EXIT_S`.
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import runpy
@@ -39,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Literal, Union
+from typing import Any, Literal, Sequence, Union
 
 MODULE = "ray_resume.forkserver"  # its name also where it runs as __main__
 IDLE_EXIT_S = 30.0  # no process of the job on the node this long: the job has ended here
@@ -68,10 +69,12 @@ def wanted(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any],
     return setting is True or (setting == "auto" and why is None)
 
 
-def rank_runtime_env(runtime_env: dict) -> dict:
+def rank_runtime_env(runtime_env: dict, preload: Sequence[str] = ()) -> dict:
     """The ranks' runtime env with this module as their Python's entry: the driver's interpreter
-    (Ray's default), `-m ray_resume.forkserver` before Ray's worker arguments."""
-    return {**runtime_env, "py_executable": f"{sys.executable} -m {MODULE}"}
+    (Ray's default), `-m ray_resume.forkserver` before Ray's worker arguments; the server imports
+    `preload` too (the caller's modules a rank imports)."""
+    entry = f"{sys.executable} -m {MODULE}" + (f" --preload={','.join(preload)}" if preload else "")
+    return {**runtime_env, "py_executable": entry}
 
 
 def _address(argv: list[str], env: dict[str, str]) -> str:
@@ -83,15 +86,17 @@ def _address(argv: list[str], env: dict[str, str]) -> str:
 # --- the client: the process Ray started ---------------------------------------------------------
 
 def client(argv: list[str]) -> None:
-    """Run Ray's worker `argv` (`default_worker.py ...`) in a fork of this node's server, started
-    here where there is none yet, or here where the server cannot serve."""
+    """Run Ray's worker `argv` (`default_worker.py ...`, after our own `--preload=`) in a fork of
+    this node's server, started here where there is none yet, or here where it cannot serve."""
+    preload = argv[:1] if argv[:1] and argv[0].startswith("--preload=") else []
+    argv = argv[len(preload):]
     address = _address(argv, os.environ)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         try:
             conn.connect("\0" + address)
         except OSError:  # no server yet
-            _start_server(address)
+            _start_server(address, preload)
             conn.connect("\0" + address)
         _send(conn, {"fork": {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}}, [0, 1, 2])
         child = struct.unpack("!i", _read(conn, 4))[0]  # once the server has imported
@@ -126,7 +131,7 @@ def _serving(address: str) -> bool:
         return False
 
 
-def _start_server(address: str) -> None:
+def _start_server(address: str, options: list[str]) -> None:
     """Bind the server's address here, so that this client and the next ones connect at once, and
     hand it to a new server, detached (Ray ends a worker's child processes with it)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -139,7 +144,7 @@ def _start_server(address: str) -> None:
     middle = os.fork()  # the server's parent ends at once: the server is no worker's child
     if middle == 0:
         try:
-            subprocess.Popen([sys.executable, "-m", MODULE, "--serve", address, str(IDLE_EXIT_S), str(listener.fileno())],
+            subprocess.Popen([sys.executable, "-m", MODULE, "--serve", address, f"--fd={listener.fileno()}", *options],
                              pass_fds=[listener.fileno()], start_new_session=True,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         finally:
@@ -172,9 +177,9 @@ def _read(conn: socket.socket, n: int) -> bytes:
 
 # --- the server --------------------------------------------------------------------------------------
 
-def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | None = None) -> None:
-    """Import what a rank does, then fork a worker for each client, the ones that came during the
-    imports first; end when Ray or the job has left the node."""
+def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | None = None, preload: Sequence[str] = ()) -> None:
+    """Import what a rank does (`preload` too), then fork a worker for each client, the ones that
+    came during the imports first; end when Ray or the job has left the node."""
     if listener_fd is None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -185,7 +190,7 @@ def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | Non
     else:  # bound by the client that started this server
         listener = socket.socket(fileno=listener_fd)
     job, raylet = os.environ.get("RAY_JOB_ID", ""), int(os.environ.get("RAY_RAYLET_PID") or 0)
-    imports = threading.Thread(target=_import_rank_modules, name="ray_resume-imports", daemon=True)
+    imports = threading.Thread(target=_import_rank_modules, args=(preload,), name="ray_resume-imports", daemon=True)
     imports.start()
     can_serve: bool | None = None  # known once the imports are done
     waiting: list[tuple[socket.socket, dict, list[int]]] = []  # clients, each with its standard streams
@@ -354,9 +359,9 @@ def _job_alive_here(job: str) -> bool:
     return False
 
 
-def _import_rank_modules() -> None:
+def _import_rank_modules(preload: Sequence[str]) -> None:
     """What a rank imports before its first step: torch, `torch._dynamo` (DDP's constructor imports
-    it), Ray, Ray Train (its worker actor's module, `ray.train.torch`) and ours. Module-level
+    it), Ray, Ray Train (its worker actor's module, `ray.train.torch`) and `preload`. Module-level
     `@ray.remote` classes in Ray Train and Ray Data draw an `ActorClassID` at import, and the first
     draw seeds Ray's ID generator, whose state forks share: every fork after it drew the same IDs
     (two ranks died in Ray's object store warm-up, "Seal() called on an object without a reference
@@ -377,8 +382,8 @@ def _import_rank_modules() -> None:
         import ray.train.v2._internal.execution.worker_group.worker  # noqa: F401  (Ray Train's worker actor)
         import ray.tune  # noqa: F401  (Ray Train's worker imports it when it sets up torch)
 
-        import ray_resume.driver  # noqa: F401  (the job's configuration refers to it)
-        import ray_resume.rank  # noqa: F401
+        for name in preload:
+            importlib.import_module(name)
     finally:
         ray.actor.ActorClassID = ActorClassID
 
@@ -408,7 +413,9 @@ def _cuda_initialized() -> bool:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--serve"]:
-        serve(sys.argv[2], *map(float, sys.argv[3:4]), *map(int, sys.argv[4:5]))
+    if sys.argv[1:2] == ["--serve"]:  # --serve ADDRESS [--idle=S] [--fd=N] [--preload=A,B]
+        options = dict(arg[2:].split("=", 1) for arg in sys.argv[3:])
+        serve(sys.argv[2], float(options.get("idle", IDLE_EXIT_S)), int(options["fd"]) if "fd" in options else None,
+              [name for name in options.get("preload", "").split(",") if name])
     else:
         client(sys.argv[1:])

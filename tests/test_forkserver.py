@@ -102,6 +102,9 @@ def job_env(tmp_path: Path) -> tuple[dict, list[str], str]:
     return env, argv, forkserver._address(argv, env)
 
 
+PRELOAD = "--preload=ray_resume.rank"  # what our driver names (and ray_resume.driver)
+
+
 def until(condition, what: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -115,7 +118,7 @@ def server(tmp_path):
     (the server ends 1 s after the job's last process)."""
     env, argv, address = job_env(tmp_path)
     job_process = subprocess.Popen(["sleep", "600"], env=env)
-    proc = subprocess.Popen([sys.executable, "-m", forkserver.MODULE, "--serve", address, "1"], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", forkserver.MODULE, "--serve", address, "--idle=1", PRELOAD], env=env)
     until(lambda: forkserver._serving(address), "the server serves")
     yield proc, env, argv, job_process
     for p in (proc, job_process):
@@ -124,7 +127,7 @@ def server(tmp_path):
 
 
 def run_client(env: dict, argv: list[str], cwd: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", forkserver.MODULE, *argv, *extra], env={**env, "MY_VAR": "x"},
+    return subprocess.Popen([sys.executable, "-m", forkserver.MODULE, PRELOAD, *argv, *extra], env={**env, "MY_VAR": "x"},
                             cwd=cwd, stdout=subprocess.PIPE, text=True)
 
 
@@ -157,7 +160,7 @@ def test_a_client_gone_while_the_server_imports_leaves_it_serving_the_next(tmp_p
     starts): the server forks for it anyway, the fork ends with its client, and the server serves on."""
     env, argv, address = job_env(tmp_path)
     job_process = subprocess.Popen(["sleep", "600"], env=env)
-    server = subprocess.Popen([sys.executable, "-m", forkserver.MODULE, "--serve", address, "1"], env=env)
+    server = subprocess.Popen([sys.executable, "-m", forkserver.MODULE, "--serve", address, "--idle=1", PRELOAD], env=env)
     ended = subprocess.Popen(["true"])  # a client that has ended
     ended.wait()
     (tmp_path / "gone").mkdir()
