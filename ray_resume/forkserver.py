@@ -134,13 +134,9 @@ def _serving(address: str) -> bool:
 def _start_server(address: str, options: list[str]) -> None:
     """Bind the server's address here, so that this client and the next ones connect at once, and
     hand it to a new server, detached (Ray ends a worker's child processes with it)."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind("\0" + address)
-    except OSError:  # another client was first
-        listener.close()
+    listener = _listen(address)
+    if listener is None:  # another client was first
         return
-    listener.listen(64)
     middle = os.fork()  # the server's parent ends at once: the server is no worker's child
     if middle == 0:
         try:
@@ -151,6 +147,18 @@ def _start_server(address: str, options: list[str]) -> None:
             os._exit(0)
     os.waitpid(middle, 0)
     listener.close()
+
+
+def _listen(address: str) -> socket.socket | None:
+    """A socket listening at `address`, or None where another process has it."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind("\0" + address)
+    except OSError:
+        listener.close()
+        return None
+    listener.listen(64)
+    return listener
 
 
 def _send(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
@@ -180,15 +188,10 @@ def _read(conn: socket.socket, n: int) -> bytes:
 def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | None = None, preload: Sequence[str] = ()) -> None:
     """Import what a rank does (`preload` too), then fork a worker for each client, the ones that
     came during the imports first; end when Ray or the job has left the node."""
-    if listener_fd is None:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind("\0" + address)
-        except OSError:  # another server has it
-            return
-        listener.listen(64)
-    else:  # bound by the client that started this server
-        listener = socket.socket(fileno=listener_fd)
+    # Bound by the client that started this server, or here (None: another server has it).
+    listener = _listen(address) if listener_fd is None else socket.socket(fileno=listener_fd)
+    if listener is None:
+        return
     job, raylet = os.environ.get("RAY_JOB_ID", ""), int(os.environ.get("RAY_RAYLET_PID") or 0)
     imports = threading.Thread(target=_import_rank_modules, args=(preload,), name="ray_resume-imports", daemon=True)
     imports.start()
