@@ -1,9 +1,10 @@
-"""Time to the first step and clean wall time: ours against a plain Ray Train script, no kills.
+"""Time to the first step and clean wall time: ours, with the fork server and without, against a plain
+Ray Train script, no kills.
 
     python -m benchmarks.start                 # 400 steps each, ~3 min on 2 cores
     python -m benchmarks.start --rounds 2      # each contender twice, alternating
 
-Both run the same 2-worker job (the quickstart's GPT and data, global batch 32, DDP on CPU, a save
+All run the same 2-worker job (the quickstart's GPT and data, global batch 32, DDP on CPU, a save
 every 100 steps) on one Ray started here: ours through `ray_resume.train`, theirs the pattern Ray
 Train's docs teach (`torch.save` + `ray.train.report(checkpoint=)`; benchmarks/goodput.py's
 `plain_train_func`, whose batches come from the same `ray_resume.SampleStream`). Per run: the wall
@@ -34,10 +35,10 @@ def _parts(run: dict, steps: list[dict]) -> dict:
             "steady_samples_per_s": BATCH / run["step_s"]}
 
 
-def run_ours(tmp: Path, steps: int, data: str) -> dict:
+def run_ours(tmp: Path, steps: int, data: str, fork_server: bool = True) -> dict:
     from ray_resume.metrics import read_metrics
 
-    run = ours(tmp, steps, 100, 0, None, data)
+    run = ours(tmp, steps, 100, 0, None, data, fork_server=fork_server)
     records = read_metrics(str(tmp / "ours-0"))
     [started] = [r for r in records if r.get("event") == "started" and r["rank"] == 0]
     [start] = [r for r in records if r.get("event") == "start" and r["rank"] == 0]
@@ -68,17 +69,20 @@ def main(argv=None) -> dict:
     from ray_resume.driver import init_local_ray
 
     init_local_ray(num_cpus=4)
-    runs: dict[str, list[dict]] = {"ours": [], "Ray Train + torch.save": []}
+    contenders = {"Ray Train + torch.save": run_plain, "ours": run_ours,
+                  "ours, fork server off": lambda *a: run_ours(*a, fork_server=False)}
+    runs: dict[str, list[dict]] = {name: [] for name in contenders}
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
         ensure_dataset(data, SyntheticDataConfig(samples=4096, files=4, row_groups_per_file=4), QUICKSTART["seq_len"],
                        QUICKSTART["vocab_size"])
         for _ in range(args.rounds):
-            for name, runner in (("Ray Train + torch.save", run_plain), ("ours", run_ours)):
+            for name, runner in contenders.items():
                 runs[name].append(runner(Path(tempfile.mkdtemp(dir=tmp)), args.steps, data))
                 print(f"{name}: {json.dumps(runs[name][-1])}", flush=True)
     rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "start"} for name, rs in runs.items()}
-    rows["ours"]["start"] = {k: statistics.median(r["start"][k] for r in runs["ours"]) for k in runs["ours"][0]["start"]}
+    for name in ("ours", "ours, fork server off"):
+        rows[name]["start"] = {k: statistics.median(r["start"].get(k, 0.0) for r in runs[name]) for k in runs[name][0]["start"]}
     theirs = rows["Ray Train + torch.save"]
     print(f"\n{args.steps} steps, medians of {args.rounds} run(s) each; ours / theirs wall time: "
           f"{rows['ours']['wall_s'] / theirs['wall_s']:.2f}x\n")
@@ -89,8 +93,11 @@ def main(argv=None) -> dict:
               f"{r['step_s']:.4f} s | {r['first_window_samples_per_s']:.0f} samples/s | {r['steady_samples_per_s']:.0f} samples/s |")
     from ray_resume.summary import START_PARTS
 
-    print("\nours, the start: " + ", ".join(f"{label} {rows['ours']['start'][key]:.1f} s" for key, label in START_PARTS
-                                           if key in rows["ours"]["start"]))
+    for name in ("ours", "ours, fork server off"):
+        print(f"\n{name}, the start: " + ", ".join(f"{label} {rows[name]['start'][key]:.1f} s" for key, label in START_PARTS
+                                                 if key in rows[name]["start"]))
+    print(f"fork server on / off, to the first step: "
+          f"{rows['ours']['to_first_step_s'] / rows['ours, fork server off']['to_first_step_s']:.2f}x")
     Path(args.out).write_text(json.dumps({"steps": args.steps, "rounds": args.rounds, "rows": rows, "runs": runs}, indent=1) + "\n")
     return rows
 

@@ -155,10 +155,12 @@ class RayTrain:
         the failure `fit()` raised (`failure`), and the wall time."""
         init_ray(self.address, cfg)
         ranks_env = (self.run_config or ray.train.RunConfig()).worker_runtime_env
-        fork_server = forkserver.wanted(cfg.failure.fork_server, ranks_env, ray.get_runtime_context().runtime_env,
-                                        ray_client=ray.util.client.ray.is_connected())
-        if fork_server:
+        scaling = self.scaling_config or scaling_config(cfg.scaling)
+        fork_server_off = forkserver.why_off(cfg.failure.fork_server, ranks_env, ray.get_runtime_context().runtime_env,
+                                             ray_client=ray.util.client.ray.is_connected(), gpu=scaling.use_gpu)
+        if fork_server_off is None:
             ranks_env = forkserver.rank_runtime_env(ranks_env or {}, preload=(rank_entry.__module__, __name__))
+        loop_config[INTERNAL]["fork_server_off"] = fork_server_off
         print_every_line_of(cfg.name)
         clock = loop_config[INTERNAL]["clock"]
         clock["ray_up"] = time.time()
@@ -173,8 +175,7 @@ class RayTrain:
                  for i, keeper in enumerate(ring)])
         loop_config[INTERNAL]["controller"] = controller
         clock["fit"] = time.time()
-        trainer = TorchTrainer(rank_entry, train_loop_config=loop_config,
-                               scaling_config=self.scaling_config or scaling_config(cfg.scaling),
+        trainer = TorchTrainer(rank_entry, train_loop_config=loop_config, scaling_config=scaling,
                                run_config=self._run_config(cfg, job_id, controller, ranks_env))
         failure = None
         started = time.monotonic()

@@ -43,18 +43,31 @@ import time
 from typing import Any, Literal, Sequence, Union
 
 MODULE = "ray_resume.forkserver"  # its name also where it runs as __main__
+SETTING_ENV = "RAY_RESUME_FORK_SERVER"  # true/false/auto: what `failure.fork_server: auto` means on this host
 IDLE_EXIT_S = 30.0  # no process of the job on the node this long: the job has ended here
+ANSWER_S = 10.0  # a server that has not answered a client this long (a fork, or no) is passed by: a cold start
+IMPORTS_S = 120.0  # nor one whose imports have not ended this long after the client asked
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # Runtime env fields with which Ray runs the ranks in a Python of their own (a venv, a container):
 # a fork of ours would not be it.
 OWN_PYTHON = ("py_executable", "pip", "uv", "conda", "image_uri", "container")
+# While the server imports: libraries that would start threads at load start none (OpenBLAS's pool,
+# jemalloc's purger in pyarrow), so that it can fork; a fork sizes its pools from its own environment.
+NO_THREADS_AT_LOAD = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
+
+_forked = False  # set in a fork of the server: this process is one
 
 
-def wanted(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any], ray_client: bool = False) -> bool:
-    """Whether the ranks start through the fork server: `failure.fork_server`, where "auto" means
-    on Linux, unless the ranks' runtime env (Ray Train's `worker_runtime_env`, the job's) runs them
-    in a Python of its own or the driver is a Ray Client (`ray://`: its interpreter's path is its
-    own machine's); `true` where it cannot be is a mistake, said before any rank starts."""
+def why_off(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any], ray_client: bool = False,
+            gpu: bool = False) -> str | None:
+    """Why the ranks do not start through the fork server (None: they do). `failure.fork_server`,
+    where "auto" means `RAY_RESUME_FORK_SERVER` where set, else on, on Linux, for CPU ranks (a
+    fork's parity with a fresh process is shown there, tests/test_fork_parity.py; on GPUs not yet),
+    unless the ranks' runtime env (Ray Train's `worker_runtime_env`, the job's) runs them in a
+    Python of its own or the driver is a Ray Client (`ray://`: its interpreter's path is its own
+    machine's). `true` where it cannot be is a mistake, said before any rank starts."""
+    if setting == "auto" and os.environ.get(SETTING_ENV, "auto").lower() in ("true", "false"):
+        setting = os.environ[SETTING_ENV].lower() == "true"
     own = next((key for env in runtime_envs for key in OWN_PYTHON if (env or {}).get(key)), None)
     why = (f"the ranks' runtime env sets `{own}`, which runs them in a Python of its own that a fork of the server "
            "would not be" if own else
@@ -66,7 +79,12 @@ def wanted(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any],
 
         raise ConfigError(f"failure.fork_server is true, but {why}; set failure.fork_server to auto (on wherever it "
                           "can be) or false")
-    return setting is True or (setting == "auto" and why is None)
+    if setting is True:
+        return None
+    if setting is False:
+        return "failure.fork_server: false"
+    return why or ("auto, and the ranks use GPUs, where a fork's parity with a fresh process is not shown yet"
+                   if gpu else None)
 
 
 def rank_runtime_env(runtime_env: dict, preload: Sequence[str] = ()) -> dict:
@@ -87,27 +105,19 @@ def _address(argv: list[str], env: dict[str, str]) -> str:
 
 def client(argv: list[str]) -> None:
     """Run Ray's worker `argv` (`default_worker.py ...`, after our own `--preload=`) in a fork of
-    this node's server, started here where there is none yet, or here where it cannot serve."""
+    this node's server, started here where there is none yet; here, as Ray would have, where no
+    server of this user answers in time or it says no (and why, it tells the rank: `started_how`)."""
     preload = argv[:1] if argv[:1] and argv[0].startswith("--preload=") else []
     argv = argv[len(preload):]
-    address = _address(argv, os.environ)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        try:
-            conn.connect("\0" + address)
-        except OSError:  # no server yet
-            _start_server(address, preload)
-            conn.connect("\0" + address)
-        _send(conn, {"fork": {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}}, [0, 1, 2])
-        child = struct.unpack("!i", _read(conn, 4))[0]  # once the server has imported
-    except OSError:  # a server that cannot serve
-        conn.close()
+    forked = _ask_for_fork(argv, preload)
+    if forked is None:
         os.execv(sys.executable, [sys.executable, *argv])
+    conn, child = forked
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _signal(child, signum))
     try:
-        status = struct.unpack("!i", _read(conn, 4))[0]  # the child's wait status, sent when it ends
-    except OSError:  # the server died: the child follows this process
+        status = _receive(conn, None)[0]["status"]  # the child's wait status, sent when it ends
+    except (OSError, ValueError, KeyError):  # the server died: the child follows this process
         os._exit(1)
     if os.WIFSIGNALED(status):  # end by the same signal, without the handler set above
         if os.WTERMSIG(status) in FORWARDED:
@@ -116,33 +126,90 @@ def client(argv: list[str]) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
+def _ask_for_fork(argv: list[str], preload: list[str]) -> tuple[socket.socket, int] | None:
+    """The connection to the server and the pid of the child it forked for `argv`, or None: no
+    server of this user answered in time, or it cannot fork. Nothing is sent to a socket at the
+    address that is another user's (anyone can bind an abstract name first)."""
+    address = _address(argv, os.environ)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(ANSWER_S)
+    try:
+        try:
+            conn.connect("\0" + address)
+        except OSError:  # no server yet
+            _start_server(address, preload, argv)
+            conn.connect("\0" + address)
+        if _peer_uid(conn) != os.getuid():
+            raise PermissionError(address)
+        _send(conn, {"fork": {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}}, [0, 1, 2])
+        answer = _receive(conn, ANSWER_S)[0]
+        if answer.get("wait"):  # queued while the server imports
+            answer = _receive(conn, IMPORTS_S)[0]
+        if "pid" not in answer:  # {"cold": why}, which the rank learns from the server
+            raise ConnectionRefusedError(answer.get("cold"))
+        conn.sendall(b"g")  # the child runs only once this client has taken it
+        conn.settimeout(None)
+        return conn, answer["pid"]
+    except (OSError, ValueError):
+        conn.close()  # a child forked for it after all reads no "g": it ends without running
+        return None
+
+
+def started_how() -> str:
+    """In a rank: "forked" where this process is a fork of the server, else why it is not."""
+    if _forked:
+        return "forked"
+    answer = _ask(_address(sys.argv, os.environ), {"status": os.getpid()})
+    if answer is None:
+        return "off (no fork server of this user answered)"
+    why = answer.get("cold") or answer.get("why") or f"the fork server did not answer within {ANSWER_S:.0f} s"
+    return f"off ({why})"
+
+
 def serving() -> bool:
     """In a rank: whether this node's server for the ranks of this job and runtime env serves."""
     return _serving(_address(sys.argv, os.environ))
 
 
 def _serving(address: str) -> bool:
+    answer = _ask(address, {"status": os.getpid()})
+    return bool(answer and answer.get("serving"))
+
+
+def _ask(address: str, message: dict) -> dict | None:
+    """The server's answer to `message`; None where no server of this user is at `address`."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(ANSWER_S)
             conn.connect("\0" + address)
-            _send(conn, {"serving": True})
-            return _read(conn, 1) == b"1"
-    except OSError:  # none here (a rank not started through a client)
-        return False
+            if _peer_uid(conn) != os.getuid():
+                return None
+            _send(conn, message)
+            return _receive(conn, ANSWER_S)[0]
+    except (OSError, ValueError):  # none here (a rank not started through a client)
+        return None
 
 
-def _start_server(address: str, options: list[str]) -> None:
+def _start_server(address: str, preload: list[str], argv: list[str]) -> None:
     """Bind the server's address here, so that this client and the next ones connect at once, and
-    hand it to a new server, detached (Ray ends a worker's child processes with it)."""
+    hand it to a new server, detached (Ray ends a worker's child processes with it), its output in
+    the session's log directory as Ray's own processes' is."""
     listener = _listen(address)
     if listener is None:  # another client was first
         return
+    worker = dict(arg[2:].split("=", 1) for arg in argv[1:] if arg.startswith("--") and "=" in arg)
+    logs = os.path.join(worker.get("temp-dir", ""), worker.get("session-name", ""), "logs")
+    options = [*preload, f"--worker-dir={os.path.dirname(os.path.abspath(argv[0]))}"]
     middle = os.fork()  # the server's parent ends at once: the server is no worker's child
     if middle == 0:
         try:
+            try:
+                log = open(os.path.join(logs, f"{address}.log"), "ab")  # raylet, job, runtime env
+            except OSError:  # no session directory (a test's made-up worker)
+                log = subprocess.DEVNULL
             subprocess.Popen([sys.executable, "-m", MODULE, "--serve", address, f"--fd={listener.fileno()}", *options],
                              pass_fds=[listener.fileno()], start_new_session=True,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         finally:
             os._exit(0)
     os.waitpid(middle, 0)
@@ -161,9 +228,22 @@ def _listen(address: str) -> socket.socket | None:
     return listener
 
 
-def _send(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
+def _send(conn: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
     body = json.dumps(message).encode()
     socket.send_fds(conn, [struct.pack("!I", len(body)) + body], fds)
+
+
+def _receive(conn: socket.socket, timeout: float | None = 5.0) -> tuple[dict, list[int]]:
+    """One message and the file descriptors that came with it."""
+    conn.settimeout(timeout)
+    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+    try:
+        if len(head) < 4:
+            raise ConnectionError("no message")
+        return json.loads(_read(conn, struct.unpack("!I", head)[0])), fds
+    except BaseException:
+        _close(fds)
+        raise
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -183,82 +263,124 @@ def _read(conn: socket.socket, n: int) -> bytes:
     return data
 
 
+def _peer_uid(conn: socket.socket) -> int:
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+
+
 # --- the server --------------------------------------------------------------------------------------
 
-def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | None = None, preload: Sequence[str] = ()) -> None:
+def _log(text: str) -> None:
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ray_resume.forkserver[{os.getpid()}]: {text}", flush=True)
+
+
+def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | None = None, preload: Sequence[str] = (),
+          worker_dir: str | None = None) -> dict | None:
     """Import what a rank does (`preload` too), then fork a worker for each client, the ones that
-    came during the imports first; end when Ray or the job has left the node."""
+    came during the imports first; end when Ray or the job has left the node. Returns in a child
+    only: the request it is to run (`run_worker`)."""
     # Bound by the client that started this server, or here (None: another server has it).
     listener = _listen(address) if listener_fd is None else socket.socket(fileno=listener_fd)
     if listener is None:
-        return
+        return None
+    if worker_dir:  # sys.path as `python default_worker.py` starts with it, before Ray adds its own
+        sys.path[0] = worker_dir
     job, raylet = os.environ.get("RAY_JOB_ID", ""), int(os.environ.get("RAY_RAYLET_PID") or 0)
+    _log(f"serving job {job or '-'} at @{address}; importing {', '.join(['torch', 'Ray Train', *preload])}")
     imports = threading.Thread(target=_import_rank_modules, args=(preload,), name="ray_resume-imports", daemon=True)
     imports.start()
-    can_serve: bool | None = None  # known once the imports are done
+    began = time.monotonic()
+    why_not: str | None = "importing"  # None: it forks
     waiting: list[tuple[socket.socket, dict, list[int]]] = []  # clients, each with its standard streams
     clients: dict[int, socket.socket] = {}  # child pid -> the connection of the client it serves
+    cold: dict[int, str] = {}  # client pid -> why it was not forked (its rank asks)
     alone_since = None
     while True:
-        if select.select([listener], [], [], 1.0 if can_serve is not None else 0.1)[0]:
+        if select.select([listener], [], [], 1.0 if why_not != "importing" else 0.1)[0]:
             conn, _ = listener.accept()
             try:
                 if _peer_uid(conn) == os.getuid():
                     message, fds = _receive(conn)
                     if "fork" in message:
                         waiting.append((conn, message["fork"], fds))
+                        if why_not == "importing":
+                            _send(conn, {"wait": True})
                         conn = None
                     else:
                         _close(fds)
-                        conn.sendall(b"1" if can_serve else b"0")
+                        pid = message.get("status")
+                        _send(conn, {"serving": why_not is None, "why": why_not, "cold": cold.get(pid)})
             except Exception:  # noqa: BLE001  (a client that went away, a message not ours: not the server's end)
                 pass
             if conn:
                 conn.close()
-        if can_serve is None and not imports.is_alive():
+        if why_not == "importing" and not imports.is_alive():
             imports.join()
-            # Never fork with a Python thread running (it may hold a lock the child would wait on
-            # forever) or a CUDA context (a child cannot use it), nor where forks would share IDs.
-            can_serve = threading.active_count() == 1 and not _cuda_initialized() and _forks_draw_distinct_ids()
+            why_not = _cannot_fork() or (None if _forks_draw_distinct_ids() else
+                                         "its forks would draw the same Ray IDs (Ray's ID generator was seeded)")
             gc.freeze()  # what is imported stays out of the forks' collections (pages they would copy)
-        while can_serve is not None and waiting:
+            _log(f"imported in {time.monotonic() - began:.1f} s; " + ("forking" if why_not is None else f"not forking: {why_not}"))
+        while why_not != "importing" and waiting:
             conn, request, fds = waiting.pop(0)
-            if not can_serve:  # the client runs its worker itself
-                _close(fds)
-                conn.close()
-                continue
-            others = [listener, *clients.values(), *(c for c, _, _ in waiting)]
-            try:
-                clients[_fork(conn, request, fds, others, [fd for _, _, more in waiting for fd in more])] = conn
-            except OSError:  # the system refused the fork: the client runs its worker itself
-                conn.close()
+            why_not = why_not or _cannot_fork()
+            if why_not is None:
+                others = [listener, *clients.values(), *(c for c, _, _ in waiting)]
+                try:
+                    child = _fork(conn, request, fds, others, [fd for _, _, more in waiting for fd in more])
+                except OSError as exc:  # the system refused the fork: the client runs its worker itself
+                    _refuse(conn, request, fds, f"the fork failed ({exc})", cold)
+                    continue
+                if isinstance(child, dict):  # in the child: leave the server's loop
+                    return child
+                clients[child] = conn
+                _log(f"forked {child} for client {request['client']}")
+            else:
+                _refuse(conn, request, fds, why_not, cold)
         _reap(clients)
-        if raylet and not os.path.exists(f"/proc/{raylet}"):  # Ray has stopped on this node
-            return
+        if raylet and not os.path.exists(f"/proc/{raylet}"):
+            _log("ending: Ray has stopped on this node")
+            return None
         if clients or waiting or _job_alive_here(job):
             alone_since = None
         elif alone_since is None:
             alone_since = time.monotonic()
         elif time.monotonic() - alone_since > idle_exit_s:
-            return
+            _log(f"ending: no process of job {job or '-'} left on this node for {idle_exit_s:.0f} s")
+            return None
 
 
-def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
-    conn.settimeout(5.0)
-    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+def _refuse(conn: socket.socket, request: dict, fds: list[int], why: str, cold: dict[int, str]) -> None:
+    _close(fds)
+    cold[request["client"]] = why
+    _log(f"client {request['client']} starts cold: {why}")
     try:
-        if len(head) < 4:
-            raise ConnectionError("no message")
-        return json.loads(_read(conn, struct.unpack("!I", head)[0])), fds
-    except BaseException:
-        _close(fds)
-        raise
+        _send(conn, {"cold": why})
+    except OSError:
+        pass
+    conn.close()
 
 
-def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socket.socket], other_fds: list[int]) -> int:
-    """A child running `request`'s worker with `fds` as its standard streams (closed here in any
-    case), and none of the server's sockets (`others`: a client's end must close when the server's
-    does) or other clients' streams."""
+def _cannot_fork() -> str | None:
+    """Why this process must not fork now (None: it may). A thread other than this one (a native
+    one too: it may hold a lock a child would wait on forever), or CUDA loaded (a child cannot use
+    a context or a driver its parent started; a device query loads it without initialising torch's)."""
+    for _ in range(20):  # a thread just joined leaves /proc/self/task a moment later
+        threads = len(os.listdir("/proc/self/task")) - 1
+        if not threads:
+            break
+        time.sleep(0.05)
+    else:
+        return f"native threads in the server ({threads} besides its own)"
+    with open("/proc/self/maps") as maps:
+        if "/libcuda.so" in maps.read():
+            return "CUDA is loaded in the server"
+    return None
+
+
+def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socket.socket], other_fds: list[int]) -> int | dict:
+    """A child for `request`, its standard streams `fds` (closed here in any case), holding none of
+    the server's sockets (`others`: a client's end must close when the server's does) or other
+    clients' streams: its pid here, and in the child the request to run once its client has taken
+    it (it ends at once where the client has gone)."""
     try:
         pid = os.fork()
     except OSError:
@@ -266,48 +388,85 @@ def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socke
         raise
     if pid == 0:
         try:
-            for sock in (conn, *others):
+            for sock in others:
                 sock.close()
             _close(other_fds)
+            conn.settimeout(None)
+            if conn.recv(1) != b"g":  # the client gave up on the server (and runs the worker itself)
+                os._exit(0)
+            conn.close()
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
                 os.close(fd)
-            _run_worker(request)
-        finally:
+            return request
+        except BaseException:
             os._exit(1)
     _close(fds)
     try:
-        conn.sendall(struct.pack("!i", pid))
-    except OSError:  # the client is gone (Ray ended it while it waited): the child follows it
+        _send(conn, {"pid": pid})
+    except OSError:  # the client is gone (Ray ended it while it waited): the child reads no "g"
         pass
     return pid
 
 
-def _close(fds: list[int]) -> None:
+def _close(fds: Sequence[int]) -> None:
     for fd in fds:
         os.close(fd)
 
 
-def _run_worker(request: dict) -> None:
-    """In the child: become the process Ray started (its environment, directory and arguments) and
-    run Ray's worker as `python default_worker.py ...` would."""
+def run_worker(request: dict, signals: dict) -> None:
+    """In the child: become the process Ray started and run Ray's worker as `python
+    default_worker.py ...` would: its environment, directory, arguments, the signal dispositions
+    a fresh interpreter has (`signals`, as the server started), its own random state, a process
+    group of its own (Ray ends a worker's group after it), the end of an interpreter (exit code,
+    `atexit`)."""
+    global _forked
+    _forked = True
     os.setsid()
-    for sig in FORWARDED:
-        signal.signal(sig, signal.SIG_DFL)
+    for sig, handler in signals.items():
+        if signal.getsignal(sig) != handler:
+            signal.signal(sig, handler)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     _follow(request["client"])
     sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-    try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    sys.orig_argv = [sys.executable, *sys.argv]
+    _reseed()
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def _reseed() -> None:
+    """Draw anew what a fresh interpreter draws from the OS at start and forks would share: numpy's
+    global generator and torch's default one (`random` CPython reseeds in a fork itself). Not the
+    hash seed of str and bytes, drawn once per interpreter (docs/restarts.md)."""
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].default_generator.seed()
+
+
+def size_thread_pools() -> None:
+    """In a fork, once Ray has set the rank's thread count (`OMP_NUM_THREADS`, when it creates the
+    actor: after the fork): torch's and the native thread pools sized as a fresh process sizes them
+    when it loads them, from that environment (a fork's were sized in the server's)."""
+    if not _forked:
+        return
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    def first(*names: str) -> int | None:
+        values = (os.environ.get(name, "").split(",")[0].strip() for name in names)
+        return next((int(v) for v in values if v.isdigit() and int(v) > 0), None)
+
+    omp = first("OMP_NUM_THREADS")
+    limits = {"openmp": omp, "mkl": first("MKL_NUM_THREADS", "OMP_NUM_THREADS"),
+              "blis": first("BLIS_NUM_THREADS", "OMP_NUM_THREADS"),
+              # loaded in the server with one (NO_THREADS_AT_LOAD): its default is every CPU
+              "openblas": first("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS") or len(os.sched_getaffinity(0))}
+    threadpool_limits(limits={api: n for api, n in limits.items() if n})
+    if omp:
+        torch.set_num_threads(omp)
 
 
 def _follow(client: int) -> None:
@@ -334,14 +493,10 @@ def _reap(clients: dict[int, socket.socket]) -> None:
         conn = clients.pop(pid, None)
         if conn is not None:
             try:
-                conn.sendall(struct.pack("!i", status))
+                _send(conn, {"status": status})
             except OSError:
                 pass
             conn.close()
-
-
-def _peer_uid(conn: socket.socket) -> int:
-    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
 
 
 def _job_alive_here(job: str) -> bool:
@@ -364,31 +519,41 @@ def _job_alive_here(job: str) -> bool:
 
 def _import_rank_modules(preload: Sequence[str]) -> None:
     """What a rank imports before its first step: torch, `torch._dynamo` (DDP's constructor imports
-    it), Ray, Ray Train (its worker actor's module, `ray.train.torch`) and `preload`. Module-level
-    `@ray.remote` classes in Ray Train and Ray Data draw an `ActorClassID` at import, and the first
-    draw seeds Ray's ID generator, whose state forks share: every fork after it drew the same IDs
-    (two ranks died in Ray's object store warm-up, "Seal() called on an object without a reference
-    to it"). Those class IDs come from the OS here instead (they are a class's label, never looked
-    up); `_forks_draw_distinct_ids` checks that no other draw was made."""
-    import torch._dynamo  # noqa: F401
-    import ray.actor
-    from ray._raylet import ActorClassID
-
-    class FromTheOS:
-        @staticmethod
-        def from_random() -> ActorClassID:
-            return ActorClassID(os.urandom(ActorClassID.size()))
-
-    ray.actor.ActorClassID = FromTheOS
+    it), Ray, Ray Train (its worker actor's module, `ray.train.torch`) and `preload`, with no
+    library starting a thread as it loads (NO_THREADS_AT_LOAD). Module-level `@ray.remote` classes
+    in Ray Train and Ray Data draw an `ActorClassID` at import, and the first draw seeds Ray's ID
+    generator, whose state forks share: every fork after it drew the same IDs (two ranks died in
+    Ray's object store warm-up, "Seal() called on an object without a reference to it"). Those class
+    IDs come from the OS here instead (they are a class's label, never looked up);
+    `_forks_draw_distinct_ids` checks that no other draw was made."""
+    saved = {name: os.environ.get(name) for name in NO_THREADS_AT_LOAD}
+    os.environ.update(NO_THREADS_AT_LOAD)
     try:
-        import ray.train.torch  # noqa: F401
-        import ray.train.v2._internal.execution.worker_group.worker  # noqa: F401  (Ray Train's worker actor)
-        import ray.tune  # noqa: F401  (Ray Train's worker imports it when it sets up torch)
+        import torch._dynamo  # noqa: F401
+        import ray.actor
+        from ray._raylet import ActorClassID
 
-        for name in preload:
-            importlib.import_module(name)
+        class FromTheOS:
+            @staticmethod
+            def from_random() -> ActorClassID:
+                return ActorClassID(os.urandom(ActorClassID.size()))
+
+        ray.actor.ActorClassID = FromTheOS
+        try:
+            import ray.train.torch  # noqa: F401
+            import ray.train.v2._internal.execution.worker_group.worker  # noqa: F401  (Ray Train's worker actor)
+            import ray.tune  # noqa: F401  (Ray Train's worker imports it when it sets up torch)
+
+            for name in preload:
+                importlib.import_module(name)
+        finally:
+            ray.actor.ActorClassID = ActorClassID
     finally:
-        ray.actor.ActorClassID = ActorClassID
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _forks_draw_distinct_ids() -> bool:
@@ -409,16 +574,19 @@ def _forks_draw_distinct_ids() -> bool:
     return drawn[0] != drawn[1]
 
 
-def _cuda_initialized() -> bool:
-    import torch
+def main(argv: list[str]) -> None:
+    """`--serve ADDRESS [--idle=S] [--fd=N] [--preload=A,B] [--worker-dir=D]`: a server, whose
+    children return here to run their worker; else a client (`ARGV`: Ray's worker command)."""
+    if argv[:1] != ["--serve"]:
+        client(argv)
+        return
+    fresh = {sig: signal.getsignal(sig) for sig in signal.Signals if signal.getsignal(sig) is not None}
+    options = dict(arg[2:].split("=", 1) for arg in argv[2:])
+    request = serve(argv[1], float(options.get("idle", IDLE_EXIT_S)), int(options["fd"]) if "fd" in options else None,
+                    [name for name in options.get("preload", "").split(",") if name], options.get("worker-dir"))
+    if request is not None:
+        run_worker(request, fresh)
 
-    return torch.cuda.is_initialized()
 
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--serve"]:  # --serve ADDRESS [--idle=S] [--fd=N] [--preload=A,B]
-        options = dict(arg[2:].split("=", 1) for arg in sys.argv[3:])
-        serve(sys.argv[2], float(options.get("idle", IDLE_EXIT_S)), int(options["fd"]) if "fd" in options else None,
-              [name for name in options.get("preload", "").split(",") if name])
-    else:
-        client(sys.argv[1:])
+if __name__ == "__main__":  # the module's own copy holds the state a rank reads (`_forked`)
+    importlib.import_module(MODULE).main(sys.argv[1:])

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import collectives
+from . import collectives, forkserver
 from .calls import call
 from .checkpoint.checkpointer import Checkpointer, Start
 from .checkpoint.root import CommittedIteration, ResumeSource
@@ -60,21 +60,27 @@ def rank_entry(loop_config: dict) -> None:
     """Ray Train's entry point on every rank, for every job (`fit`'s and the built-in one)."""
     import ray.train
 
+    forkserver.size_thread_pools()  # a fork's, now that Ray has set this rank's OMP_NUM_THREADS
     ours = loop_config[INTERNAL]
     controller = ours["controller"]
     cfg = Config.from_dict(call(controller, "job_config"))  # the train_loop_config Ray Train shows is redacted
     ctx = ray.train.get_context()
+    off = ours.get("fork_server_off")
     run_rank(cfg, controller, ctx.get_world_rank(), ctx.get_world_size(), ours["train_func"], loop_config[USER],
-             source=ours["source"], job_id=ours["job_id"], driver_clock=ours["clock"])
+             source=ours["source"], job_id=ours["job_id"], driver_clock=ours["clock"],
+             processes=forkserver.started_how() if off is None else f"off ({off})")
 
 
 def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callable[[dict], None], config: dict, *,
-             source: ResumeSource | None, job_id: str, driver_clock: dict | None = None) -> None:
+             source: ResumeSource | None, job_id: str, driver_clock: dict | None = None, processes: str | None = None) -> None:
     """One rank of a job in an initialised process group: `train_func(config)` with this rank's
     RankCheckpointer, for this worker-group start. A user's mistake is said once and never retried:
-    its rank reports it, and the group Ray Train restarts for it returns at once (JobController.user_failed)."""
+    its rank reports it, and the group Ray Train restarts for it returns at once (JobController.user_failed).
+    `processes`: how this rank's process was started (the fork server's "forked", or why not)."""
     global _current
     attempt, resume_step, memory_step, ended = _agree_on_attempt(controller, rank, world, driver_clock)
+    if processes and ended.get("clock") is not None:  # rank 0's, in the start's record
+        ended["clock"] = {**ended["clock"], "fork_server": processes}
     if ended.pop("user_error"):
         return
     faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))

@@ -101,6 +101,10 @@ def test_the_first_start_splits_at_the_drivers_stamps_and_where_rank_0s_process_
     lines = summarize([started, *steps], [{"attempt": 0, "step": 2, "time": 22.0}], job_id="j", global_batch_size=4, wall_s=30.0)
     assert lines[1] == ("start: 14.0 s to the end of the first step (checks 1.5 s, Ray 2.5 s, our actors 0.5 s, new processes 2.5 s, "
                         "imports and setup 5.0 s, build and restore 1.0 s, first batch 0.2 s, first step 0.8 s)"), lines
+    # Where the group's processes were not forks of the fork server, the line says why.
+    started["fork_server"] = "off (native threads in the server (1 besides its own))"
+    lines = summarize([started, *steps], [{"attempt": 0, "step": 2, "time": 22.0}], job_id="j", global_batch_size=4, wall_s=30.0)
+    assert lines[1].endswith("first step 0.8 s; fork server: off (native threads in the server (1 besides its own)))"), lines
 
 
 def test_process_started_is_when_the_process_began_not_when_it_asked():

@@ -64,6 +64,7 @@ def command_line(pid: int) -> str:
 def test_both_groups_run_in_forks_of_the_fork_server(tmp_path):
     """By default (`failure.fork_server: auto`), on CPU ranks too: the first group's processes and
     the restarted group's new ones are forks of one server on the node."""
+    import ray
     import ray.train
 
     result = ray_resume.fit(train_func, train_loop_config={"dir": str(tmp_path)},
@@ -76,17 +77,25 @@ def test_both_groups_run_in_forks_of_the_fork_server(tmp_path):
     assert len({r["parent"] for r in first + restarted}) == 1, (first, restarted)  # one server for the node
     assert f"-m {forkserver.MODULE} --serve" in command_line(restarted[0]["parent"])
     assert not {r["pid"] for r in restarted} & {r["pid"] for r in first}, (first, restarted)  # new processes
+    # The server says what it did in the session's log directory, beside Ray's own processes' logs.
+    session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
+    [said] = [text for log in session.glob("logs/ray_resume-forkserver-*.log")
+              if f"forked {restarted[0]['pid']} for client " in (text := log.read_text())]
+    assert "; forking" in said and all(f"forked {r['pid']} for client " in said for r in first + restarted), said
 
 
 WORKER = textwrap.dedent("""
-    import json, os, sys, time
+    import atexit, json, os, sys, time
     print("hello from the worker", flush=True)
     imported = {name: name in sys.modules for name in ("torch", "ray.train.torch", "ray_resume.rank")}
     import ray.train
     from ray._raylet import ObjectID
+    from ray_resume import forkserver
+    nth = os.environ.get("NTH", "")
     json.dump({"pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(), "argv": sys.argv,
-               "mine": os.environ.get("MY_VAR"), "imported": imported,
-               "ray_id": ObjectID.from_random().hex()}, open(f"report{os.environ.get('NTH', '')}.json", "w"))
+               "mine": os.environ.get("MY_VAR"), "imported": imported, "how": forkserver.started_how(),
+               "ray_id": ObjectID.from_random().hex()}, open(f"report{nth}.json", "w"))
+    atexit.register(lambda: open(f"atexit{nth}", "w").close())
     if "--wait" in sys.argv:
         time.sleep(120)
     sys.exit(7)
@@ -187,7 +196,68 @@ def test_a_client_the_server_cannot_serve_runs_the_worker_itself(tmp_path):
         client = run_client(env, argv, tmp_path)
         refusing.accept()[0].close()
         out, _ = client.communicate(timeout=60)
+    got = report(tmp_path)
+    assert (client.returncode, out, got["pid"]) == (7, "hello from the worker\n", client.pid)
+    assert got["how"] == "off (no fork server of this user answered)"
+
+
+def test_a_client_passes_a_server_of_another_user_by_and_sends_it_nothing(tmp_path):
+    """Anyone on the node can bind the address first (an abstract name has no permissions): a
+    server of another uid gets no environment, no credentials, no streams; the worker starts cold."""
+    env, argv, address = job_env(tmp_path)
+    got = tmp_path / "received"
+    fake = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, socket, sys
+        os.setgid(65534); os.setuid(65534)  # nobody
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind("\\0{address}"); s.listen(1)
+        print("listening", flush=True)
+        conn, _ = s.accept()
+        conn.settimeout(20)
+        data = b""
+        try:
+            while chunk := conn.recv(65536):
+                data += chunk
+        except OSError:
+            pass
+        sys.stdout.write(repr(data))
+    """)], stdout=subprocess.PIPE, text=True)
+    assert fake.stdout.readline() == "listening\n"
+    client = run_client(env, argv, tmp_path)
+    out, _ = client.communicate(timeout=60)
     assert (client.returncode, out, report(tmp_path)["pid"]) == (7, "hello from the worker\n", client.pid)
+    assert fake.communicate(timeout=30)[0] == "b''"  # the connection closed with nothing sent
+
+
+def test_a_server_that_does_not_answer_is_passed_by(tmp_path):
+    """One of this user's that hangs (stopped, stuck in its imports' start): a cold start after ANSWER_S."""
+    env, argv, address = job_env(tmp_path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute:
+        mute.bind("\0" + address)
+        mute.listen(1)
+        began = time.monotonic()
+        client = run_client(env, argv, tmp_path)
+        client.wait(timeout=60)
+        waited = time.monotonic() - began
+    out, _ = client.communicate(timeout=10)  # (the streams the client sent stayed in the mute socket's queue)
+    assert (client.returncode, out, report(tmp_path)["pid"]) == (7, "hello from the worker\n", client.pid)
+    assert waited >= forkserver.ANSWER_S
+
+
+def test_the_server_forks_only_with_no_thread_but_its_own_and_no_cuda(tmp_path):
+    """`/proc/self/task` counts native threads too (OpenBLAS's pool, started as numpy loads, unless
+    told otherwise as the server's imports are), and a mapped libcuda is CUDA loaded, whether torch
+    initialised it or a device query did."""
+    check = "from ray_resume import forkserver; print(forkserver._cannot_fork())"
+    fake_cuda = tmp_path / "libcuda.so.1"
+    fake_cuda.write_bytes(b"\0" * 4096)
+    cases = {"": "None", "import numpy": "native threads in the server (1 besides its own)",
+             f"import mmap; f = open({str(fake_cuda)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)":
+                 "CUDA is loaded in the server"}
+    for setup, expected in cases.items():
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
+        out = subprocess.run([sys.executable, "-c", f"{setup}\n{check}"], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected, setup
 
 
 def test_a_client_runs_the_worker_in_a_fork_of_the_server_in_its_own_environment(server, tmp_path):
@@ -203,6 +273,8 @@ def test_a_client_runs_the_worker_in_a_fork_of_the_server_in_its_own_environment
     assert got["parent"] == proc.pid and got["pid"] != client.pid
     assert got["imported"] == {"torch": True, "ray.train.torch": True, "ray_resume.rank": True}  # by the server
     assert (got["cwd"], got["argv"], got["mine"]) == (str(tmp_path), [*argv, "a b"], "x")
+    assert got["how"] == "forked"
+    assert (tmp_path / "atexit").exists()  # its end is an interpreter's: `atexit` handlers ran
 
 
 def test_forks_of_the_server_draw_distinct_ray_ids(server, tmp_path):
@@ -238,28 +310,44 @@ def test_the_worker_ends_with_its_client_and_the_client_with_its_worker(server, 
     assert proc.wait(timeout=30) == 0
 
 
-@pytest.mark.parametrize(("setting", "ranks_env", "job_env", "on"), [
-    ("auto", None, {}, True), ("auto", {"env_vars": {"A": "1"}}, {"env_vars": {"B": "2"}}, True),
-    ("auto", {"pip": ["six"]}, {}, False), ("auto", None, {"conda": "env"}, False), (False, None, {}, False),
-    (True, None, {}, True)])
-def test_the_fork_server_is_on_unless_the_ranks_run_in_a_python_of_their_own(setting, ranks_env, job_env, on):
-    assert forkserver.wanted(setting, ranks_env, job_env) is on
-    if on:
+@pytest.mark.parametrize(("setting", "ranks_env", "job_env", "gpu", "off"), [
+    ("auto", None, {}, False, None), ("auto", {"env_vars": {"A": "1"}}, {"env_vars": {"B": "2"}}, False, None),
+    ("auto", {"pip": ["six"]}, {}, False, "the ranks' runtime env sets `pip`, which runs them in a Python of its own that "
+                                         "a fork of the server would not be"),
+    ("auto", None, {"conda": "env"}, False, "the ranks' runtime env sets `conda`, which runs them in a Python of its own "
+                                            "that a fork of the server would not be"),
+    ("auto", None, {}, True, "auto, and the ranks use GPUs, where a fork's parity with a fresh process is not shown yet"),
+    (False, None, {}, False, "failure.fork_server: false"), (True, None, {}, False, None), (True, None, {}, True, None)])
+def test_the_fork_server_is_on_for_cpu_ranks_unless_they_run_in_a_python_of_their_own(setting, ranks_env, job_env, gpu, off,
+                                                                                        monkeypatch):
+    monkeypatch.delenv(forkserver.SETTING_ENV, raising=False)
+    assert forkserver.why_off(setting, ranks_env, job_env, gpu=gpu) == off
+    if off is None:
         assert forkserver.rank_runtime_env(ranks_env or {}) == {**(ranks_env or {}), "py_executable": f"{sys.executable} -m ray_resume.forkserver"}
 
 
+@pytest.mark.parametrize(("host", "setting", "off"), [("false", "auto", "failure.fork_server: false"), ("false", True, None),
+                                                    ("true", "auto", None), ("auto", "auto", None), ("true", False, "failure.fork_server: false")])
+def test_the_hosts_setting_is_what_auto_means(host, setting, off, monkeypatch):
+    """RAY_RESUME_FORK_SERVER (a cluster's admins, the suite run both ways) decides where the job's
+    config says auto; a job's own true or false stands."""
+    monkeypatch.setenv(forkserver.SETTING_ENV, host)
+    assert forkserver.why_off(setting) == off
+
+
 def test_fork_server_true_where_it_cannot_be_is_a_config_error(monkeypatch):
+    monkeypatch.delenv(forkserver.SETTING_ENV, raising=False)
     with pytest.raises(ConfigError) as err:
-        forkserver.wanted(True, {"uv": ["six"]}, {})
+        forkserver.why_off(True, {"uv": ["six"]}, {})
     assert str(err.value) == ("failure.fork_server is true, but the ranks' runtime env sets `uv`, which runs them in a Python "
                               "of its own that a fork of the server would not be; set failure.fork_server to auto (on wherever "
                               "it can be) or false")
     with pytest.raises(ConfigError, match=r"failure.fork_server is true, but the driver is a Ray Client \(ray://\), and the "
                                           r"nodes may not have its interpreter; set"):
-        forkserver.wanted(True, None, {}, ray_client=True)
-    assert forkserver.wanted("auto", None, {}, ray_client=True) is False
+        forkserver.why_off(True, None, {}, ray_client=True)
+    assert forkserver.why_off("auto", None, {}, ray_client=True) == "the driver is a Ray Client (ray://), and the nodes may not have its interpreter"
     monkeypatch.setattr(sys, "platform", "darwin")
-    assert forkserver.wanted("auto", None, {}) is False
+    assert forkserver.why_off("auto", None, {}) == "it needs Linux (abstract Unix sockets, /proc), and this is darwin"
     with pytest.raises(ConfigError, match=r"failure.fork_server is true, but it needs Linux \(abstract Unix sockets, /proc\), "
                                           r"and this is darwin; set failure.fork_server to auto"):
-        forkserver.wanted(True, None, {})
+        forkserver.why_off(True, None, {})

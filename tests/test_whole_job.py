@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from conftest import FINAL, REPO, SESSION_RAY, assert_same_as_reference, env_for_subprocess, read_metrics, run_on_harness, shard_bytes, tiny_config
+from ray_resume import forkserver
 from ray_resume.checkpoint import paths
 
 
@@ -170,6 +171,9 @@ def test_the_console_of_a_run_that_loses_a_worker(tmp_path, reference):
     [began] = [line for line in lines if "s to the end of the first step (" in line]  # the start, part by part
     assert all(re.search(rf"[(,] ?{part} \d+\.\d s", began) for part in ("checks", "Ray", "our actors", "new processes", "imports and setup",
                                                  "build and restore", "first batch", "first step")), began
+    # Forks of the fork server say nothing more; where they were not (the suite run with it off), why.
+    off = forkserver.why_off("auto")
+    assert re.search(r"first step \d+\.\d s" + re.escape("" if off is None else f"; fork server: off ({off})") + r"\)$", began), began
     assert any(f"1 restart: after step {reached}: resumed from 4" in line for line in lines)
     assert len(lines) <= 3 * len(progress) + 40, "\n".join(lines)
     root = str(tmp_path / "ckpt")
