@@ -360,9 +360,14 @@ def _refuse(conn: socket.socket, request: dict, fds: list[int], why: str, cold: 
 
 
 def _cannot_fork() -> str | None:
-    """Why this process must not fork now (None: it may). A thread other than this one (a native
-    one too: it may hold a lock a child would wait on forever), or CUDA loaded (a child cannot use
-    a context or a driver its parent started; a device query loads it without initialising torch's)."""
+    """Why this process must not fork now (None: it may). CUDA initialised (a child cannot use a
+    context its parent made), or a thread other than this one, a native one too: it may hold a lock
+    a child would wait on forever, and the CUDA driver starts one when a device query initialises it
+    without torch's CUDA (on an H200 after `torch.cuda.device_count()`: scripts/gpu_check.py). A mapped
+    libcuda is no sign: a CUDA build of torch maps it as it loads, and its forks use the GPU."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is initialised in the server"
     for _ in range(20):  # a thread just joined leaves /proc/self/task a moment later
         threads = len(os.listdir("/proc/self/task")) - 1
         if not threads:
@@ -370,9 +375,6 @@ def _cannot_fork() -> str | None:
         time.sleep(0.05)
     else:
         return f"native threads in the server ({threads} besides its own)"
-    with open("/proc/self/maps") as maps:
-        if "/libcuda.so" in maps.read():
-            return "CUDA is loaded in the server"
     return None
 
 
