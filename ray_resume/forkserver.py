@@ -15,23 +15,25 @@ server for a fork:
 - the server imports what a rank does, once, while the first group's clients wait (one import
   for the node's ranks instead of one each), and forks a child per client from then on;
 - a client served hands the server its arguments, environment, working directory and standard
-  streams, and the child runs Ray's `default_worker.py` in them. The client stays as the process
-  Ray started: it passes Ray's signals on to the child and ends as the child ends (its exit code,
-  or its signal); the child ends the moment the client does (Ray may SIGKILL it). A client the
-  server cannot serve runs the worker itself.
+  streams, and the child runs Ray's `default_worker.py` in them, as the process Ray would have
+  started (ray_resume.forked; scripts/fork_parity.py compares them). The client
+  stays as the process Ray started: it passes Ray's signals on to the child and ends as the child
+  ends (its exit code, or its signal); the child ends the moment the client does (Ray may SIGKILL
+  it). A client the server cannot or does not serve in time runs the worker itself.
 
-Only processes of the server's own user are served (the abstract namespace has no file
-permissions). The server ends once the raylet is gone, or no process of its job has been left on
-its node for `IDLE_EXIT_S`.
+Only processes of the server's own user are served, and a client says nothing to a server of
+another user (the abstract namespace has no file permissions). The server logs to the Ray
+session's log directory and ends once the raylet is gone, or no process of its job has been left
+on its node for `IDLE_EXIT_S`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
 import os
-import runpy
 import select
 import signal
 import socket
@@ -42,22 +44,18 @@ import threading
 import time
 from typing import Any, Literal, Sequence, Union
 
+from . import forked
+
 MODULE = "ray_resume.forkserver"  # its name also where it runs as __main__
 SETTING_ENV = "RAY_RESUME_FORK_SERVER"  # true/false/auto: what `failure.fork_server: auto` means on this host
 IDLE_EXIT_S = 30.0  # no process of the job on the node this long: the job has ended here
 ANSWER_S = 10.0  # a server that has not answered a client this long (a fork, or no) is passed by: a cold start
 IMPORTS_S = 120.0  # nor one whose imports have not ended this long after the client asked
+IMPORTING = f"the server's imports took longer than its clients wait ({IMPORTS_S:.0f} s)"  # its state until they end
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # Runtime env fields with which Ray runs the ranks in a Python of their own (a venv, a container):
 # a fork of ours would not be it.
 OWN_PYTHON = ("py_executable", "pip", "uv", "conda", "image_uri", "container")
-# While the server imports: libraries that would start threads at load start none (OpenBLAS's pool,
-# jemalloc's purger in pyarrow), so that it can fork; a fork sizes its pools from its own environment.
-NO_THREADS_AT_LOAD = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
-
-_forked = False  # set in a fork of the server: this process is one
-
-
 def why_off(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any], ray_client: bool = False,
             gpu: bool = False) -> str | None:
     """Why the ranks do not start through the fork server (None: they do). `failure.fork_server`,
@@ -117,7 +115,8 @@ def client(argv: list[str]) -> None:
         signal.signal(sig, lambda signum, _frame: _signal(child, signum))
     try:
         status = _receive(conn, None)[0]["status"]  # the child's wait status, sent when it ends
-    except (OSError, ValueError, KeyError):  # the server died: the child follows this process
+    except (OSError, ValueError, KeyError):  # the server died: the child ends with this process
+        _signal(child, signal.SIGKILL)
         os._exit(1)
     if os.WIFSIGNALED(status):  # end by the same signal, without the handler set above
         if os.WTERMSIG(status) in FORWARDED:
@@ -157,7 +156,7 @@ def _ask_for_fork(argv: list[str], preload: list[str]) -> tuple[socket.socket, i
 
 def started_how() -> str:
     """In a rank: "forked" where this process is a fork of the server, else why it is not."""
-    if _forked:
+    if forked.is_fork():
         return "forked"
     answer = _ask(_address(sys.argv, os.environ), {"status": os.getpid()})
     if answer is None:
@@ -286,24 +285,27 @@ def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | Non
         sys.path[0] = worker_dir
     job, raylet = os.environ.get("RAY_JOB_ID", ""), int(os.environ.get("RAY_RAYLET_PID") or 0)
     _log(f"serving job {job or '-'} at @{address}; importing {', '.join(['torch', 'Ray Train', *preload])}")
-    imports = threading.Thread(target=_import_rank_modules, args=(preload,), name="ray_resume-imports", daemon=True)
+    imports = threading.Thread(target=forked.import_rank_modules, args=(preload,), name="ray_resume-imports", daemon=True)
     imports.start()
     began = time.monotonic()
-    why_not: str | None = "importing"  # None: it forks
+    why_not: str | None = IMPORTING  # None: it forks
     waiting: list[tuple[socket.socket, dict, list[int]]] = []  # clients, each with its standard streams
     clients: dict[int, socket.socket] = {}  # child pid -> the connection of the client it serves
     cold: dict[int, str] = {}  # client pid -> why it was not forked (its rank asks)
     alone_since = None
     while True:
-        if select.select([listener], [], [], 1.0 if why_not != "importing" else 0.1)[0]:
+        ready = select.select([listener, *clients.values()], [], [], 1.0 if why_not != IMPORTING else 0.1)[0]
+        _end_the_children_of_clients_gone(clients, ready)
+        if listener in ready:
             conn, _ = listener.accept()
             try:
                 if _peer_uid(conn) == os.getuid():
                     message, fds = _receive(conn)
                     if "fork" in message:
                         waiting.append((conn, message["fork"], fds))
-                        if why_not == "importing":
-                            _send(conn, {"wait": True})
+                        if why_not == IMPORTING:
+                            with contextlib.suppress(OSError):  # a client gone: its fork ends unrun
+                                _send(conn, {"wait": True})
                         conn = None
                     else:
                         _close(fds)
@@ -313,15 +315,15 @@ def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | Non
                 pass
             if conn:
                 conn.close()
-        if why_not == "importing" and not imports.is_alive():
+        if why_not == IMPORTING and not imports.is_alive():
             imports.join()
-            why_not = _cannot_fork() or (None if _forks_draw_distinct_ids() else
+            why_not = forked.cannot_fork() or (None if forked.forks_draw_distinct_ids() else
                                          "its forks would draw the same Ray IDs (Ray's ID generator was seeded)")
             gc.freeze()  # what is imported stays out of the forks' collections (pages they would copy)
             _log(f"imported in {time.monotonic() - began:.1f} s; " + ("forking" if why_not is None else f"not forking: {why_not}"))
-        while why_not != "importing" and waiting:
+        while why_not != IMPORTING and waiting:
             conn, request, fds = waiting.pop(0)
-            why_not = why_not or _cannot_fork()
+            why_not = why_not or forked.cannot_fork()
             if why_not is None:
                 others = [listener, *clients.values(), *(c for c, _, _ in waiting)]
                 try:
@@ -331,6 +333,7 @@ def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | Non
                     continue
                 if isinstance(child, dict):  # in the child: leave the server's loop
                     return child
+                conn.settimeout(None)  # watched for its end (`_end_the_children_of_clients_gone`)
                 clients[child] = conn
                 _log(f"forked {child} for client {request['client']}")
             else:
@@ -357,25 +360,6 @@ def _refuse(conn: socket.socket, request: dict, fds: list[int], why: str, cold: 
     except OSError:
         pass
     conn.close()
-
-
-def _cannot_fork() -> str | None:
-    """Why this process must not fork now (None: it may). CUDA initialised (a child cannot use a
-    context its parent made), or a thread other than this one, a native one too: it may hold a lock
-    a child would wait on forever, and the CUDA driver starts one when a device query initialises it
-    without torch's CUDA (on an H200 after `torch.cuda.device_count()`: scripts/gpu_check.py). A mapped
-    libcuda is no sign: a CUDA build of torch maps it as it loads, and its forks use the GPU."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "CUDA is initialised in the server"
-    for _ in range(20):  # a thread just joined leaves /proc/self/task a moment later
-        threads = len(os.listdir("/proc/self/task")) - 1
-        if not threads:
-            break
-        time.sleep(0.05)
-    else:
-        return f"native threads in the server ({threads} besides its own)"
-    return None
 
 
 def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socket.socket], other_fds: list[int]) -> int | dict:
@@ -416,76 +400,28 @@ def _close(fds: Sequence[int]) -> None:
         os.close(fd)
 
 
-def run_worker(request: dict, signals: dict) -> None:
-    """In the child: become the process Ray started and run Ray's worker as `python
-    default_worker.py ...` would: its environment, directory, arguments, the signal dispositions
-    a fresh interpreter has (`signals`, as the server started), its own random state, a process
-    group of its own (Ray ends a worker's group after it), the end of an interpreter (exit code,
-    `atexit`)."""
-    global _forked
-    _forked = True
-    os.setsid()
-    for sig, handler in signals.items():
-        if signal.getsignal(sig) != handler:
-            signal.signal(sig, handler)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    _follow(request["client"])
-    sys.argv = list(request["argv"])
-    sys.orig_argv = [sys.executable, *sys.argv]
-    _reseed()
-    runpy.run_path(sys.argv[0], run_name="__main__")
-
-
-def _reseed() -> None:
-    """Draw anew what a fresh interpreter draws from the OS at start and forks would share: numpy's
-    global generator and torch's default one (`random` CPython reseeds in a fork itself). Not the
-    hash seed of str and bytes, drawn once per interpreter (docs/restarts.md)."""
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    if "torch" in sys.modules:
-        sys.modules["torch"].default_generator.seed()
-
-
-def size_thread_pools() -> None:
-    """In a fork, once Ray has set the rank's thread count (`OMP_NUM_THREADS`, when it creates the
-    actor: after the fork): torch's and the native thread pools sized as a fresh process sizes them
-    when it loads them, from that environment (a fork's were sized in the server's)."""
-    if not _forked:
-        return
-    import torch
-    from threadpoolctl import threadpool_limits
-
-    def first(*names: str) -> int | None:
-        values = (os.environ.get(name, "").split(",")[0].strip() for name in names)
-        return next((int(v) for v in values if v.isdigit() and int(v) > 0), None)
-
-    omp = first("OMP_NUM_THREADS")
-    limits = {"openmp": omp, "mkl": first("MKL_NUM_THREADS", "OMP_NUM_THREADS"),
-              "blis": first("BLIS_NUM_THREADS", "OMP_NUM_THREADS"),
-              # loaded in the server with one (NO_THREADS_AT_LOAD): its default is every CPU
-              "openblas": first("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS") or len(os.sched_getaffinity(0))}
-    threadpool_limits(limits={api: n for api, n in limits.items() if n})
-    if omp:
-        torch.set_num_threads(omp)
-
-
-def _follow(client: int) -> None:
-    """SIGKILL this child the moment its client ends."""
-    def watch() -> None:
-        try:
-            select.select([os.pidfd_open(client)], [], [])
-        except (AttributeError, OSError):  # no pidfd here: poll
-            while os.path.exists(f"/proc/{client}"):
-                time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="ray_resume-client", daemon=True).start()
+def _end_the_children_of_clients_gone(clients: dict[int, socket.socket], ready: list) -> None:
+    """SIGKILL the child of each client whose connection closed (Ray ended the process it started);
+    a client whose server is gone ends its child itself (`client`). So the child runs no thread of
+    ours, which a fresh worker would not have."""
+    for child, conn in list(clients.items()):
+        if conn in ready:
+            try:
+                if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"g":  # not yet taken by the child
+                    continue
+            except (BlockingIOError, TimeoutError):  # the child took it since
+                continue
+            except OSError:
+                pass
+            _log(f"the client of {child} has gone: {child} ended")
+            _signal(child, signal.SIGKILL)
+            conn.close()
+            del clients[child]
 
 
 def _reap(clients: dict[int, socket.socket]) -> None:
-    while clients:
+    """Wait for every child that has ended (a client gone has its child's entry removed already)."""
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
@@ -519,63 +455,6 @@ def _job_alive_here(job: str) -> bool:
     return False
 
 
-def _import_rank_modules(preload: Sequence[str]) -> None:
-    """What a rank imports before its first step: torch, `torch._dynamo` (DDP's constructor imports
-    it), Ray, Ray Train (its worker actor's module, `ray.train.torch`) and `preload`, with no
-    library starting a thread as it loads (NO_THREADS_AT_LOAD). Module-level `@ray.remote` classes
-    in Ray Train and Ray Data draw an `ActorClassID` at import, and the first draw seeds Ray's ID
-    generator, whose state forks share: every fork after it drew the same IDs (two ranks died in
-    Ray's object store warm-up, "Seal() called on an object without a reference to it"). Those class
-    IDs come from the OS here instead (they are a class's label, never looked up);
-    `_forks_draw_distinct_ids` checks that no other draw was made."""
-    saved = {name: os.environ.get(name) for name in NO_THREADS_AT_LOAD}
-    os.environ.update(NO_THREADS_AT_LOAD)
-    try:
-        import torch._dynamo  # noqa: F401
-        import ray.actor
-        from ray._raylet import ActorClassID
-
-        class FromTheOS:
-            @staticmethod
-            def from_random() -> ActorClassID:
-                return ActorClassID(os.urandom(ActorClassID.size()))
-
-        ray.actor.ActorClassID = FromTheOS
-        try:
-            import ray.train.torch  # noqa: F401
-            import ray.train.v2._internal.execution.worker_group.worker  # noqa: F401  (Ray Train's worker actor)
-            import ray.tune  # noqa: F401  (Ray Train's worker imports it when it sets up torch)
-
-            for name in preload:
-                importlib.import_module(name)
-        finally:
-            ray.actor.ActorClassID = ActorClassID
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _forks_draw_distinct_ids() -> bool:
-    """Whether two forks of this process draw different random Ray IDs."""
-    from ray._raylet import ObjectID
-
-    drawn = []
-    for _ in range(2):
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.write(write, ObjectID.from_random().binary())
-            os._exit(0)
-        os.close(write)
-        os.waitpid(pid, 0)
-        drawn.append(os.read(read, 64))
-        os.close(read)
-    return drawn[0] != drawn[1]
-
-
 def main(argv: list[str]) -> None:
     """`--serve ADDRESS [--idle=S] [--fd=N] [--preload=A,B] [--worker-dir=D]`: a server, whose
     children return here to run their worker; else a client (`ARGV`: Ray's worker command)."""
@@ -587,8 +466,8 @@ def main(argv: list[str]) -> None:
     request = serve(argv[1], float(options.get("idle", IDLE_EXIT_S)), int(options["fd"]) if "fd" in options else None,
                     [name for name in options.get("preload", "").split(",") if name], options.get("worker-dir"))
     if request is not None:
-        run_worker(request, fresh)
+        forked.run_worker(request, fresh)
 
 
-if __name__ == "__main__":  # the module's own copy holds the state a rank reads (`_forked`)
+if __name__ == "__main__":  # one copy of the modules, whose state a rank reads (`forked.is_fork`)
     importlib.import_module(MODULE).main(sys.argv[1:])

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import collectives, forkserver
+from . import collectives, forked, forkserver
 from .calls import call
 from .checkpoint.checkpointer import Checkpointer, Start
 from .checkpoint.root import CommittedIteration, ResumeSource
@@ -60,7 +60,7 @@ def rank_entry(loop_config: dict) -> None:
     """Ray Train's entry point on every rank, for every job (`fit`'s and the built-in one)."""
     import ray.train
 
-    forkserver.size_thread_pools()  # a fork's, now that Ray has set this rank's OMP_NUM_THREADS
+    forked.size_thread_pools()  # a fork's, now that Ray has set this rank's OMP_NUM_THREADS
     ours = loop_config[INTERNAL]
     controller = ours["controller"]
     cfg = Config.from_dict(call(controller, "job_config"))  # the train_loop_config Ray Train shows is redacted

@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,6 +82,7 @@ def rank_facts() -> dict:
         "recursion_limit": sys.getrecursionlimit(),
         "switch_interval": sys.getswitchinterval(),
         "gc": [gc_enabled(), list(gc_thresholds())],
+        "python_threads": sorted(re.sub(r"\d+", "N", t.name) for t in threading.enumerate()),
     }
 
 
@@ -161,7 +164,8 @@ def run(out: Path, fork_server: bool, gpu: bool = False) -> dict:
     deadline = time.monotonic() + 10  # Ray ends the last group's processes after fit() returns
     while time.monotonic() < deadline and any(Path(f"/proc/{f['pid']}").exists() for f in starts.values()):
         time.sleep(0.2)
-    time.sleep(1)
+    while time.monotonic() < deadline + 10 and any(Path(f"/proc/{f['spawned']}").exists() for f in starts.values()):
+        time.sleep(0.2)  # and the raylet ends a worker's process group after the worker
     outlived = []
     for name, f in starts.items():
         if Path(f"/proc/{f['spawned']}").exists():

@@ -275,12 +275,12 @@ def determinism_cost(size: str, device: torch.device, steps: int = 10) -> dict:
 
 FORK_CHILD = """
 import os, sys, torch
-from ray_resume import forkserver
+from ray_resume import forked
 if sys.argv[1] == "query":
     torch.cuda.device_count()  # a device query: starts the driver without initialising torch's CUDA
 elif sys.argv[1] == "init":
     torch.ones(1, device="cuda")
-said = {"cannot_fork": forkserver._cannot_fork(), "torch_cuda_initialized": torch.cuda.is_initialized()}
+said = {"cannot_fork": forked.cannot_fork(), "torch_cuda_initialized": torch.cuda.is_initialized()}
 read, write = os.pipe()
 if os.fork() == 0:  # what a fork of such a server could do on the GPU
     try:
@@ -302,7 +302,7 @@ def fork_safety() -> dict:
     initialising torch's CUDA (`torch.cuda.is_initialized()`, the old gate, says False), and after
     torch's CUDA is initialised, the gate refuses. The 2-rank NCCL `fit()` on and off
     (scripts/fork_parity.py --gpu) where Ray and 2 GPUs are here."""
-    from ray_resume.forkserver import NO_THREADS_AT_LOAD
+    from ray_resume.forked import NO_THREADS_AT_LOAD
 
     env = {**os.environ, "PYTHONPATH": str(REPO), **NO_THREADS_AT_LOAD}  # as the server imports
     results = {}

@@ -201,11 +201,11 @@ def test_a_client_the_server_cannot_serve_runs_the_worker_itself(tmp_path):
     assert got["how"] == "off (no fork server of this user answered)"
 
 
+@pytest.mark.invariant(16)
 def test_a_client_passes_a_server_of_another_user_by_and_sends_it_nothing(tmp_path):
     """Anyone on the node can bind the address first (an abstract name has no permissions): a
     server of another uid gets no environment, no credentials, no streams; the worker starts cold."""
     env, argv, address = job_env(tmp_path)
-    got = tmp_path / "received"
     fake = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import os, socket, sys
         os.setgid(65534); os.setuid(65534)  # nobody
@@ -248,12 +248,12 @@ def test_the_server_forks_only_with_no_thread_but_its_own():
     """`/proc/self/task` counts native threads too: OpenBLAS's pool, started as numpy loads (unless
     told otherwise, as the server's imports are), or the CUDA driver's after a device query
     (scripts/gpu_check.py shows that one, and CUDA initialised, on a GPU)."""
-    check = "from ray_resume import forkserver; print(forkserver._cannot_fork())"
+    check = "from ray_resume import forked; print(forked.cannot_fork())"
     cases = {"": "None", "import numpy": "native threads in the server (1 besides its own)",
-             "import os; os.environ.update(forkserver.NO_THREADS_AT_LOAD); import torch, pyarrow": "None"}
+             "import os; os.environ.update(forked.NO_THREADS_AT_LOAD); import torch, pyarrow": "None"}
     for setup, expected in cases.items():
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
-        out = subprocess.run([sys.executable, "-c", f"from ray_resume import forkserver\n{setup}\n{check}"], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", f"from ray_resume import forked\n{setup}\n{check}"], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == expected, setup
 
 

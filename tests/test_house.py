@@ -21,7 +21,7 @@ from ray_resume.errors import CheckpointError
 PACKAGE = REPO / "ray_resume"
 # Bottom to top; a module may import its own layer's and those below (docs/architecture.md).
 LAYERS = [
-    ["errors", "calls", "faults", "model", "summary", "collectives", "forkserver", "checkpoint", "checkpoint.paths", "checkpoint.names", "checkpoint.plan",
+    ["errors", "calls", "faults", "model", "summary", "collectives", "forked", "forkserver", "checkpoint", "checkpoint.paths", "checkpoint.names", "checkpoint.plan",
      "checkpoint.digest", "checkpoint.storage", "checkpoint.async_save"],
     ["checkpoint.schema", "checkpoint.parse", "checkpoint.state", "checkpoint.writer", "checkpoint.reader", "checkpoint.loader", "checkpoint.commit",
      "checkpoint.lease", "checkpoint.fallback", "checkpoint.memory", "checkpoint.root", "checkpoint.checkpointer"],
