@@ -56,6 +56,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 # Runtime env fields with which Ray runs the ranks in a Python of their own (a venv, a container):
 # a fork of ours would not be it.
 OWN_PYTHON = ("py_executable", "pip", "uv", "conda", "image_uri", "container")
+
+
 def why_off(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any], ray_client: bool = False,
             gpu: bool = False) -> str | None:
     """Why the ranks do not start through the fork server (None: they do). `failure.fork_server`,
@@ -107,10 +109,10 @@ def client(argv: list[str]) -> None:
     server of this user answers in time or it says no (and why, it tells the rank: `started_how`)."""
     preload = argv[:1] if argv[:1] and argv[0].startswith("--preload=") else []
     argv = argv[len(preload):]
-    forked = _ask_for_fork(argv, preload)
-    if forked is None:
+    served = _ask_for_fork(argv, preload)
+    if served is None:
         os.execv(sys.executable, [sys.executable, *argv])
-    conn, child = forked
+    conn, child = served
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _signal(child, signum))
     try:
