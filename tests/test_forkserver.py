@@ -62,14 +62,16 @@ def command_line(pid: int) -> str:
 
 @pytest.mark.usefixtures("ray_cluster", "by_value")
 def test_both_groups_run_in_forks_of_the_fork_server(tmp_path):
-    """By default (`failure.fork_server: auto`), on CPU ranks too: the first group's processes and
-    the restarted group's new ones are forks of one server on the node."""
+    """The first group's processes and the restarted group's new ones are forks of one server on
+    the node (`failure.fork_server: true`, what `auto` is on CPU ranks unless RAY_RESUME_FORK_SERVER
+    says otherwise, as when the suite runs with it off)."""
     import ray
     import ray.train
 
     result = ray_resume.fit(train_func, train_loop_config={"dir": str(tmp_path)},
                             checkpoint={"save_path": str(tmp_path / "root"), "save_interleaved_steps": 1},
-                            scaling_config=ray.train.ScalingConfig(num_workers=2), failure_config={"max_failures": 1})
+                            scaling_config=ray.train.ScalingConfig(num_workers=2),
+                            failure_config={"max_failures": 1, "fork_server": True})
     assert result.committed_iteration == STEPS
     assert json.loads((tmp_path / "killed.json").read_text())["serving"] is True
     first, restarted = ([json.loads((tmp_path / f"{attempt}-{rank}.json").read_text()) for rank in range(2)]
