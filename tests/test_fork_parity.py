@@ -24,7 +24,8 @@ def test_a_forked_rank_is_the_process_ray_would_have_started(tmp_path):
     # The servers forked these: the ranks' parents are one process (Ray's raylet off, the server on).
     parents = {name: {f["parent"] for f in run["starts"].values()} for name, run in runs.items()}
     assert len(parents["on"]) == 1 and parents["on"] != parents["off"], parents
-    assert len(runs["off"]["starts"]["first-0"]) - 3 + 3 >= 15  # facts a rank start has (less pids, plus its ends)
+    # Facts compared per rank start: its own, less pid, parent and spawned pid, plus atexit, outlived, bytes.
+    assert len(runs["off"]["starts"]["first-0"]) >= 15
     # The one fact a fork cannot have anew: CPython draws the hash seed of str and bytes once per
     # interpreter (docs/restarts.md says so); every other one is the same on as off.
     assert fork_parity.differences(runs["on"], runs["off"]) == [
