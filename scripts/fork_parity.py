@@ -13,6 +13,7 @@ processes they spawned outlived them, and the committed shard bytes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -81,21 +82,9 @@ def rank_facts() -> dict:
         "main_module": Path(getattr(sys.modules["__main__"], "__file__", "") or "").name,
         "recursion_limit": sys.getrecursionlimit(),
         "switch_interval": sys.getswitchinterval(),
-        "gc": [gc_enabled(), list(gc_thresholds())],
+        "gc": [gc.isenabled(), list(gc.get_threshold())],
         "python_threads": sorted(re.sub(r"\d+", "N", t.name) for t in threading.enumerate()),
     }
-
-
-def gc_enabled() -> bool:
-    import gc
-
-    return gc.isenabled()
-
-
-def gc_thresholds() -> tuple:
-    import gc
-
-    return gc.get_threshold()
 
 
 def train_func(config: dict) -> None:
