@@ -201,7 +201,7 @@ def _short(value, other) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="ranks on GPUs (NCCL)")
-    parser.add_argument("--out", help="where the facts go as fork_parity.json")
+    parser.add_argument("--out", help="a file for the facts and the differences (JSON)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         runs = {name: run(Path(tmp, name), name == "on", args.gpu) for name in ("off", "on")}
