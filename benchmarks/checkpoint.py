@@ -55,12 +55,10 @@ ROWS = [
     "ours_load_vs_dcp_load", "ours_load_sha256_vs_dcp_load", "ours_load_vs_torch_load",
     "load_bytes_read_vs_checkpoint", "load_balanced_bytes_read_vs_checkpoint",
 ]
-TRAIN_ROWS = ["steps", "save_every", "never_steps_per_s", "async_steps_per_s", "sync_steps_per_s",
-              "async_vs_never", "sync_vs_never"]
 
 
-def _config(root: str, size: str, *, async_save: bool = True, load_balanced: bool = False, save_every: int = 1,
-            checksum: str = "xxh3-128") -> dict:
+def _config(root: str, size: str, *, save_every: int = 1, **checkpoint) -> dict:
+    """The benchmark's job config; `checkpoint` keys (async_save, load_balanced, checksum...) override."""
     vocab, d, layers, heads = SIZES[size]
     return {
         "name": f"bench-{size}",
@@ -70,7 +68,7 @@ def _config(root: str, size: str, *, async_save: bool = True, load_balanced: boo
         "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_steps": 10**9, "lr": 1e-4, "seed": 0},
         "scaling": {"num_workers": 2},
         "checkpoint": {"save_path": os.path.join(root, "ckpt"), "save_interleaved_steps": save_every, "save_max": 1000,
-                       "async_save": async_save, "load_balanced": load_balanced, "checksum": checksum},
+                       "checksum": "xxh3-128", **checkpoint},
     }
 
 
@@ -86,8 +84,7 @@ def _tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-@ray.remote(num_cpus=1)
-class BenchWorker:
+class Rank:
     """One rank: its model, optimizer and checkpointer; every method is a collective phase."""
 
     def setup(self, rank: int, world: int, port: int, size: str, root: str, coordinator) -> dict:
@@ -278,33 +275,8 @@ class BenchWorker:
             os.sync()
         self._barrier()
 
-    # ------------------------------------------------------------------ training throughput
-    def train(self, steps: int, save_every: int, mode: str, root: str, coordinator) -> dict:
-        """`steps` DDP steps; mode never | async | sync saves every `save_every` steps (last wait included)."""
-        from torch.nn.parallel import DistributedDataParallel
 
-        if not hasattr(self, "ddp"):
-            self.ddp = DistributedDataParallel(self.model)
-        ck = self._checkpointer(root, coordinator, async_save=mode == "async", save_every=save_every) if mode != "never" else None
-        gen = torch.Generator().manual_seed(100 + self.rank)
-        vocab = SIZES[self.size][0]
-        self._barrier()
-        start = time.perf_counter()
-        for step in range(1, steps + 1):
-            ids = torch.randint(0, vocab, (2, SEQ_LEN + 1), generator=gen)
-            self.optimizer.zero_grad()
-            self.optimizer.backward(self.lm_loss(self.ddp, ids))
-            self.optimizer.step()
-            if ck and step % save_every == 0:
-                ck.save(step, self.ddp, self.optimizer, {"global_step": step, "global_batch_size": 4, "consumed_samples": 4 * step,
-                                                         "epoch_num": 0, "step_num": step, "loss_scale": 1.0})
-        if ck:
-            ck.finish()
-        elapsed = time.perf_counter() - start
-        stalls = [s for _, s in ck.stalls] if ck else []
-        self.optimizer.zero_grad()
-        self._barrier()
-        return {"total": elapsed, "stalls": stalls}
+BenchWorker = ray.remote(num_cpus=1)(Rank)
 
 
 def _free_port() -> int:
@@ -362,7 +334,7 @@ def _rounds(repeats: int, phases: dict) -> None:
             phases[name]()
 
 
-def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: int = 1) -> dict:
+def bench_size(size: str, base: str, *, repeats: int = 1) -> dict:
     from ray_resume.config import Config
 
     root = tempfile.mkdtemp(prefix=f"ckpt-bench-{size}-", dir=base)
@@ -458,29 +430,6 @@ def bench_size(size: str, base: str, *, train: tuple[int, int] | None, repeats: 
         r["load_bytes_read_vs_checkpoint"] = _ratio(r.get("ours_load_bytes_read"), r.get("checkpoint_bytes"))
         r["load_balanced_bytes_read_vs_checkpoint"] = _ratio(r.get("ours_load_balanced_bytes_read"), r.get("checkpoint_bytes"))
 
-        if train:
-            steps, every = train
-            t: dict = {"steps": steps, "save_every": every}
-            best: dict[str, float] = {}
-            for round_ in range(2):  # modes interleaved, best of 2: less at the mercy of other load on the box
-                for mode in ("never", "async", "sync"):
-                    train_root = os.path.join(root, f"train-{mode}-{round_}")
-                    train_cfg = Config.from_dict(_config(train_root, size))
-                    coordinators.append(_controller(train_cfg, f"bench-{size}-{mode}"))
-                    res = _all(workers, "train", steps, every, mode, train_root, coordinators[-1][0])
-                    if mode != "never" and ray.get(coordinators[-1][0].last_committed.remote()) != steps // every * every:
-                        raise RuntimeError(f"training saves ({mode}) did not commit")
-                    best[mode] = max(best.get(mode, 0.0), steps / max(x["total"] for x in res))
-                    if mode != "never":
-                        stall = max(max(x["stalls"]) for x in res)
-                        t[f"{mode}_save_stall_s"] = round(min(t.get(f"{mode}_save_stall_s", stall), stall), 4)
-                    _release(coordinators.pop())
-                    shutil.rmtree(train_root, ignore_errors=True)
-            for mode, rate in best.items():
-                t[f"{mode}_steps_per_s"] = round(rate, 4)
-            t["async_vs_never"] = _ratio(t["async_steps_per_s"], t["never_steps_per_s"])
-            t["sync_vs_never"] = _ratio(t["sync_steps_per_s"], t["never_steps_per_s"])
-            r["training"] = t
         return r
     finally:
         for w in workers:
@@ -536,14 +485,17 @@ def table(results: dict) -> str:
     for s in sizes:
         for what, why in results["sizes"][s].get("skipped", {}).items():
             lines.append(f"{s}: {what} skipped on this machine ({why})")
-    for s in sizes:
-        t = results["sizes"][s].get("training")
-        if t:
-            lines.append("")
-            lines.append(f"Training throughput, {s}, {t['steps']} steps, save every {t['save_every']} (final wait included):")
-            lines.append(f"never {t['never_steps_per_s']:.3f} steps/s | async {t['async_steps_per_s']:.3f} steps/s "
-                         f"({t['async_vs_never']:.3f}x) | sync {t['sync_steps_per_s']:.3f} steps/s ({t['sync_vs_never']:.3f}x)")
     return "\n".join(lines)
+
+
+def init_ray() -> bool:
+    """A Ray of its own, or the cluster RAY_ADDRESS names (the test suite's); True when started here."""
+    if ray.is_initialized():
+        return False
+    own = {} if os.environ.get("RAY_ADDRESS") else {"num_cpus": 3, "object_store_memory": 200 * 1024**2, "include_dashboard": False}
+    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), log_to_driver=True,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}}, **own)
+    return True
 
 
 def main(argv=None) -> int:
@@ -552,31 +504,22 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=None, help="comma list of " + ", ".join(SIZES) + " (default 50m,300m)")
     ap.add_argument("--out", default="benchmarks/results.json")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
-    ap.add_argument("--train-steps", type=int, default=None)
-    ap.add_argument("--save-every", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None, help="runs per save measurement, median reported (default 3, --small 1)")
     args = ap.parse_args(argv)
     sizes = (args.sizes or ("tiny" if args.small else "50m,300m")).split(",")
     for s in sizes:
         if s not in SIZES:
             ap.error(f"unknown size {s!r}; choose from {', '.join(SIZES)}")
-    steps = args.train_steps or (6 if args.small else 40)
-    every = args.save_every or (3 if args.small else 10)
     repeats = args.repeats or (1 if args.small else 3)
     base = args.dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
-    started = not ray.is_initialized()
-    if started:  # a Ray of its own, or the cluster RAY_ADDRESS names (the test suite's)
-        own = {} if os.environ.get("RAY_ADDRESS") else {"num_cpus": 3, "object_store_memory": 200 * 1024**2, "include_dashboard": False}
-        ray.init(address=os.environ.get("RAY_ADDRESS", "local"), log_to_driver=True,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}}, **own)
+    started = init_ray()
     results = {"command": "python -m benchmarks.checkpoint " + " ".join(argv if argv is not None else sys.argv[1:]),
                "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
                "workers": 2, "backend": "gloo (plain Ray actors)", "repeats": repeats, "sizes": {}}
     try:
-        for i, size in enumerate(sizes):
-            # Training throughput on the smallest size asked for only (a 300M model trains too slowly on CPU).
-            results["sizes"][size] = bench_size(size, base, train=(steps, every) if i == 0 else None, repeats=repeats)
+        for size in sizes:
+            results["sizes"][size] = bench_size(size, base, repeats=repeats)
     finally:
         if started:
             ray.shutdown()

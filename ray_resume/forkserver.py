@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-import json
 import os
 import select
 import signal
@@ -44,7 +43,7 @@ import threading
 import time
 from typing import Any, Literal, Sequence, Union
 
-from . import forked
+from . import forked, wire
 
 MODULE = "ray_resume.forkserver"  # its name also where it runs as __main__
 SETTING_ENV = "RAY_RESUME_FORK_SERVER"  # true/false/auto: what `failure.fork_server: auto` means on this host
@@ -116,7 +115,7 @@ def client(argv: list[str]) -> None:
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _signal(child, signum))
     try:
-        status = _receive(conn, None)[0]["status"]  # the child's wait status, sent when it ends
+        status = wire.receive(conn, None)[0]["status"]  # the child's wait status, sent when it ends
     except (OSError, ValueError, KeyError):  # the server died: the child ends with this process
         _signal(child, signal.SIGKILL)
         os._exit(1)
@@ -142,10 +141,10 @@ def _ask_for_fork(argv: list[str], preload: list[str]) -> tuple[socket.socket, i
             conn.connect("\0" + address)
         if _peer_uid(conn) != os.getuid():
             raise PermissionError(address)
-        _send(conn, {"fork": {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}}, [0, 1, 2])
-        answer = _receive(conn, ANSWER_S)[0]
+        wire.send(conn, {"fork": {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}}, [0, 1, 2])
+        answer = wire.receive(conn, ANSWER_S)[0]
         if answer.get("wait"):  # queued while the server imports
-            answer = _receive(conn, IMPORTS_S)[0]
+            answer = wire.receive(conn, IMPORTS_S)[0]
         if "pid" not in answer:  # {"cold": why}, which the rank learns from the server
             raise ConnectionRefusedError(answer.get("cold"))
         conn.sendall(b"g")  # the child runs only once this client has taken it
@@ -185,8 +184,8 @@ def _ask(address: str, message: dict) -> dict | None:
             conn.connect("\0" + address)
             if _peer_uid(conn) != os.getuid():
                 return None
-            _send(conn, message)
-            return _receive(conn, ANSWER_S)[0]
+            wire.send(conn, message)
+            return wire.receive(conn, ANSWER_S)[0]
     except (OSError, ValueError):  # none here (a rank not started through a client)
         return None
 
@@ -229,39 +228,11 @@ def _listen(address: str) -> socket.socket | None:
     return listener
 
 
-def _send(conn: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
-    body = json.dumps(message).encode()
-    socket.send_fds(conn, [struct.pack("!I", len(body)) + body], fds)
-
-
-def _receive(conn: socket.socket, timeout: float | None = 5.0) -> tuple[dict, list[int]]:
-    """One message and the file descriptors that came with it."""
-    conn.settimeout(timeout)
-    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
-    try:
-        if len(head) < 4:
-            raise ConnectionError("no message")
-        return json.loads(_read(conn, struct.unpack("!I", head)[0])), fds
-    except BaseException:
-        _close(fds)
-        raise
-
-
 def _signal(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
-
-
-def _read(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
 
 
 def _peer_uid(conn: socket.socket) -> int:
@@ -302,17 +273,17 @@ def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | Non
             conn, _ = listener.accept()
             try:
                 if _peer_uid(conn) == os.getuid():
-                    message, fds = _receive(conn)
+                    message, fds = wire.receive(conn)
                     if "fork" in message:
                         waiting.append((conn, message["fork"], fds))
                         if why_not == IMPORTING:
                             with contextlib.suppress(OSError):  # a client gone: its fork ends unrun
-                                _send(conn, {"wait": True})
+                                wire.send(conn, {"wait": True})
                         conn = None
                     else:
-                        _close(fds)
+                        wire.close(fds)
                         pid = message.get("status")
-                        _send(conn, {"serving": why_not is None, "why": why_not, "cold": cold.get(pid)})
+                        wire.send(conn, {"serving": why_not is None, "why": why_not, "cold": cold.get(pid)})
             except Exception:  # noqa: BLE001  (a client that went away, a message not ours: not the server's end)
                 pass
             if conn:
@@ -354,11 +325,11 @@ def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | Non
 
 
 def _refuse(conn: socket.socket, request: dict, fds: list[int], why: str, cold: dict[int, str]) -> None:
-    _close(fds)
+    wire.close(fds)
     cold[request["client"]] = why
     _log(f"client {request['client']} starts cold: {why}")
     try:
-        _send(conn, {"cold": why})
+        wire.send(conn, {"cold": why})
     except OSError:
         pass
     conn.close()
@@ -372,13 +343,13 @@ def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socke
     try:
         pid = os.fork()
     except OSError:
-        _close(fds)
+        wire.close(fds)
         raise
     if pid == 0:
         try:
             for sock in others:
                 sock.close()
-            _close(other_fds)
+            wire.close(other_fds)
             conn.settimeout(None)
             if conn.recv(1) != b"g":  # the client gave up on the server (and runs the worker itself)
                 os._exit(0)
@@ -389,17 +360,12 @@ def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socke
             return request
         except BaseException:
             os._exit(1)
-    _close(fds)
+    wire.close(fds)
     try:
-        _send(conn, {"pid": pid})
+        wire.send(conn, {"pid": pid})
     except OSError:  # the client is gone (Ray ended it while it waited): the child reads no "g"
         pass
     return pid
-
-
-def _close(fds: Sequence[int]) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 def _end_the_children_of_clients_gone(clients: dict[int, socket.socket], ready: list) -> None:
@@ -433,7 +399,7 @@ def _reap(clients: dict[int, socket.socket]) -> None:
         conn = clients.pop(pid, None)
         if conn is not None:
             try:
-                _send(conn, {"status": status})
+                wire.send(conn, {"status": status})
             except OSError:
                 pass
             conn.close()

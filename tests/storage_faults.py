@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -132,9 +133,10 @@ def install(faults: list[dict], record: str) -> None:
     parsed = [Fault(**f) for f in faults]
 
     def wrap(backend, uri):
-        _append(record, {"built": os.getpid(), "uri": uri})
+        _append(record, {"built": os.getpid(), "uri": uri, "writer": sys.argv[0].endswith("writer_process.py")})
         return FaultyStorage(backend, parsed, record)
 
+    wrap.rebuild = (__name__, "install", [faults, record])  # how a rank's writer process installs the same
     storage_module.wrappers[:] = [wrap]
 
 
@@ -156,5 +158,6 @@ def injected(record: str) -> list[dict]:
 
 
 def builds(record: str) -> list[dict]:
-    """Every storage built where faults were installed: {"built": the process id, "uri": what for}."""
+    """Every storage built where faults were installed: {"built": the process id, "uri": what for,
+    "writer": whether a rank's writer process built it}."""
     return [line for line in _lines(record) if "built" in line]

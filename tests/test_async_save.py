@@ -9,13 +9,21 @@ async write is in flight is tests/test_harness.py's mid_shard_write case.
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
+import storage_faults
 from conftest import commit_by_hand, shard_bytes, tiny_config
 from ray_resume.checkpoint import checkpointer as checkpointer_module
 from ray_resume.checkpoint import state
@@ -24,6 +32,7 @@ from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import ShardReader, load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import local_shape
+from ray_resume.checkpoint import storage as storage_module
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import RANK_EXTRAS_KEY, live_data, safetensors_header, shard_layouts
 from ray_resume.config import Config
@@ -44,9 +53,8 @@ class FakeCoordinator:
         return True
 
 
-def checkpointer_for(root: Path, rank: int, world: int, *, async_save: bool, coordinator=None, **checkpoint):
-    cfg = Config.from_dict(tiny_config(root.parent, checkpoint={"save_path": str(root), "async_save": async_save,
-                                                               "save_interleaved_steps": 1, **checkpoint}))
+def checkpointer_for(root: Path, rank: int, world: int, *, coordinator=None, **checkpoint):
+    cfg = Config.from_dict(tiny_config(root.parent, checkpoint={"save_path": str(root), "save_interleaved_steps": 1, **checkpoint}))
     return Checkpointer(cfg.checkpoint, coordinator or FakeCoordinator(), rank, world, attempt=0, faults=FaultInjector(None, rank, lambda: True))
 
 
@@ -71,38 +79,138 @@ def test_streamed_shards_are_exactly_what_safetensors_writes(dtype):
                 assert ours == safetensors.torch.save(pieces, metadata=extras), (shard.kind, rank, world)
 
 
+# How a save is written: on the training thread, by the writer thread, or by a writer process.
+MODES = {"sync": {"async_save": False}, "thread": {"async_save": True, "async_writer": "thread"},
+         "process": {"async_save": True, "async_writer": "process"}}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.invariant(2)
-def test_async_and_sync_saves_write_identical_files(tmp_path, dtype):
+def test_sync_thread_and_process_saves_write_identical_files(tmp_path, dtype):
     model, opt = make_state(dtype=dtype)
     common = {"global_step": 3}
-    roots = {mode: tmp_path / mode / "ckpt" for mode in ("sync", "async")}
-    coordinators = {}
+    roots = {mode: tmp_path / mode / "ckpt" for mode in MODES}
+    coordinators, writers, held = {}, {}, []
     for mode, root in roots.items():
         for rank in range(2):
             coordinators[mode, rank] = FakeCoordinator()
-            ck = checkpointer_for(root, rank, 2, async_save=mode == "async", coordinator=coordinators[mode, rank])
+            ck = checkpointer_for(root, rank, 2, coordinator=coordinators[mode, rank], **MODES[mode])
+            held.append(ck)  # a checkpointer dropped ends its writer
             torch.manual_seed(1234)  # same RNG state captured into the opt shard's header
             ck.save(3, model, opt, common)
             assert ck.last_stall_s is not None and ck.stalls[0][0] == 3
             ck.finish()
-    assert files_of(roots["sync"], 3) == files_of(roots["async"], 3)
+            writers[mode, rank] = ck.writer.pid if ck.writer else None
+    assert files_of(roots["sync"], 3) == files_of(roots["thread"], 3) == files_of(roots["process"], 3)
     assert len(files_of(roots["sync"], 3)) == 4
-    # The background thread reported, with the same manifest as the sync save.
+    # The writer thread reported, with the same manifest as the sync save, whoever wrote the files.
     for rank in range(2):
-        (sync_report,), (async_report,) = coordinators["sync", rank].reports, coordinators["async", rank].reports
-        assert sync_report == async_report
-        assert any(name.startswith(f"ckpt-writer-{rank}") for name in coordinators["async", rank].threads)
+        (sync_report,), (thread_report,), (process_report,) = (coordinators[m, rank].reports for m in MODES)
+        assert sync_report == thread_report == process_report
+        for mode in ("thread", "process"):
+            assert any(name.startswith(f"ckpt-writer-{rank}") for name in coordinators[mode, rank].threads)
         assert coordinators["sync", rank].threads == {threading.current_thread().name}
+        # The process: this one's child, at the lowest priority, without torch; none for the others.
+        pid = writers["process", rank]
+        assert writers["sync", rank] is writers["thread", rank] is None and pid is not None
+        assert int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid()
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 19
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
     # And what was written loads back to the very state.
-    commit_by_hand(roots["async"], 3, [coordinators["async", r].reports[0][2] for r in range(2)])
-    it = open_iteration(LocalStorage(), str(roots["async"]), 3)
+    commit_by_hand(roots["process"], 3, [coordinators["process", r].reports[0][2] for r in range(2)])
+    it = open_iteration(LocalStorage(), str(roots["process"]), 3)
     for kind, held in (("model", state.model_tensors(model)), ("opt", opt.state_tensors())):
         loaded = load_state(LocalStorage(), it, kind)
         assert loaded.keys() == held.keys()
         for name, tensor in loaded.items():
             assert torch.equal(tensor, held[name]), name
     assert set(load_rank_extras(ShardReader(LocalStorage(), it), 1)) == {"rng_torch", "rng_numpy", "rng_python"}
+
+
+def test_a_writer_process_killed_mid_write_loses_that_save_only(tmp_path, caplog):
+    """The writer dies half way through a file: that iteration is never reported (so never committed),
+    one line says so, and the next save starts a new writer and writes the very bytes a sync save does."""
+    model, opt = make_state()
+    coordinator = FakeCoordinator()
+    ck = checkpointer_for(tmp_path / "ckpt", 0, 1, coordinator=coordinator, **MODES["process"])
+    killed = []
+
+    def kill_the_writer(phase, step):
+        if phase == "mid_shard_write" and step == 1 and not killed:
+            killed.append(ck.writer.pid)
+            os.kill(ck.writer.pid, signal.SIGKILL)
+
+    ck.faults.maybe_kill = kill_the_writer
+    ck.save(1, model, opt, {"global_step": 1})
+    ck.finish()  # no error: the save is lost, the training goes on
+    assert coordinator.reports == []
+    assert [r.getMessage() for r in caplog.records if "not saved" in r.getMessage()] == [
+        f"rank 0: iteration 1 is not saved: the writer process (pid {killed[0]}) ended (killed by SIGKILL) while writing "
+        "ckpt-model-0000000-0000001.safetensors, ckpt-opt-0000000-0000001.safetensors; the next save starts a new writer"]
+    torch.manual_seed(7)
+    ck.save(2, model, opt, {"global_step": 2})
+    ck.finish()
+    assert [step for _, step, _, _ in coordinator.reports] == [2] and ck.writer.pid != killed[0]
+    expected = checkpointer_for(tmp_path / "sync" / "ckpt", 0, 1, **MODES["sync"])
+    torch.manual_seed(7)
+    expected.save(2, model, opt, {"global_step": 2})
+    assert files_of(tmp_path / "ckpt", 2) == files_of(tmp_path / "sync" / "ckpt", 2)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_storage_error_surfaces_the_same_from_the_thread_and_the_process(tmp_path, mode):
+    """ENOSPC on a shard write (injected below the retries, in the writer process as in the rank) is
+    raised at the next save as the same AsyncSaveError, its cause the same OSError; not retried."""
+    record = str(tmp_path / "injected.jsonl")
+    storage_faults.install([{"op": "write", "error": "ENOSPC", "path_contains": ".safetensors"}], record)
+    try:
+        model, opt = make_state()
+        ck = checkpointer_for(tmp_path / "ckpt", 0, 1, **MODES[mode])
+        ck.save(1, model, opt, {"global_step": 1})
+        with pytest.raises(AsyncSaveError) as info:
+            ck.finish()
+    finally:
+        storage_module.wrappers.clear()
+    path = tmp_path / "ckpt" / "iteration_00000001" / "ckpt-model-0000000-0000001.safetensors"
+    assert str(info.value) == ("asynchronous checkpoint save of iteration 1 failed: "
+                               "OSError(28, 'injected ENOSPC on write')")
+    assert type(info.value.__cause__) is OSError and info.value.__cause__.errno == errno.ENOSPC
+    assert [(f["method"], f["pid"] != os.getpid()) for f in storage_faults.injected(record)] == [
+        ("write_durable", mode == "process")], path
+
+
+def test_the_writer_process_dies_with_its_rank(tmp_path):
+    """A rank SIGKILLed leaves no writer behind (PR_SET_PDEATHSIG): nothing it wrote can be reported,
+    and no process outlives the job."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parent.parent)]!r}
+        from pathlib import Path
+        from test_async_save import checkpointer_for, MODES
+        from test_checkpoint_format import make_state
+        model, opt = make_state()
+        ck = checkpointer_for(Path({str(tmp_path / "ckpt")!r}), 0, 1, **MODES["process"])
+        ck.save(1, model, opt, {{"global_step": 1}})
+        ck.finish()
+        print(ck.writer.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    pid = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (a zombie of an unrelated parent counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.invariant(2)

@@ -19,7 +19,7 @@ import torch
 from ray import cloudpickle
 
 import ray_resume
-from ray_resume import forkserver
+from ray_resume import forkserver, wire
 from ray_resume.errors import ConfigError
 
 STEPS = 4
@@ -178,7 +178,7 @@ def test_a_client_gone_while_the_server_imports_leaves_it_serving_the_next(tmp_p
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
             until(lambda: gone.connect_ex("\0" + address) == 0, "the server listens")
-            forkserver._send(gone, {"fork": {"argv": argv, "env": env, "cwd": str(tmp_path / "gone"), "client": ended.pid}},
+            wire.send(gone, {"fork": {"argv": argv, "env": env, "cwd": str(tmp_path / "gone"), "client": ended.pid}},
                              [0, 1, 2])
         client = run_client(env, argv, tmp_path)
         out, _ = client.communicate(timeout=120)

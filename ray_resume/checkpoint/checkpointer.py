@@ -26,6 +26,7 @@ from .root import CommittedIteration, ResumeSource, WeightsExport, root_for
 from .schema import DamagedShards
 from .state import DTYPE_TAGS, DTYPES, class_path, optimizer_slots
 from .writer import SnapshotBuffers, live_data, shard_layouts, write_shards
+from .writer_process import ProcessWriter, WriterDied, writes_in_a_process
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,10 @@ class Checkpointer:
         self.world_size = world_size
         self.attempt = attempt
         self.faults = faults
-        self.snapshots = SnapshotBuffers()  # async: reused host copies of this rank's share
+        process = writes_in_a_process(ckpt)
+        self.snapshots = SnapshotBuffers(shared=process)  # async: reused host copies of this rank's share
+        # async: who writes them (None: the writer thread itself)
+        self.writer = ProcessWriter(ckpt.save_path, ckpt.storage.model_dump(), self.snapshots) if process else None
         self.background = BackgroundSave(f"ckpt-writer-{rank}")
         self.memory_sender = BackgroundSave(f"ckpt-memory-{rank}")  # the memory tier's: one snapshot in flight
         self.keeper = None  # this node's MemoryKeeper, once asked
@@ -198,8 +202,10 @@ class Checkpointer:
         if self.rank == 0 and self.export_facts is None:  # the model's structure does not change in a run
             self.export_facts = state.export_facts(model)
         if self.ckpt.async_save:
+            if self.writer is not None:
+                self.writer.ensure_started()  # on this thread: the writer dies with it (writer_process)
             shards = [(s, self.snapshots.take(s, states[s.kind])) for s in shards]
-            self.background.submit(step, lambda: self._write_and_report(step, shards, rng, common))
+            self.background.submit(step, lambda: self._write_and_report(step, shards, rng, common, self.writer))
         else:
             self._write_and_report(step, [(s, live_data(s, states[s.kind])) for s in shards], rng, common)
         stall = time.perf_counter() - start
@@ -271,13 +277,17 @@ class Checkpointer:
             logger.debug("rank %d: waited %.3f s for the last save to finish", self.rank, waited)
         return waited
 
-    def _write_and_report(self, step: int, shards, rng: dict[str, str], common: dict) -> None:
-        manifest = write_shards(
-            root_for(self.ckpt.save_path, self.ckpt.storage).storage, self.ckpt.save_path, step,
-            prefix=self.ckpt.prefix, rank=self.rank, world_size=self.world_size,
-            shards=shards, rank_extras=rng, checksum=self.ckpt.checksum,
-            on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step),
-        )
+    def _write_and_report(self, step: int, shards, rng: dict[str, str], common: dict, writer=None) -> None:
+        try:
+            manifest = write_shards(
+                root_for(self.ckpt.save_path, self.ckpt.storage).storage, self.ckpt.save_path, step,
+                prefix=self.ckpt.prefix, rank=self.rank, world_size=self.world_size,
+                shards=shards, rank_extras=rng, checksum=self.ckpt.checksum,
+                on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step), writer=writer,
+            )
+        except WriterDied as exc:  # that save is lost, never committed; the next one starts a new writer
+            logger.warning("rank %d: iteration %d is not saved: %s; the next save starts a new writer", self.rank, step, exc)
+            return
         self.faults.maybe_kill("before_report", step)
         if self.rank == 0:
             manifest["model"] = self.export_facts

@@ -290,7 +290,8 @@ class Retrying:
 
 
 # Wrappers applied to every backend below the retries, each called as wrap(backend, uri) (the tests'
-# storage fault injector).
+# storage fault injector). A wrapper with `rebuild = (module, function, args)` is installed in a rank's
+# writer process too, by calling that function there.
 wrappers: list[Callable] = []
 
 

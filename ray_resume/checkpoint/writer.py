@@ -22,18 +22,21 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from . import paths
-from .digest import DEFAULT_CHECKSUM, BlockDigests, block_bounds
+from .digest import DEFAULT_CHECKSUM, block_bounds
 from .plan import Piece, SavePlan, TensorSpec
 from .schema import SAFETENSORS_ORDER, local_shape
 from .state import DTYPE_TAGS, DTYPES, dim0_sharded, local_tensor
-from .storage import LocalStorage, retried
+from .shard_file import ShardFile, write_file
+from .storage import LocalStorage
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +164,14 @@ class SnapshotBuffers:
     the same model and optimizer give the same layout every save, so after
     the first save nothing is allocated. A changed layout (say, optimizer
     state that appears later) gets a new buffer for that kind, logged.
+    `shared`: the buffers are memfds a writer process maps (`writer_process`);
+    otherwise plain (pinned, with a GPU) memory of this process.
     """
 
-    def __init__(self):
+    def __init__(self, shared: bool = False):
+        self._shared = shared
         self._buffers: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self._memfds: dict[str, tuple[int, mmap.mmap | None, int]] = {}  # kind -> (fd, its mapping, generation)
         self.allocations = 0  # buffers allocated so far (tests, logs)
 
     def buffer(self, shard: ShardLayout) -> torch.Tensor:
@@ -173,12 +180,29 @@ class SnapshotBuffers:
             return held[1]
         if held is not None:
             logger.info("snapshot buffer for %s shards: layout changed, reallocating %d bytes", shard.kind, shard.nbytes)
-        self._buffers.pop(shard.kind, None)  # free the old one before allocating the new one
-        # Pinned host memory when there is a GPU: the snapshot copy is a fast DMA.
-        buf = torch.empty(shard.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        self._buffers[shard.kind] = (shard.key, buf)
+        self._release(shard.kind)  # free the old one before allocating the new one
         self.allocations += 1
+        if self._shared:
+            fd = os.memfd_create(f"ray_resume-snapshot-{shard.kind}", os.MFD_CLOEXEC)
+            os.ftruncate(fd, shard.nbytes)
+            mapped = mmap.mmap(fd, shard.nbytes) if shard.nbytes else None
+            buf = torch.frombuffer(mapped, dtype=torch.uint8) if mapped else torch.empty(0, dtype=torch.uint8)
+            self._memfds[shard.kind] = (fd, mapped, self.allocations)
+        else:  # pinned host memory when there is a GPU: the snapshot copy is a fast DMA
+            buf = torch.empty(shard.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self._buffers[shard.kind] = (shard.key, buf)
         return buf
+
+    def shared(self, kind: str) -> tuple[int, int, int]:
+        """The memfd of `kind`'s buffer, its size, and which allocation it is (a writer maps each once)."""
+        fd, _, generation = self._memfds[kind]
+        return fd, self._buffers[kind][1].numel(), generation
+
+    def _release(self, kind: str) -> None:
+        self._buffers.pop(kind, None)
+        fd, mapped, _ = self._memfds.pop(kind, (None, None, None))
+        if fd is not None:
+            os.close(fd)  # the mapping (and a writer's) keeps the pages until unmapped
 
     def take(self, shard: ShardLayout, state: dict[str, torch.Tensor]) -> list[memoryview]:
         """Copy this rank's share of `state` into the kind's buffer; return the data section's views."""
@@ -195,6 +219,25 @@ class SnapshotBuffers:
         return sum(buf.numel() for _, buf in self._buffers.values())
 
 
+def shard_files(root: str, step: int, shards: list[ShardLayout], *, prefix: str, rank: int, world_size: int,
+                rank_extras: dict[str, str], block_size: int = CHECKSUM_BLOCK) -> list[ShardFile]:
+    """What this rank writes for iteration `step`: each shard file's path, header and checksum blocks.
+
+    `rank_extras` (RNG states, as strings) go into the opt shard's safetensors
+    header: they belong to this rank and to the optimizer-resume path only. One
+    header key: safetensors writes header maps in hash order, and a single
+    entry keeps the file bytes reproducible (exact-resume tests compare bytes).
+    """
+    files = []
+    for shard in shards:
+        header = {RANK_EXTRAS_KEY: json.dumps(rank_extras, sort_keys=True)} if shard.kind == paths.OPTIM_KIND else None
+        head = safetensors_header(shard, header)
+        ends = [end for _, end in block_bounds(len(head) + shard.nbytes, len(head), block_size)]
+        files.append(ShardFile(paths.join(paths.iteration_dir(root, step), paths.shard_filename(prefix, shard.kind, rank, world_size)),
+                               shard.kind, head, ends))
+    return files
+
+
 def write_shards(
     storage: LocalStorage,
     root: str,
@@ -208,12 +251,13 @@ def write_shards(
     on_mid_write: Callable[[], None] = lambda: None,
     block_size: int = CHECKSUM_BLOCK,
     checksum: str = DEFAULT_CHECKSUM,
+    writer=None,
 ) -> dict:
     """Write this rank's shard files of iteration `step` from their data sections; return its manifest.
 
-    `rank_extras` (RNG states, as strings) go into the opt shard's safetensors
-    header: they belong to this rank and to the optimizer-resume path only.
-    Runs on the training thread (sync save) or the writer thread (async).
+    Runs on the training thread (sync save) or the writer thread (async); with
+    `writer` (a `writer_process.ProcessWriter` holding the data sections) the
+    files are written by that process, and this thread only waits for it.
     """
     iter_dir = paths.iteration_dir(root, step)
     storage.makedirs(iter_dir)
@@ -222,23 +266,15 @@ def write_shards(
         # earlier attempt. Its JSON must not describe the shards we write now.
         for name in (paths.METADATA, paths.COMMON):
             storage.remove(paths.join(iter_dir, name))
+    files = shard_files(root, step, [s for s, _ in shards], prefix=prefix, rank=rank, world_size=world_size,
+                        rank_extras=rank_extras, block_size=block_size)
+    if writer is None:
+        written = [write_file(storage, f.path, f.head, data, f.ends, checksum, on_mid_write) for f, (_, data) in zip(files, shards)]
+    else:
+        written = writer.write(files, checksum, on_mid_write)
     manifest: dict = {"rank": rank, "world_size": world_size, "block_size": block_size, "files": {}, "chunks": {}, "specs": {}}
-    for shard, data in shards:
-        # One header key: safetensors writes header maps in hash order, and a
-        # single entry keeps the file bytes reproducible (exact-resume tests
-        # compare bytes).
-        header = {RANK_EXTRAS_KEY: json.dumps(rank_extras, sort_keys=True)} if shard.kind == paths.OPTIM_KIND else None
-        name = paths.shard_filename(prefix, shard.kind, rank, world_size)
-        head = safetensors_header(shard, header)
-        blocks = block_bounds(len(head) + shard.nbytes, len(head), block_size)
-        chunks = [memoryview(head), *_pieces(data)]
-
-        def write(path=paths.join(iter_dir, name), chunks=chunks, ends=[end for _, end in blocks]):
-            digest = BlockDigests(checksum, 0, ends)  # a retry rewrites the whole file, hashed afresh
-            return storage.write_durable(path, _halves(chunks, on_mid_write), digest), digest
-
-        size, digest = retried(write, f"write of {paths.join(iter_dir, name)}")
-        manifest["files"][name] = {"size": size, "data_start": len(head), "checksum": checksum, "digests": digest.hexdigests()}
+    for f, (shard, _), (size, digests) in zip(files, shards, written):
+        manifest["files"][f.name] = {"size": size, "data_start": len(f.head), "checksum": checksum, "digests": digests}
         manifest["chunks"][shard.kind] = [[e.piece.name, *e.rows] for e in sorted(shard.entries, key=lambda e: e.piece.name)]
         if rank == 0:
             manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape)] for s in shard.specs]
@@ -267,32 +303,3 @@ def save_shards(
     return write_shards(storage, root, step, prefix=prefix, rank=rank, world_size=world_size,
                         shards=shards, rank_extras=rank_extras, on_mid_write=on_mid_write, block_size=block_size,
                         checksum=checksum)
-
-
-# Bytes handed to one write(): each piece is hashed while still in the CPU cache and
-# the kernel writes back earlier pieces meanwhile. Measured on this kind of host:
-# 1 MiB pieces save 328 MB in 0.35 s, single 164 MB writes take ~1.05 s.
-WRITE_PIECE = 1 << 20
-
-
-def _pieces(views: list[memoryview], size: int = WRITE_PIECE) -> Iterator[memoryview]:
-    """Zero-copy slices of at most `size` bytes, in order."""
-    for view in views:
-        for start in range(0, view.nbytes, size):
-            yield view[start : start + size]
-
-
-def _halves(chunks: list[memoryview], between: Callable[[], None]) -> Iterator[memoryview]:
-    """The file's bytes, with a hook called once half of them are written (fault injection)."""
-    half = sum(c.nbytes for c in chunks) // 2
-    written, fired = 0, False
-    for chunk in chunks:
-        if not fired and written + chunk.nbytes >= half:
-            cut = half - written
-            if cut:
-                yield chunk[:cut]
-            between()
-            fired, chunk, written = True, chunk[cut:], half
-        if chunk.nbytes:
-            yield chunk
-        written += chunk.nbytes

@@ -218,7 +218,8 @@ class CheckpointConfig(_Section):
     load_path: str = ""  # directory to resume from ("" = start fresh)
     no_load_optim: bool = False  # ignore optimizer state when loading
     load_balanced: bool = False  # spread checkpoint reads across ranks
-    async_save: bool = True  # write shards in a background thread; training only waits for a snapshot copy
+    async_save: bool = True  # write shards in the background; training only waits for a snapshot copy
+    async_writer: Literal["auto", "process", "thread"] = "auto"  # who writes an async save: a writer process beside the rank (its own interpreter, nice 19) or a thread in it; auto: the process on CPU ranks (Linux), the thread (pinned buffers) on GPU ranks
     prefix: SafeName = "ckpt"  # shard file name prefix
     checksum: Literal[tuple(CHECKSUMS)] = DEFAULT_CHECKSUM  # digest of each 4 MiB block of a shard, checked on every load: xxh3-128 (fast) | sha256 (cryptographic, ~15x slower)
     storage: StorageConfig = {}  # s3:// connection settings

@@ -1,0 +1,217 @@
+"""Training throughput while checkpointing: every contender in the same rounds, relative to no saves.
+
+    python -m benchmarks.throughput                        # 50m and 300m, a save every 5 and 10 steps
+    python -m benchmarks.throughput --sizes tiny --rounds 1   # seconds (CI: tests/test_benchmark.py)
+
+Setup as `benchmarks.checkpoint`'s: 2 Ray actors (one CPU each) joined by gloo, a real GPT
+under DistributedDataParallel with AdamW. Each run trains `cycles + 2` save intervals and
+saves every `k` steps; the rate is taken over whole save cycles in steady state: from the end
+of the second save's step (buffers allocated, writer processes started, all by then) to the
+end of the last save's step (its stall included), so each contender is charged exactly
+`cycles` saves, and none gets the last write for free or pays a one-time start in the window. The slowest rank's
+window counts. A round runs every contender once, in an order rotated each round; the
+figure is the median over rounds of steps/s relative to the same round's never, with the
+spread (lowest and highest ratio).
+
+Contenders: never; ours sync; ours async with a writer thread; ours async with a writer
+process (`checkpoint.async_writer`); DCP `save`; DCP `async_save` with its thread and with its
+process executor (`AsyncCheckpointerType.PROCESS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from benchmarks.checkpoint import SEQ_LEN, SIZES, Rank, _all, _config, _controller, _free_port, _release, init_ray
+
+CONTENDERS = ["never", "sync", "async_thread", "async_process", "dcp", "dcp_async_thread", "dcp_async_process"]
+OURS = {"sync": {"async_save": False}, "async_thread": {"async_save": True, "async_writer": "thread"},
+        "async_process": {"async_save": True, "async_writer": "process"}}
+
+
+class TrainingRank(Rank):
+    def train(self, steps: int, every: int, mode: str, root: str, coordinator) -> dict:
+        """`steps` DDP steps saving every `every`; returns the steady-state window (see the module doc)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not hasattr(self, "ddp"):
+            self.ddp = DistributedDataParallel(self.model)
+            # DCP's async thread runs collectives while the loop's DDP runs its own: a group of their own,
+            # as DCP's docs ask (on the default group they deadlock)
+            self.dcp_group = torch.distributed.new_group(backend="gloo")
+        ck = self._checkpointer(root, coordinator, save_every=every, **OURS[mode]) if mode in OURS else None
+        pending = None  # DCP's save in flight: waited for before the next one, as DCP's docs do
+        gen = torch.Generator().manual_seed(100 + self.rank)
+        vocab = SIZES[self.size][0]
+        ends: dict[int, float] = {}
+        stalls: list[float] = []
+        self._barrier()
+        for step in range(1, steps + 1):
+            ids = torch.randint(0, vocab, (2, SEQ_LEN + 1), generator=gen)
+            self.optimizer.zero_grad()
+            self.optimizer.backward(self.lm_loss(self.ddp, ids))
+            self.optimizer.step()
+            if mode != "never" and step % every == 0:
+                start = time.perf_counter()
+                if ck:
+                    ck.save(step, self.ddp, self.optimizer, {"global_step": step, "global_batch_size": 4,
+                                                             "consumed_samples": 4 * step, "epoch_num": 0,
+                                                             "step_num": step, "loss_scale": 1.0})
+                else:
+                    if pending is not None:
+                        pending.result()
+                    path = os.path.join(root, f"step-{step}")
+                    if mode == "dcp":
+                        dcp.save(self._state(), checkpoint_id=path)
+                    else:
+                        kind = AsyncCheckpointerType.PROCESS if mode == "dcp_async_process" else AsyncCheckpointerType.THREAD
+                        pending = dcp.async_save(self._state(), checkpoint_id=path, async_checkpointer_type=kind,
+                                                 process_group=self.dcp_group)
+                stalls.append(time.perf_counter() - start)
+            ends[step] = time.perf_counter()
+        if ck:
+            ck.finish()
+        if pending is not None:
+            pending.result()
+        self.optimizer.zero_grad()
+        self._barrier()
+        first, last = 2 * every, steps - steps % every
+        return {"window_s": ends[last] - ends[first], "window_steps": last - first, "stalls": stalls}
+
+
+ThroughputWorker = ray.remote(num_cpus=1)(TrainingRank)
+
+
+def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, rounds: int, contenders: list[str]) -> dict:
+    root = tempfile.mkdtemp(prefix=f"throughput-{size}-", dir=base)
+    port = _free_port()
+    workers = [ThroughputWorker.remote() for _ in range(2)]
+    held = []
+    try:
+        setup = ray.get([w.setup.remote(r, 2, port, size, root, None) for r, w in enumerate(workers)])
+        print(f"[throughput] {size}: {setup[0]['params'] / 1e6:.1f}M parameters, 2 workers, {root}", flush=True)
+        runs = [(mode, k) for mode in contenders for k in (intervals if mode != "never" else intervals[-1:])]
+        rates: dict[str, list[float]] = {}
+        stalls: dict[str, list[float]] = {}
+        for i in range(rounds):
+            for mode, k in runs[i % len(runs):] + runs[: i % len(runs)]:
+                run_root = os.path.join(root, f"{mode}-{k}")
+                coordinator = None
+                if mode in OURS:
+                    held.append(_controller(ray_resume_config(run_root, size, k), f"throughput-{size}-{mode}-{k}"))
+                    coordinator = held[-1][0]
+                res = _all(workers, "train", k * (cycles + 2), k, mode, run_root, coordinator)
+                if coordinator is not None:
+                    committed = ray.get(coordinator.last_committed.remote())
+                    if committed != k * (cycles + 2):  # never time saves that did not commit
+                        raise RuntimeError(f"{mode} saves did not commit: last committed {committed}")
+                    _release(held.pop())
+                shutil.rmtree(run_root, ignore_errors=True)
+                key = "never" if mode == "never" else f"{mode}@{k}"
+                rates.setdefault(key, []).append(res[0]["window_steps"] / max(x["window_s"] for x in res))
+                stalls.setdefault(key, []).extend(max(s) for s in zip(*(x["stalls"] for x in res)) if s)
+                print(f"[throughput] {size} round {i + 1}: {key} {rates[key][-1]:.3f} steps/s", flush=True)
+        return summarize(setup[0]["params"], rates, stalls, intervals, cycles)
+    finally:
+        for w in workers:
+            ray.kill(w)
+        for c in held:
+            _release(c)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def ray_resume_config(root: str, size: str, every: int):
+    from ray_resume.config import Config
+
+    return Config.from_dict(_config(root, size, save_every=every))
+
+
+def summarize(params: int, rates: dict[str, list[float]], stalls: dict[str, list[float]], intervals, cycles) -> dict:
+    """Per contender and interval: steps/s (median), and the ratio to never of the same round (median, spread)."""
+    never = rates["never"]
+    out: dict = {"params": params, "intervals": intervals, "cycles": cycles,
+                 "never_steps_per_s": round(statistics.median(never), 4), "contenders": {}}
+    for key, values in rates.items():
+        if key == "never":
+            continue
+        ratios = [v / n for v, n in zip(values, never)]
+        out["contenders"][key] = {"steps_per_s": round(statistics.median(values), 4),
+                                  "vs_never": round(statistics.median(ratios), 4),
+                                  "vs_never_spread": [round(min(ratios), 4), round(max(ratios), 4)],
+                                  "stall_s": round(statistics.median(stalls[key]), 4) if stalls.get(key) else None}
+    return out
+
+
+def table(results: dict) -> str:
+    lines = []
+    for size, r in results["sizes"].items():
+        ks = r["intervals"]
+        lines.append(f"Training throughput, {size} ({r['params'] / 1e6:.0f}M), relative to no saves "
+                     f"({r['never_steps_per_s']:.3f} steps/s); median of {results['rounds']} rounds [lowest, highest]:")
+        lines.append("| contender |" + "".join(f" a save every {k} |" for k in ks) + "".join(f" stall @{k} |" for k in ks))
+        lines.append("|---|" + "---|" * 2 * len(ks))
+        for mode in results["contenders"]:
+            if mode == "never":
+                continue
+            cells = [r["contenders"].get(f"{mode}@{k}") for k in ks]
+            lines.append(f"| {mode} |" + "".join(
+                f" {c['vs_never']:.3f}x [{c['vs_never_spread'][0]:.3f}, {c['vs_never_spread'][1]:.3f}] |" if c else " - |"
+                for c in cells) + "".join(f" {c['stall_s']:.3f} s |" if c and c["stall_s"] is not None else " - |" for c in cells))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="50m,300m", help="comma list of " + ", ".join(SIZES))
+    ap.add_argument("--intervals", default="5,10", help="save every k steps, comma list")
+    ap.add_argument("--cycles", type=int, default=3, help="save cycles timed per run (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every contender (default 3)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--out", default="benchmarks/throughput_results.json")
+    ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
+    args = ap.parse_args(argv)
+    sizes, contenders = args.sizes.split(","), args.contenders.split(",")
+    intervals = sorted(int(k) for k in args.intervals.split(","))
+    for s in sizes:
+        if s not in SIZES:
+            ap.error(f"unknown size {s!r}; choose from {', '.join(SIZES)}")
+    if "never" not in contenders or not set(contenders) <= set(CONTENDERS):
+        ap.error(f"contenders: 'never' and any of {', '.join(CONTENDERS)}")
+    base = args.dir or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    started = init_ray()
+    results = {"command": "python -m benchmarks.throughput " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "date": time.strftime("%Y-%m-%d"),
+               "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
+               "workers": 2, "rounds": args.rounds, "contenders": contenders, "sizes": {}}
+    try:
+        for size in sizes:
+            results["sizes"][size] = bench_size(size, base, intervals=intervals, cycles=args.cycles,
+                                                rounds=args.rounds, contenders=contenders)
+    finally:
+        if started:
+            ray.shutdown()
+    print(table(results))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"[throughput] wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""One shard file written from its header and data section: streamed, hashed, fsynced, retried.
+
+Shared by the rank's own writes (sync saves, the writer thread) and the writer
+process (`writer_process`), which must not import torch: nothing here does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from .digest import BlockDigests
+from .storage import retried
+
+# Bytes handed to one write(): each piece is hashed while still in the CPU cache and
+# the kernel writes back earlier pieces meanwhile. Measured on this kind of host:
+# 1 MiB pieces save 328 MB in 0.35 s, single 164 MB writes take ~1.05 s.
+WRITE_PIECE = 1 << 20
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One shard file of a save: where it goes, its safetensors header, and where its checksum blocks end."""
+
+    path: str
+    kind: str  # paths.MODEL_KIND or paths.OPTIM_KIND: whose data section follows the header
+    head: bytes
+    ends: list[int]
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+def write_file(storage, path: str, head: bytes, data: list[memoryview], ends: list[int], checksum: str,
+               on_mid_write: Callable[[], None]) -> tuple[int, list[str]]:
+    """Write `head` then `data` to `path` durably; return its size and the digests of the blocks ending at `ends`.
+
+    A transient error rewrites the whole file, hashed afresh. `on_mid_write` is
+    called once half of the bytes are written (fault injection).
+    """
+    chunks = [memoryview(head), *_pieces(data)]
+
+    def write():
+        digest = BlockDigests(checksum, 0, ends)
+        return storage.write_durable(path, _halves(chunks, on_mid_write), digest), digest
+
+    size, digest = retried(write, f"write of {path}")
+    return size, digest.hexdigests()
+
+
+def _pieces(views: list[memoryview], size: int = WRITE_PIECE) -> Iterator[memoryview]:
+    """Zero-copy slices of at most `size` bytes, in order."""
+    for view in views:
+        for start in range(0, view.nbytes, size):
+            yield view[start : start + size]
+
+
+def _halves(chunks: list[memoryview], between: Callable[[], None]) -> Iterator[memoryview]:
+    """The file's bytes, with a hook called once half of them are written (fault injection)."""
+    half = sum(c.nbytes for c in chunks) // 2
+    written, fired = 0, False
+    for chunk in chunks:
+        if not fired and written + chunk.nbytes >= half:
+            cut = half - written
+            if cut:
+                yield chunk[:cut]
+            between()
+            fired, chunk, written = True, chunk[cut:], half
+        if chunk.nbytes:
+            yield chunk
+        written += chunk.nbytes

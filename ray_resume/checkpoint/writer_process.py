@@ -1,0 +1,202 @@
+"""An async save's writer in a process of its own: the rank copies its share, the writer writes it.
+
+A writer thread shares the rank's interpreter and cores with training, and a
+save every 10 steps cost more throughput async than sync (benchmarks/throughput.py).
+Here the rank copies its share into snapshot buffers in shared memory
+(`writer.SnapshotBuffers(shared=True)`, memfds reused across saves) and a
+writer process beside it, started once, writes, hashes and fsyncs every
+shard file from them. It runs at the lowest CPU priority (nice 19), so its
+work takes what the training loop leaves. It imports no torch.
+
+What does not change: the rank's writer thread still waits for the writer and
+reports the manifest to the driver, so a commit still needs a live rank whose
+every shard is durable. A rank that dies takes its writer with it
+(PR_SET_PDEATHSIG, and the socket's end): nothing it wrote is reported. A
+writer that dies fails that save only (`WriterDied`); the next save starts a
+new one. Storage errors come back as the same exception types a thread raises.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import importlib
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import weakref
+from collections.abc import Callable
+
+from .. import wire
+from .shard_file import ShardFile, write_file
+from .storage import storage_for, wrappers
+
+PR_SET_PDEATHSIG = 1
+
+
+def writes_in_a_process(ckpt) -> bool:
+    """`checkpoint.async_writer` for this rank: `auto` is a process where memfds exist (Linux) and the rank
+    has no GPU (a GPU's snapshot copy wants pinned memory, which the thread's buffers are)."""
+    if not ckpt.async_save or ckpt.async_writer == "thread":
+        return False
+    if ckpt.async_writer == "process":
+        return True
+    return hasattr(os, "memfd_create") and not _cuda_available()
+
+
+def _cuda_available() -> bool:
+    torch = sys.modules.get("torch")  # a rank has imported it; this module does not
+    return torch is not None and torch.cuda.is_available()
+
+
+class WriterDied(RuntimeError):
+    """The writer process ended while a save was in flight; that save is lost, the next one starts a new writer."""
+
+
+class ProcessWriter:
+    """The rank's side: starts the writer, lends it the snapshot buffers, hands it each save's files."""
+
+    def __init__(self, uri: str, storage_options: dict | None, buffers):
+        self._uri, self._options = uri, storage_options
+        self._buffers = buffers  # writer.SnapshotBuffers(shared=True): shared(kind) -> (fd, nbytes, generation)
+        self._proc: subprocess.Popen | None = None
+        self._conn: socket.socket | None = None
+        self._lent: dict[str, int] = {}  # kind -> generation of the buffer the writer has mapped
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def ensure_started(self) -> None:
+        """Start a writer unless one runs. Called on the training thread: PR_SET_PDEATHSIG fires when the
+        thread that started the child ends, and the training thread outlives every save."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self.close()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The writer imports what its rank can (the rank's sys.path), the storage wrappers included.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env,
+        )
+        theirs.close()
+        self._conn, self._lent = ours, {}
+        weakref.finalize(self, _end, ours, self._proc)  # a checkpointer dropped mid-run ends its writer too
+        wire.send(ours, {"op": "setup", "uri": self._uri, "storage": self._options,
+                         "wrappers": [w.rebuild for w in wrappers if hasattr(w, "rebuild")]})
+
+    def write(self, files: list[ShardFile], checksum: str, on_mid_write: Callable[[], None]) -> list[tuple[int, list[str]]]:
+        """Have the writer write `files` from the snapshot buffers; (size, block digests) of each."""
+        if self._conn is None:
+            raise WriterDied("no writer process is running (it died after the previous save)")
+        try:
+            for kind in dict.fromkeys(f.kind for f in files):
+                fd, nbytes, generation = self._buffers.shared(kind)
+                if self._lent.get(kind) != generation:
+                    wire.send(self._conn, {"op": "buffer", "kind": kind, "nbytes": nbytes}, [fd] if nbytes else [])
+                    self._lent[kind] = generation
+            wire.send(self._conn, {"op": "write", "checksum": checksum, "files": [
+                {"path": f.path, "kind": f.kind, "head": base64.b64encode(f.head).decode(), "ends": f.ends} for f in files]})
+            while True:
+                reply, _ = wire.receive(self._conn, timeout=None)
+                if "mid" not in reply:
+                    break
+                on_mid_write()  # on the rank, as with a thread: a fault may kill the rank here
+                wire.send(self._conn, {"op": "go"})
+        except OSError:  # ConnectionError, BrokenPipeError: the writer is gone
+            pid, code = self._proc.pid, self._proc.wait()
+            self.close()
+            raise WriterDied(f"the writer process (pid {pid}) ended ({_how(code)}) while writing "
+                             f"{', '.join(f.name for f in files)}") from None
+        if "error" in reply:
+            raise _rebuilt(reply["error"])
+        return [(size, digests) for size, digests in reply["written"]]
+
+    def close(self) -> None:
+        """End the writer (it exits at the socket's end) and wait for it."""
+        if self._proc is not None:
+            _end(self._conn, self._proc)
+        self._conn = self._proc = None
+
+
+def _end(conn: socket.socket, proc: subprocess.Popen) -> None:
+    conn.close()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _how(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def _described(exc: BaseException) -> dict:
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return {"errno": exc.errno, "strerror": exc.strerror, "filename": exc.filename}
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+def _rebuilt(error: dict) -> Exception:
+    """The writer's exception as the rank would have raised it: an OSError keeps its errno (and so its
+    subclass: FileNotFoundError, TimeoutError...), which the retry and error messages depend on."""
+    if "errno" in error:
+        args = (error["errno"], error["strerror"]) + ((error["filename"],) if error["filename"] is not None else ())
+        return OSError(*args)
+    return RuntimeError(f"{error['type']}: {error['message']}")
+
+
+# --- the writer process -------------------------------------------------------------------------------
+
+def serve(conn: socket.socket) -> None:
+    storage, views = None, {}
+    while True:
+        try:
+            msg, fds = wire.receive(conn, timeout=None, max_fds=1)
+        except OSError:  # the rank closed its end, or is gone
+            return
+        if msg["op"] == "setup":
+            for module, function, args in msg["wrappers"]:
+                getattr(importlib.import_module(module), function)(*args)
+            storage = storage_for(msg["uri"], msg["storage"])
+        elif msg["op"] == "buffer":
+            views[msg["kind"]] = memoryview(_mapped(fds[0], msg["nbytes"])) if fds else memoryview(b"")
+        elif msg["op"] == "write":
+            try:
+                written = [write_file(storage, f["path"], base64.b64decode(f["head"]), [views[f["kind"]]], f["ends"],
+                                      msg["checksum"], lambda: _halfway(conn)) for f in msg["files"]]
+                wire.send(conn, {"written": written})
+            except Exception as exc:  # reported to the rank, which raises it where a thread would have
+                wire.send(conn, {"error": _described(exc)})
+
+
+def _mapped(fd: int, nbytes: int) -> mmap.mmap:
+    try:
+        return mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def _halfway(conn: socket.socket) -> None:
+    """Half of a file is written: the rank runs its mid-write hook, then lets the write go on."""
+    wire.send(conn, {"mid": True})
+    wire.receive(conn, timeout=None)
+
+
+def main(argv: list[str]) -> int:
+    fd, parent = int(argv[0]), int(argv[1])
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the rank died before the line above took effect
+        return 1
+    os.nice(19)  # the writer takes the CPU time training leaves
+    serve(socket.socket(fileno=fd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
