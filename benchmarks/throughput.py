@@ -9,11 +9,13 @@ saves every `k` steps; the rate is taken over whole save cycles in steady state:
 of the second save's step (buffers allocated, writer processes started, all by then) to the
 end of the last save's step (its stall included), so each contender is charged exactly
 `cycles` saves, and none gets the last write for free or pays a one-time start in the window. The slowest rank's
-window counts. A round runs every contender once, in an order rotated each round; the
-figure is the median over rounds of steps/s relative to the same round's never, with the
-spread (lowest and highest ratio).
+window counts. A round runs every contender once, in an order rotated each round, each
+beside a run without saves of the same length (before it in even rounds, after it in odd
+ones): this VM's speed drifts by more than what is measured (runs with nothing different
+moved by ±15% minutes apart), and a pair sees the same drift. The figure is the median over
+rounds of the pair's ratio, with the spread (lowest and highest).
 
-Contenders: never; ours sync; ours async with a writer thread; ours async with a writer
+Contenders: ours sync; ours async with a writer thread; ours async with a writer
 process (`checkpoint.async_writer`); DCP `save`; DCP `async_save` with its thread and with its
 process executor (`AsyncCheckpointerType.PROCESS`).
 """
@@ -21,21 +23,19 @@ process executor (`AsyncCheckpointerType.PROCESS`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import ray
 import torch
 
-from benchmarks.checkpoint import SEQ_LEN, SIZES, Rank, _all, _config, _controller, _free_port, _release, init_ray
+from benchmarks.checkpoint import SEQ_LEN, SIZES, Rank, _all, _config, _controller, _free_port, _release, init_ray, report
 
-CONTENDERS = ["never", "sync", "async_thread", "async_process", "dcp", "dcp_async_thread", "dcp_async_process"]
+CONTENDERS = ["sync", "async_thread", "async_process", "dcp", "dcp_async_thread", "dcp_async_process"]
 OURS = {"sync": {"async_save": False}, "async_thread": {"async_save": True, "async_writer": "thread"},
         "async_process": {"async_save": True, "async_writer": "process"}}
 
@@ -103,28 +103,42 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
     try:
         setup = ray.get([w.setup.remote(r, 2, port, size, root, None) for r, w in enumerate(workers)])
         print(f"[throughput] {size}: {setup[0]['params'] / 1e6:.1f}M parameters, 2 workers, {root}", flush=True)
-        runs = [(mode, k) for mode in contenders for k in (intervals if mode != "never" else intervals[-1:])]
+        runs = [(mode, k) for mode in contenders if mode != "never" for k in intervals]
         rates: dict[str, list[float]] = {}
         stalls: dict[str, list[float]] = {}
+        pairs: dict[str, list[tuple[float, float]]] = {}  # (steps/s, steps/s of the run without saves beside it)
+
+        def run(mode: str, k: int, i: int) -> float:
+            run_root = os.path.join(root, f"{mode}-{k}")
+            coordinator = None
+            if mode in OURS:
+                held.append(_controller(ray_resume_config(run_root, size, k), f"throughput-{size}-{mode}-{k}"))
+                coordinator = held[-1][0]
+            res = _all(workers, "train", k * (cycles + 2), k, mode, run_root, coordinator)
+            if coordinator is not None:
+                committed = ray.get(coordinator.last_committed.remote())
+                if committed != k * (cycles + 2):  # never time saves that did not commit
+                    raise RuntimeError(f"{mode} saves did not commit: last committed {committed}")
+                _release(held.pop())
+            shutil.rmtree(run_root, ignore_errors=True)
+            key = "never" if mode == "never" else f"{mode}@{k}"
+            rates.setdefault(key, []).append(res[0]["window_steps"] / max(x["window_s"] for x in res))
+            stalls.setdefault(key, []).extend(max(s) for s in zip(*(x["stalls"] for x in res)) if s)
+            print(f"[throughput] {size} round {i + 1}: {key} {rates[key][-1]:.3f} steps/s", flush=True)
+            return rates[key][-1]
+
         for i in range(rounds):
             for mode, k in runs[i % len(runs):] + runs[: i % len(runs)]:
-                run_root = os.path.join(root, f"{mode}-{k}")
-                coordinator = None
-                if mode in OURS:
-                    held.append(_controller(ray_resume_config(run_root, size, k), f"throughput-{size}-{mode}-{k}"))
-                    coordinator = held[-1][0]
-                res = _all(workers, "train", k * (cycles + 2), k, mode, run_root, coordinator)
-                if coordinator is not None:
-                    committed = ray.get(coordinator.last_committed.remote())
-                    if committed != k * (cycles + 2):  # never time saves that did not commit
-                        raise RuntimeError(f"{mode} saves did not commit: last committed {committed}")
-                    _release(held.pop())
-                shutil.rmtree(run_root, ignore_errors=True)
-                key = "never" if mode == "never" else f"{mode}@{k}"
-                rates.setdefault(key, []).append(res[0]["window_steps"] / max(x["window_s"] for x in res))
-                stalls.setdefault(key, []).extend(max(s) for s in zip(*(x["stalls"] for x in res)) if s)
-                print(f"[throughput] {size} round {i + 1}: {key} {rates[key][-1]:.3f} steps/s", flush=True)
-        return summarize(setup[0]["params"], rates, stalls, intervals, cycles)
+                # Each contender beside a run without saves, first or second by turns: this VM's speed
+                # drifts by more than the differences measured, and a pair sees the same drift.
+                if i % 2 == 0:
+                    never = run("never", k, i)
+                    rate = run(mode, k, i)
+                else:
+                    rate = run(mode, k, i)
+                    never = run("never", k, i)
+                pairs.setdefault(f"{mode}@{k}", []).append((rate, never))
+        return summarize(setup[0]["params"], rates, pairs, stalls, intervals, cycles)
     finally:
         for w in workers:
             ray.kill(w)
@@ -139,18 +153,17 @@ def ray_resume_config(root: str, size: str, every: int):
     return Config.from_dict(_config(root, size, save_every=every))
 
 
-def summarize(params: int, rates: dict[str, list[float]], stalls: dict[str, list[float]], intervals, cycles) -> dict:
-    """Per contender and interval: steps/s (median), and the ratio to never of the same round (median, spread)."""
-    never = rates["never"]
+def summarize(params: int, rates: dict[str, list[float]], pairs: dict[str, list[tuple[float, float]]],
+              stalls: dict[str, list[float]], intervals, cycles) -> dict:
+    """Per contender and interval: steps/s (median), and its ratio to the run without saves beside it (median, spread)."""
     out: dict = {"params": params, "intervals": intervals, "cycles": cycles,
-                 "never_steps_per_s": round(statistics.median(never), 4), "contenders": {}}
-    for key, values in rates.items():
-        if key == "never":
-            continue
-        ratios = [v / n for v, n in zip(values, never)]
-        out["contenders"][key] = {"steps_per_s": round(statistics.median(values), 4),
-                                  "vs_never": round(statistics.median(ratios), 4),
-                                  "vs_never_spread": [round(min(ratios), 4), round(max(ratios), 4)],
+                 "never_steps_per_s": round(statistics.median(rates["never"]), 4), "contenders": {}}
+    for key, runs in pairs.items():
+        values = [rate / never for rate, never in runs]
+        out["contenders"][key] = {"steps_per_s": round(statistics.median(rates[key]), 4),
+                                  "beside_never_steps_per_s": round(statistics.median(never for _, never in runs), 4),
+                                  "vs_never": round(statistics.median(values), 4),
+                                  "vs_never_spread": [round(min(values), 4), round(max(values), 4)],
                                   "stall_s": round(statistics.median(stalls[key]), 4) if stalls.get(key) else None}
     return out
 
@@ -164,8 +177,6 @@ def table(results: dict) -> str:
         lines.append("| contender |" + "".join(f" a save every {k} |" for k in ks) + "".join(f" stall @{k} |" for k in ks))
         lines.append("|---|" + "---|" * 2 * len(ks))
         for mode in results["contenders"]:
-            if mode == "never":
-                continue
             cells = [r["contenders"].get(f"{mode}@{k}") for k in ks]
             lines.append(f"| {mode} |" + "".join(
                 f" {c['vs_never']:.3f}x [{c['vs_never_spread'][0]:.3f}, {c['vs_never_spread'][1]:.3f}] |" if c else " - |"
@@ -180,7 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--intervals", default="5,10", help="save every k steps, comma list")
     ap.add_argument("--cycles", type=int, default=3, help="save cycles timed per run (default 3)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every contender (default 3)")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list (each runs beside a run without saves)")
     ap.add_argument("--out", default="benchmarks/throughput_results.json")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -189,8 +200,8 @@ def main(argv=None) -> int:
     for s in sizes:
         if s not in SIZES:
             ap.error(f"unknown size {s!r}; choose from {', '.join(SIZES)}")
-    if "never" not in contenders or not set(contenders) <= set(CONTENDERS):
-        ap.error(f"contenders: 'never' and any of {', '.join(CONTENDERS)}")
+    if not set(contenders) <= set(CONTENDERS):
+        ap.error(f"contenders: any of {', '.join(CONTENDERS)}")
     base = args.dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
     started = init_ray()
@@ -205,11 +216,7 @@ def main(argv=None) -> int:
     finally:
         if started:
             ray.shutdown()
-    print(table(results))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"[throughput] wrote {args.out}")
+    report(results, table(results), args.out, "throughput")
     return 0
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from conftest import REPO, env_for_subprocess
 
-from benchmarks.checkpoint import ROWS, TRAIN_ROWS, _config
+from benchmarks.checkpoint import ROWS, _config
+from benchmarks.throughput import CONTENDERS
 from ray_resume.config import Config
 from ray_resume.model import build_model
 
@@ -28,8 +29,6 @@ def test_small_benchmark_writes_every_row(tmp_path):
     tiny = results["sizes"]["tiny"]
     for row in ROWS:
         assert tiny.get(row) is not None, f"row {row!r} missing"
-    for row in TRAIN_ROWS:
-        assert tiny["training"].get(row) is not None, f"training row {row!r} missing"
     # What was measured is what the rows say. The model is the tiny GPT, and its checkpoint holds
     # it and AdamW's two moments in float32 (plus a 0-d step per parameter and the headers).
     model = build_model(Config.from_dict(_config(str(tmp_path), "tiny")).model)
@@ -48,12 +47,36 @@ def test_small_benchmark_writes_every_row(tmp_path):
     # load_balanced each byte once (the JSON files and the verifiers' headers are the few percent over).
     assert 1.9 <= tiny["load_bytes_read_vs_checkpoint"] <= 2.1
     assert 0.95 <= tiny["load_balanced_bytes_read_vs_checkpoint"] <= 1.1
-    assert tiny["training"]["steps"] == 6 and tiny["training"]["save_every"] == 3
+    assert len(tiny["ours_vs_raw_pairs"]) == 2
+    assert tiny["ours_vs_raw_paired"] == pytest.approx(sum(tiny["ours_vs_raw_pairs"]) / 2, abs=1e-4)  # the median of 2
     # The console table shows the JSON's numbers.
     assert f"| load, load_balanced (bytes read / ckpt) | {tiny['ours_load_balanced_s']:.3f} s " \
            f"({tiny['load_balanced_bytes_read_vs_checkpoint']:.2f}x) |" in proc.stdout
     assert "| ours async: stall (buffers reused) |" in proc.stdout
     assert not list((tmp_path / "work").iterdir())  # checkpoints of the benchmark are cleaned up
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
+    out = tmp_path / "throughput.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.throughput", "--sizes", "tiny", "--rounds", "1", "--cycles", "1",
+         "--intervals", "2,3", "--out", str(out), "--dir", str(tmp_path / "work")],
+        cwd=REPO, env=env_for_subprocess(join_session_ray=True), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tiny = json.loads(out.read_text())["sizes"]["tiny"]
+    # Every contender at every interval (ours each committed every save, or the run would have failed).
+    assert set(tiny["contenders"]) == {f"{mode}@{k}" for mode in CONTENDERS for k in (2, 3)}
+    for key, c in tiny["contenders"].items():
+        # One round: the ratio is its rate over the run beside it without saves; the spread, that one value.
+        assert c["vs_never"] == pytest.approx(c["steps_per_s"] / c["beside_never_steps_per_s"], rel=2e-3), key
+        assert c["vs_never_spread"] == [c["vs_never"], c["vs_never"]], key
+        assert c["stall_s"] > 0, key
+    row = tiny["contenders"]["async_process@3"]
+    assert f"| async_process | {tiny['contenders']['async_process@2']['vs_never']:.3f}x" in proc.stdout
+    assert f"{row['vs_never']:.3f}x [{row['vs_never']:.3f}, {row['vs_never']:.3f}] |" in proc.stdout
+    assert not list((tmp_path / "work").iterdir())  # every run's checkpoints are cleaned up
 
 
 def test_restart_floor_times_the_imports_of_a_restarted_worker(tmp_path):

@@ -37,10 +37,13 @@ def test_a_job_on_the_harness_is_the_same_job_as_on_ray_train(local_reference, r
     assert local_reference["steps"] == reference["steps"]
 
 
-@pytest.mark.parametrize("phase", ["mid_shard_write", "before_report"])
+@pytest.mark.parametrize("phase, writer", [("mid_shard_write", "process"), ("mid_shard_write", "thread"),
+                                           ("before_report", "auto")])
 @pytest.mark.invariant(1, 2, 3, 4, 8)
-def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, local_reference, phase):
-    cfg = tiny_config(tmp_path, fault={"phase": phase, "step": 8, "rank": 1})
+def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, local_reference, phase, writer):
+    """A rank SIGKILLed half way through writing a shard (with its writer process waiting on it, or
+    its writer thread), or after writing but before reporting."""
+    cfg = tiny_config(tmp_path, fault={"phase": phase, "step": 8, "rank": 1}, checkpoint={"async_writer": writer})
     cfg["data"]["path"] = local_reference["data"]
     assert run_on_harness(cfg).attempts == 2
     root = cfg["checkpoint"]["save_path"]
