@@ -33,6 +33,7 @@ from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import ShardReader, load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import local_shape
 from ray_resume.checkpoint import storage as storage_module
+from ray_resume.checkpoint import writer_process
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import RANK_EXTRAS_KEY, live_data, safetensors_header, shard_layouts
 from ray_resume.config import Config
@@ -125,6 +126,21 @@ def test_sync_thread_and_process_saves_write_identical_files(tmp_path, dtype):
         for name, tensor in loaded.items():
             assert torch.equal(tensor, held[name]), name
     assert set(load_rank_extras(ShardReader(LocalStorage(), it), 1)) == {"rng_torch", "rng_numpy", "rng_python"}
+
+
+def test_auto_writes_a_small_share_in_the_thread_and_a_large_one_in_a_process(tmp_path, monkeypatch):
+    model, opt = make_state()
+    small = checkpointer_for(tmp_path / "small", 0, 1)  # async_writer: auto, the default
+    assert small.writer is None  # decided at the first save, by the share's size
+    small.save(1, model, opt, {"global_step": 1})
+    small.finish()
+    assert small.writer is None and (tmp_path / "small" / "iteration_00000001").is_dir()
+    monkeypatch.setattr(writer_process, "PROCESS_MIN_BYTES", 1)  # every share is large now
+    large = checkpointer_for(tmp_path / "large", 0, 1)
+    large.save(1, model, opt, {"global_step": 1})
+    large.finish()
+    assert large.writer.pid is not None
+    assert files_of(tmp_path / "small", 1).keys() == files_of(tmp_path / "large", 1).keys()
 
 
 def test_a_writer_process_killed_mid_write_loses_that_save_only(tmp_path, caplog):

@@ -49,10 +49,10 @@ class Checkpointer:
         self.world_size = world_size
         self.attempt = attempt
         self.faults = faults
-        process = writes_in_a_process(ckpt)
-        self.snapshots = SnapshotBuffers(shared=process)  # async: reused host copies of this rank's share
-        # async: who writes them (None: the writer thread itself)
-        self.writer = ProcessWriter(ckpt.save_path, ckpt.storage.model_dump(), self.snapshots) if process else None
+        self.snapshots = SnapshotBuffers()  # async: reused host copies of this rank's share
+        self.writer: ProcessWriter | None = None  # async: the writer process, if one writes them (writer_process)
+        if writes_in_a_process(ckpt, None):  # asked for: started now, its imports done by the first save
+            self._start_writer()
         self.background = BackgroundSave(f"ckpt-writer-{rank}")
         self.memory_sender = BackgroundSave(f"ckpt-memory-{rank}")  # the memory tier's: one snapshot in flight
         self.keeper = None  # this node's MemoryKeeper, once asked
@@ -202,6 +202,8 @@ class Checkpointer:
         if self.rank == 0 and self.export_facts is None:  # the model's structure does not change in a run
             self.export_facts = state.export_facts(model)
         if self.ckpt.async_save:
+            if self.writer is None and not self.stalls and writes_in_a_process(self.ckpt, sum(s.nbytes for s in shards)):
+                self._start_writer()  # `auto` decides at the first save (none stalled yet), by this rank's share
             if self.writer is not None:
                 self.writer.ensure_started()  # on this thread: the writer dies with it (writer_process)
             shards = [(s, self.snapshots.take(s, states[s.kind])) for s in shards]
@@ -276,6 +278,11 @@ class Checkpointer:
         if waited:
             logger.debug("rank %d: waited %.3f s for the last save to finish", self.rank, waited)
         return waited
+
+    def _start_writer(self) -> None:
+        self.snapshots = SnapshotBuffers(shared=True)
+        self.writer = ProcessWriter(self.ckpt.save_path, self.ckpt.storage.model_dump(), self.snapshots)
+        self.writer.ensure_started()
 
     def _write_and_report(self, step: int, shards, rng: dict[str, str], common: dict, writer=None) -> None:
         try:

@@ -37,14 +37,21 @@ from .storage import storage_for, wrappers
 PR_SET_PDEATHSIG = 1
 
 
-def writes_in_a_process(ckpt) -> bool:
-    """`checkpoint.async_writer` for this rank: `auto` is a process where memfds exist (Linux) and the rank
-    has no GPU (a GPU's snapshot copy wants pinned memory, which the thread's buffers are)."""
-    if not ckpt.async_save or ckpt.async_writer == "thread":
+# Below this many bytes of a rank's share, `auto` keeps the writer thread: the save is over in
+# milliseconds either way, and a process adds a round trip and, at nice 19, a wait for a core
+# (measured: benchmarks/throughput.py, README).
+PROCESS_MIN_BYTES = 64 << 20
+
+
+def writes_in_a_process(ckpt, share_bytes: int | None) -> bool:
+    """`checkpoint.async_writer` for this rank's async saves of `share_bytes` (None: not known yet).
+    `auto` is a process where memfds exist (Linux), the rank has no GPU (a GPU's snapshot copy wants
+    pinned memory, which the thread's buffers are) and the share is large enough to be worth it."""
+    if not (ckpt.enable_save and ckpt.async_save) or ckpt.async_writer == "thread":
         return False
     if ckpt.async_writer == "process":
         return True
-    return hasattr(os, "memfd_create") and not _cuda_available()
+    return share_bytes is not None and share_bytes >= PROCESS_MIN_BYTES and hasattr(os, "memfd_create") and not _cuda_available()
 
 
 def _cuda_available() -> bool:
@@ -194,6 +201,7 @@ def main(argv: list[str]) -> int:
     if os.getppid() != parent:  # the rank died before the line above took effect
         return 1
     os.nice(19)  # the writer takes the CPU time training leaves
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is its rank's to handle; it ends with its rank
     serve(socket.socket(fileno=fd))
     return 0
 
