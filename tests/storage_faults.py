@@ -131,6 +131,7 @@ def install(faults: list[dict], record: str) -> None:
     """Inject `faults` (Fault fields as dicts) into every storage this process opens from now on; each
     storage built is a line in `record` too (`builds`)."""
     parsed = [Fault(**f) for f in faults]
+    _calls.clear()  # counts start with the faults installed
 
     def wrap(backend, uri):
         _append(record, {"built": os.getpid(), "uri": uri, "writer": sys.argv[0].endswith("writer_process.py")})
