@@ -200,9 +200,9 @@ class SnapshotBuffers:
 
     def _release(self, kind: str) -> None:
         self._buffers.pop(kind, None)
-        fd, mapped, _ = self._memfds.pop(kind, (None, None, None))
+        fd, _, _ = self._memfds.pop(kind, (None, None, None))
         if fd is not None:
-            os.close(fd)  # the mapping (and a writer's) keeps the pages until unmapped
+            os.close(fd)  # the mappings (ours while a tensor views it, a writer's) keep the pages
 
     def take(self, shard: ShardLayout, state: dict[str, torch.Tensor]) -> list[memoryview]:
         """Copy this rank's share of `state` into the kind's buffer; return the data section's views."""

@@ -4,8 +4,9 @@ A writer thread shares the rank's interpreter and cores with training, and a
 save every 10 steps cost more throughput async than sync (benchmarks/throughput.py).
 Here the rank copies its share into snapshot buffers in shared memory
 (`writer.SnapshotBuffers(shared=True)`, memfds reused across saves) and a
-writer process beside it, started once, writes, hashes and fsyncs every
-shard file from them. It runs at the lowest CPU priority (nice 19), so its
+writer process beside it writes, hashes and fsyncs every shard file from
+them. It is started once: with the checkpointer when `async_writer: process`,
+at the first save whose share is large enough under `auto`. It runs at the lowest CPU priority (nice 19), so its
 work takes what the training loop leaves. It imports no torch.
 
 What does not change: the rank's writer thread still waits for the writer and
