@@ -1,19 +1,20 @@
 """Training throughput while checkpointing: every contender in the same rounds, relative to no saves.
 
-    python -m benchmarks.throughput                        # 50m and 300m, a save every 5 and 10 steps
-    python -m benchmarks.throughput --sizes tiny --rounds 1   # seconds (CI: tests/test_benchmark.py)
+    python -m benchmarks.throughput --sizes 50m --rounds 2 --cycles 2   # the README's table (~24 min)
+    python -m benchmarks.throughput --sizes tiny --rounds 1 --cycles 1   # seconds (CI: tests/test_benchmark.py)
 
 Setup as `benchmarks.checkpoint`'s: 2 Ray actors (one CPU each) joined by gloo, a real GPT
 under DistributedDataParallel with AdamW. Each run trains `cycles + 2` save intervals and
-saves every `k` steps; the rate is taken over whole save cycles in steady state: from the end
-of the second save's step (buffers allocated, writer processes started, all by then) to the
-end of the last save's step (its stall included), so each contender is charged exactly
-`cycles` saves, and none gets the last write for free or pays a one-time start in the window. The slowest rank's
-window counts. A round runs every contender once, in an order rotated each round, each
-beside a run without saves of the same length (before it in even rounds, after it in odd
-ones): this VM's speed drifts by more than what is measured (runs with nothing different
-moved by ±15% minutes apart), and a pair sees the same drift. The figure is the median over
-rounds of the pair's ratio, with the spread (lowest and highest).
+saves every `k` steps; the rate is taken over whole save cycles in steady state: from the
+end of the second save's step (buffers allocated, writer processes started by then) to the
+end of the last save's step (its stall included). So each contender is charged exactly
+`cycles` saves; none gets its last write for free or pays a one-time start in the window.
+The slowest rank's window counts. A round runs every contender once, in an order rotated
+each round, each beside a run without saves of the same length (before it in even rounds,
+after it in odd ones): this VM's speed drifts by more than what is measured (runs without
+saves moved from 1.07 to 1.58 steps/s within one benchmark), and a pair sees the same
+drift. The figure is the median over rounds of the pair's ratio, with the spread (lowest
+and highest).
 
 Contenders: ours sync; ours async with a writer thread; ours async with a writer
 process (`checkpoint.async_writer`); DCP `save`; DCP `async_save` with its thread and with its

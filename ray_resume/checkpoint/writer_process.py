@@ -1,13 +1,13 @@
 """An async save's writer in a process of its own: the rank copies its share, the writer writes it.
 
-A writer thread shares the rank's interpreter and cores with training, and a
-save every 10 steps cost more throughput async than sync (benchmarks/throughput.py).
-Here the rank copies its share into snapshot buffers in shared memory
+A writer thread shares the rank's interpreter (its GIL) and its scheduling with
+training. Here the rank copies its share into snapshot buffers in shared memory
 (`writer.SnapshotBuffers(shared=True)`, memfds reused across saves) and a
 writer process beside it writes, hashes and fsyncs every shard file from
 them. It is started once: with the checkpointer when `async_writer: process`,
-at the first save whose share is large enough under `auto`. It runs at the lowest CPU priority (nice 19), so its
-work takes what the training loop leaves. It imports no torch.
+at the first save whose share is large enough under `auto`. It runs at the
+lowest CPU priority (nice 19), so its work takes what the training loop
+leaves, and imports no torch.
 
 What does not change: the rank's writer thread still waits for the writer and
 reports the manifest to the driver, so a commit still needs a live rank whose
@@ -115,8 +115,13 @@ class ProcessWriter:
                     break
                 on_mid_write()  # on the rank, as with a thread: a fault may kill the rank here
                 wire.send(self._conn, {"op": "go"})
-        except OSError:  # ConnectionError, BrokenPipeError: the writer is gone
-            pid, code = self._proc.pid, self._proc.wait()
+        except OSError:  # ConnectionError, BrokenPipeError: the writer is gone, or cannot be reached
+            pid = self._proc.pid
+            try:
+                code = self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # alive, but this save cannot reach it any more
+                self._proc.kill()
+                code = self._proc.wait()
             self.close()
             raise WriterDied(f"the writer process (pid {pid}) ended ({_how(code)}) while writing "
                              f"{', '.join(f.name for f in files)}") from None
