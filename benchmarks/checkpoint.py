@@ -443,11 +443,16 @@ def bench_size(size: str, base: str, *, repeats: int = 1, pairs: int = 10) -> di
 
         return r
     finally:
-        for w in workers:
-            ray.kill(w)
-        for c in coordinators:
-            _release(c)
-        shutil.rmtree(root, ignore_errors=True)
+        teardown(workers, coordinators, root)
+
+
+def teardown(workers, coordinators, root: str) -> None:
+    """End a size's actors and controllers (releasing their leases) and remove what it wrote."""
+    for w in workers:
+        ray.kill(w)
+    for c in coordinators:
+        _release(c)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _fmt_s(v):

@@ -34,7 +34,7 @@ import time
 import ray
 import torch
 
-from benchmarks.checkpoint import SEQ_LEN, SIZES, Rank, _all, _config, _controller, _free_port, _release, init_ray, report
+from benchmarks.checkpoint import SEQ_LEN, SIZES, Rank, _all, _config, _controller, _free_port, _release, init_ray, report, teardown
 
 CONTENDERS = ["sync", "async_thread", "async_process", "dcp", "dcp_async_thread", "dcp_async_process"]
 OURS = {"sync": {"async_save": False}, "async_thread": {"async_save": True, "async_writer": "thread"},
@@ -141,11 +141,7 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
                 pairs.setdefault(f"{mode}@{k}", []).append((rate, never))
         return summarize(setup[0]["params"], rates, pairs, stalls, intervals, cycles)
     finally:
-        for w in workers:
-            ray.kill(w)
-        for c in held:
-            _release(c)
-        shutil.rmtree(root, ignore_errors=True)
+        teardown(workers, held, root)
 
 
 def ray_resume_config(root: str, size: str, every: int):
