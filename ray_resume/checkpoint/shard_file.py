@@ -32,20 +32,20 @@ class ShardFile:
         return self.path.rsplit("/", 1)[-1]
 
 
-def write_file(storage, path: str, head: bytes, data: list[memoryview], ends: list[int], checksum: str,
+def write_file(storage, file: ShardFile, data: list[memoryview], checksum: str,
                on_mid_write: Callable[[], None]) -> tuple[int, list[str]]:
-    """Write `head` then `data` to `path` durably; return its size and the digests of the blocks ending at `ends`.
+    """Write `file`'s header then `data` durably; return its size and the digests of its checksum blocks.
 
     A transient error rewrites the whole file, hashed afresh. `on_mid_write` is
     called once half of the bytes are written (fault injection).
     """
-    chunks = [memoryview(head), *_pieces(data)]
+    chunks = [memoryview(file.head), *_pieces(data)]
 
     def write():
-        digest = BlockDigests(checksum, 0, ends)
-        return storage.write_durable(path, _halves(chunks, on_mid_write), digest), digest
+        digest = BlockDigests(checksum, 0, file.ends)
+        return storage.write_durable(file.path, _halves(chunks, on_mid_write), digest), digest
 
-    size, digest = retried(write, f"write of {path}")
+    size, digest = retried(write, f"write of {file.path}")
     return size, digest.hexdigests()
 
 

@@ -269,7 +269,7 @@ def write_shards(
     files = shard_files(root, step, [s for s, _ in shards], prefix=prefix, rank=rank, world_size=world_size,
                         rank_extras=rank_extras, block_size=block_size)
     if writer is None:
-        written = [write_file(storage, f.path, f.head, data, f.ends, checksum, on_mid_write) for f, (_, data) in zip(files, shards)]
+        written = [write_file(storage, f, data, checksum, on_mid_write) for f, (_, data) in zip(files, shards)]
     else:
         written = writer.write(files, checksum, on_mid_write)
     manifest: dict = {"rank": rank, "world_size": world_size, "block_size": block_size, "files": {}, "chunks": {}, "specs": {}}

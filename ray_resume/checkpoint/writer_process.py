@@ -181,8 +181,8 @@ def serve(conn: socket.socket) -> None:
             views[msg["kind"]] = memoryview(_mapped(fds[0], msg["nbytes"])) if fds else memoryview(b"")
         elif msg["op"] == "write":
             try:
-                written = [write_file(storage, f["path"], base64.b64decode(f["head"]), [views[f["kind"]]], f["ends"],
-                                      msg["checksum"], lambda: _halfway(conn)) for f in msg["files"]]
+                files = [ShardFile(f["path"], f["kind"], base64.b64decode(f["head"]), f["ends"]) for f in msg["files"]]
+                written = [write_file(storage, f, [views[f.kind]], msg["checksum"], lambda: _halfway(conn)) for f in files]
                 wire.send(conn, {"written": written})
             except Exception as exc:  # reported to the rank, which raises it where a thread would have
                 wire.send(conn, {"error": _described(exc)})
