@@ -27,11 +27,17 @@ Number = Annotated[float, BeforeValidator(lambda v: float(v) if isinstance(v, st
 
 
 def _key_comments(schema: dict, cls: type) -> None:
-    """Each key's trailing comment in the class's source as its JSON Schema description."""
+    """Each key's comment in the class's source as its JSON Schema description: the comment at the
+    end of its line, else the comment lines right above it."""
+    above: list[str] = []
     for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"^\s{4}(\w+): [^#]+#\s*(.+)$", line)
-        if m and m.group(1) in schema["properties"]:
-            schema["properties"][m.group(1)]["description"] = m.group(2).strip()
+        if m := re.match(r"^\s{4}#\s?(.*)$", line):
+            above.append(m.group(1).strip())
+            continue
+        m = re.match(r"^\s{4}(\w+): ([^#]+)(#\s*(.+))?$", line)
+        if m and m.group(1) in schema["properties"] and (m.group(4) or above):
+            schema["properties"][m.group(1)]["description"] = (m.group(4) or " ".join(above)).strip()
+        above = []
 
 
 class _Raising(type(BaseModel)):
@@ -81,7 +87,7 @@ class SyntheticDataConfig(_Section):
     row_groups_per_file: Count = 4  # row groups per file (>= 1)
     seed: int = 0  # RNG seed of the generated tokens
     min_doc_len: int = Field(0, ge=0)  # with max_doc_len: documents of min..max tokens instead of seq_len + 1 (for data.pack)
-    max_doc_len: int = Field(0, ge=0)
+    max_doc_len: int = Field(0, ge=0)  # with min_doc_len: the longest document (0 = seq_len + 1 tokens each)
 
 
 class DataConfig(_Section):
@@ -185,7 +191,7 @@ class ScalingConfig(_Section):
 class FailureConfig(_Section):
     max_failures: int = Field(3, ge=-1)  # worker-group restarts Ray allows; -1 = unlimited
     health_check_interval_s: Number = Field(0.5, gt=0)  # how often Ray Train polls the workers, so how soon a lost one is noticed (Ray's default: 2)
-    fork_server: Union[bool, Literal["auto"]] = "auto"  # start the ranks' processes as forks of a per-node server with their imports done (ray_resume.forkserver); auto: unless their runtime env gives them a Python of its own
+    fork_server: Union[bool, Literal["auto"]] = "auto"  # start the ranks' processes as forks of a per-node server with their imports done (docs/restarts.md); auto: on for CPU ranks on Linux (RAY_RESUME_FORK_SERVER=true|false says otherwise for a host), off for GPU ranks and where the ranks' runtime env gives them a Python of its own
 
     @field_validator("fork_server", mode="wrap")
     @classmethod
@@ -204,20 +210,20 @@ class StorageConfig(_Section):
     endpoint_url: str = ""  # S3-compatible endpoint, e.g. http://127.0.0.1:9000 (env AWS_ENDPOINT_URL)
     region: str = ""  # bucket region (env AWS_REGION / AWS_DEFAULT_REGION)
     access_key_id: str = ""  # prefer the credential chain (env, profile, role) over plain text here
-    secret_access_key: str = ""  # with access_key_id
+    secret_access_key: str = ""  # with access_key_id; keys given here are written <redacted> into every iteration's config.yaml
     session_token: str = ""  # with temporary keys (env AWS_SESSION_TOKEN when the keys come from the env)
 
 
 class CheckpointConfig(_Section):
     enable_save: bool = True  # write checkpoints during training
     save_path: str = ""  # checkpoint root: a local/NFS path, file://..., or s3://bucket/prefix
-    save_interleaved_steps: Count = 1000  # save every N optimizer steps (>= 1)
+    save_interleaved_steps: Count = 1000  # save when global_step % N == 0, and after the last step
     memory_interleaved_steps: int = Field(0, ge=0)  # between saves, snapshot every rank's state into memory (Ray's object store) every N steps, for restarts (0 = off)
     no_save_optim: bool = False  # skip optimizer state when saving
-    save_max: Count = 5  # keep at most N checkpoints created by this job (>= 1)
-    load_path: str = ""  # directory to resume from ("" = start fresh)
-    no_load_optim: bool = False  # ignore optimizer state when loading
-    load_balanced: bool = False  # spread checkpoint reads across ranks
+    save_max: Count = 5  # iterations of this job to keep (never the tracker's, never an earlier job's)
+    load_path: str = ""  # a root to resume from (ours, MindFormers' or a model.safetensors directory); "" = start fresh; equal to save_path = resume if there is something to resume
+    no_load_optim: bool = False  # weights only: step 0, data from the start, the optimizer new (docs/scenarios.md B)
+    load_balanced: bool = False  # each byte read off storage once, by one rank, and broadcast to the others (docs/scenarios.md D)
     async_save: bool = True  # write shards in the background; training only waits for a snapshot copy
     async_writer: Literal["auto", "process", "thread"] = "auto"  # who writes an async save: a writer process beside the rank (its own interpreter, nice 19) or a thread in it; auto: the process on CPU ranks (Linux), the thread (pinned buffers) on GPU ranks
     prefix: SafeName = "ckpt"  # shard file name prefix
