@@ -260,3 +260,12 @@ def assert_same_as_reference(root, reference) -> list[dict]:
         if step > last_resume:  # run by the last worker group, which ended normally
             assert runs[-1]["ids"] == expected["ids"], f"step {step}: sample ids of the final run differ"
     return restarts
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the docs' examples ran, how many of each kind there are (tests/doc_examples.py)."""
+    if any("test_doc_examples" in report.nodeid for reports in terminalreporter.stats.values() for report in reports
+           if hasattr(report, "nodeid")):
+        import doc_examples
+
+        terminalreporter.write_line(doc_examples.summary())
