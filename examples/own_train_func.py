@@ -27,6 +27,7 @@ import ray_resume
 
 STEPS, BATCH = 60, 32
 log = logging.getLogger("own_train_func")  # a print() on a Ray Train worker reaches the console twice
+NAME = "own-train-func"  # the run's name; lines that begin "[NAME] " are never folded by Ray's log deduplication
 
 
 class SampleCounter:
@@ -61,7 +62,7 @@ def train_func(config: dict) -> None:
         np.random.seed(1 + rank)
         random.seed(1 + rank)
     elif rank == 0:
-        log.info("resumed from %s at step %d, lr %.4f", start.source, start.step, sched.get_last_lr()[0])
+        log.info(f"[{NAME}] resumed from %s at step %d, lr %.4f", start.source, start.step, sched.get_last_lr()[0])
     for step in range(start.step + 1, STEPS + 1):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(BATCH, 16, generator=g)
@@ -78,7 +79,7 @@ def train_func(config: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         ck.maybe_save(step, consumed_samples=step * BATCH, global_batch_size=BATCH)
         if rank == 0 and step % 10 == 0:
-            log.info("step %d/%d | loss %.4f | lr %.4f | rank 0 saw %d samples", step, STEPS, loss.item(), sched.get_last_lr()[0], counter.seen)
+            log.info(f"[{NAME}] step %d/%d | loss %.4f | lr %.4f | rank 0 saw %d samples", step, STEPS, loss.item(), sched.get_last_lr()[0], counter.seen)
 
 
 def main() -> None:
@@ -94,7 +95,7 @@ def main() -> None:
             train_loop_config={"kill_at": args.kill_at, "marker": marker},
             checkpoint={"save_path": root, "load_path": root, "save_interleaved_steps": 20},
             scaling_config=ray.train.ScalingConfig(num_workers=2),
-            run_config=ray.train.RunConfig(name="own-train-func", failure_config=ray.train.FailureConfig(max_failures=2)),
+            run_config=ray.train.RunConfig(name=NAME, failure_config=ray.train.FailureConfig(max_failures=2)),
         )
     except ray.train.TrainingFailedError as exc:
         print(f"error: {exc}")

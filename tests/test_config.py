@@ -341,11 +341,11 @@ def test_apply_overrides_does_not_mutate():
 
 
 # ----------------------------------------------------------------- shipped configs
-def test_every_config_the_readme_names_is_shipped_and_every_shipped_one_is_named():
-    """The README is how users find configs: no dead name there, no undocumented file here (and the
-    parametrized check below cannot pass by finding no file at all)."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    named = set(re.findall(r"configs/([\w.-]+\.yaml)", readme))
+def test_every_config_the_docs_name_is_shipped_and_every_shipped_one_is_named():
+    """README.md and docs/ are how users find configs: no dead name there, no undocumented file here
+    (and the parametrized check below cannot pass by finding no file at all)."""
+    docs = [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+    named = {name for doc in docs for name in re.findall(r"configs/([\w.-]+\.yaml)", open(doc).read())}
     assert named == {os.path.basename(p) for p in CONFIG_FILES}
 
 
