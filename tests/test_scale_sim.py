@@ -1,6 +1,6 @@
 """The scale simulation in its small mode (correctness only, seconds), and the scaling fixes it relies on.
 
-No timing is asserted: the measured table lives in docs/scale.md.
+No timing is asserted: the measured table lives in benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ class CheckpointConfig(_Section):
     async_save: bool = True  # write shards in the background; training only waits for a snapshot copy
     async_writer: Literal["auto", "process", "thread"] = "auto"  # who writes an async save: a writer process beside the rank (its own interpreter, nice 19) or a thread in it; auto: the process on CPU ranks (Linux), the thread (pinned buffers) on GPU ranks
     prefix: SafeName = "ckpt"  # shard file name prefix
-    checksum: Literal[tuple(CHECKSUMS)] = DEFAULT_CHECKSUM  # digest of each 4 MiB block of a shard, checked on every load: xxh3-128 (fast) | sha256 (cryptographic, ~15x slower)
+    checksum: Literal[tuple(CHECKSUMS)] = DEFAULT_CHECKSUM  # digest of each 4 MiB block of a shard, checked on every load: xxh3-128 (fast) | sha256 (cryptographic, several times slower)
     storage: StorageConfig = {}  # s3:// connection settings
     fallback: bool = True  # if the tracker's iteration is damaged, load the newest older one that verifies
     lease_ttl_s: Number = Field(60.0, gt=0)  # the writer lease on save_path expires this long after a dead job's last renewal
