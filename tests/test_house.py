@@ -25,7 +25,7 @@ LAYERS = [
      "checkpoint.plan", "checkpoint.digest", "checkpoint.storage", "checkpoint.shard_file", "checkpoint.writer_process",
      "checkpoint.async_save"],
     ["checkpoint.schema", "checkpoint.parse", "checkpoint.state", "checkpoint.writer", "checkpoint.reader", "checkpoint.loader", "checkpoint.commit",
-     "checkpoint.lease", "checkpoint.fallback", "checkpoint.memory", "checkpoint.root", "checkpoint.checkpointer"],
+     "checkpoint.lease", "checkpoint.fallback", "checkpoint.memory", "checkpoint.root", "checkpoint.checkpointer", "checkpoint.dcp"],
     ["config", "data", "metrics", "optim", "parallel", "plugins", "extra_state", "plot"],
     ["controller"],
     ["rank", "progress", "train_loop"],

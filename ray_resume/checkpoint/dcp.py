@@ -1,0 +1,172 @@
+"""PyTorch's own checkpoint API reads a ray_resume root: `dcp.load(state_dict, storage_reader=Reader(root))`.
+
+`torch.distributed.checkpoint` (DCP) loads by metadata: every tensor's global shape and the chunks
+it was saved in (`TensorStorageMetadata`, `ChunkStorageMetadata`), and where each chunk lies
+(`storage_data`). Our `metadata.json` holds the same facts in MindFormers' words (a tensor's
+`global_shape`, its chunks' `global_offset`/`local_shape`, the file of each), so `Reader` gives DCP
+its `Metadata` from it, and DCP's planner, on any world size, into plain tensors or FSDP2's
+DTensors, asks each rank for the chunks that overlap what it holds. A rank reads the checksum
+blocks those chunks lie in (and the header's), every block checked as our own loader checks it,
+straight from storage; nothing is unpickled and nothing is written.
+
+Names are those `torch.distributed.checkpoint.state_dict.get_state_dict` gives, under the keys
+torchtitan and DCP's docs use: `{"model": model_sd, "optim": optim_sd}` flattens to
+`model.{param}` and `optim.state.{param}.{slot}` (`exp_avg`, `exp_avg_sq`, `step`, ...); a tied
+weight answers to each of its names. Param groups are not in a root (the built-in job's LR is a
+function of the samples consumed): load `{"model": ..., "optim": {"state": ...}}` and keep the
+optimizer's own groups. The iteration is the tracker's (a committed one), or `step=` if that one
+is committed; a damaged block fails the load naming the file and block, as a resume would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+import torch
+from torch.distributed.checkpoint import Metadata, StorageReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+
+from . import names, paths
+from ..errors import CheckpointError
+from .plan import Piece, TensorSpec
+from .reader import Request, ShardReader
+from .root import root_for
+from .schema import Iteration
+from .state import DTYPES
+
+MODEL, OPTIM = "model", "optim"  # the state dict's top keys, as torchtitan's and DCP's docs write them
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Where DCP's chunk lies: `piece` of tensor `spec`, in shard file `file`."""
+
+    file: str
+    spec: TensorSpec
+    piece: Piece
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        rows = self.piece.numel // self.spec.row_numel if self.spec.shape else 1
+        return (rows, *self.spec.shape[1:]) if self.spec.shape else ()
+
+
+def dcp_name(kind: str, name: str) -> str | None:
+    """The flattened `get_state_dict` name of our tensor `name` of `kind`; None for an optimizer's
+    own tensor (MindFormers' `global_step`), which torch's optimizers do not keep."""
+    if kind == paths.MODEL_KIND:
+        return f"{MODEL}.{name}"
+    param, slot = names.parse_state_name(name)
+    return None if param is None else f"{OPTIM}.state.{param}.{slot}"
+
+
+class Reader(StorageReader):
+    """A committed iteration of the root `path` for `dcp.load` (local, NFS or `s3://`, with
+    `storage` as `checkpoint.storage` takes it). `bytes_read`: what this rank read."""
+
+    def __init__(self, path: str | os.PathLike, *, step: int | None = None, storage: dict | None = None):
+        super().__init__()
+        self.path, self.step, self.options = os.fspath(path), step, storage
+        self.chunks: dict[MetadataIndex, Chunk] = {}
+        self.iteration: Iteration | None = None
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self.chunks, self.iteration, self.bytes_read = {}, None, 0
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return paths.parse_iteration_dirname(os.path.basename(os.fspath(checkpoint_id).rstrip("/"))) is not None or \
+            os.path.exists(paths.tracker_path(os.fspath(checkpoint_id)))
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        """DCP's Metadata of the chosen iteration (on the coordinator; DCP hands it to the others)."""
+        it = self._open()
+        state: dict[str, TensorStorageMetadata] = {}
+        for kind, tensors in it.tensors.items():
+            for name, stored in tensors.items():
+                fqn = dcp_name(kind, name)
+                if fqn is None:
+                    continue
+                chunks = [Chunk(file, stored.spec, piece) for file, piece in stored.pieces]
+                state[fqn] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=DTYPES[stored.spec.dtype]), size=torch.Size(stored.spec.shape),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(_offset(c)), sizes=torch.Size(c.shape)) for c in chunks])
+                self.chunks |= {MetadataIndex(fqn, _offset(c)): c for c in chunks}
+        for alias, first in (it.ours.get("model") or {}).get("tied", {}).items():  # a tied weight, stored once
+            if f"{MODEL}.{first}" in state:
+                state[f"{MODEL}.{alias}"] = state[f"{MODEL}.{first}"]
+                self.chunks |= {MetadataIndex(f"{MODEL}.{alias}", index.offset): c for index, c in self.chunks.items()
+                                if index.fqn == f"{MODEL}.{first}"}
+        return Metadata(state_dict_metadata=state, storage_data=dict(self.chunks),
+                        storage_meta=StorageMeta(checkpoint_id=it.path, load_id=uuid.uuid4().hex))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self.chunks = dict(metadata.storage_data)
+        if self.iteration is None:  # another rank than the coordinator: the iteration it chose
+            self.step = paths.parse_iteration_dirname(os.path.basename(metadata.storage_meta.checkpoint_id))
+            self._open()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        """Every chunk the plan names, read once from the checksum blocks it lies in (checked), then
+        copied into what the planner resolves each request to."""
+        reader = ShardReader(self._root().storage, self.iteration)
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            chunk = self.chunks[item.storage_index]
+            by_file.setdefault(chunk.file, []).append((item, chunk))
+        for file, items in by_file.items():
+            whole = {c: torch.empty(c.piece.numel, dtype=DTYPES[c.spec.dtype]) for _, c in items}
+            requests = [Request(c.piece, c.spec, c.piece.start, c.piece.start + c.piece.numel, dest) for c, dest in whole.items()]
+            spans = reader.spans(file, requests)
+            needed = {0} | {i for i, (lo, hi, _) in enumerate(reader.blocks(file)) if any(first < hi and lo < last for first, last, _ in spans)}
+            reader.read_checked(file, requests, blocks=sorted(needed))
+            for item, chunk in items:
+                source = whole[chunk].view(chunk.shape)
+                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    source = source.narrow(dim, offset, length)
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(source)
+                planner.commit_tensor(item, target)
+        self.bytes_read += reader.bytes_read
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _root(self):
+        root, _ = _split(self.path)
+        return root_for(root, self.options)
+
+    def _open(self) -> Iteration:
+        """The iteration to read: `step` (the path's, or the one asked for) if committed, else the tracker's."""
+        root, step = _split(self.path)
+        step = self.step if self.step is not None else step
+        committed = self._root().committed()
+        if committed is None:
+            raise CheckpointError(f"{paths.tracker_path(root)}: no committed iteration to read (no tracker)")
+        if step is not None and step > committed:
+            raise CheckpointError(f"{paths.iteration_dir(root, step)}: iteration {step} is not committed (the tracker names "
+                                  f"{committed}); read {committed} or an older one")
+        self.step = committed if step is None else step
+        self.iteration = self._root().iteration(self.step)
+        return self.iteration
+
+
+def _split(path: str) -> tuple[str, int | None]:
+    """(root, step) of a root or of one of its iteration directories."""
+    step = paths.parse_iteration_dirname(os.path.basename(path.rstrip("/")))
+    return (os.path.dirname(path.rstrip("/")), step) if step is not None else (path, None)
+
+
+def _offset(chunk: Chunk) -> tuple[int, ...]:
+    return (chunk.piece.start // chunk.spec.row_numel, *[0] * (len(chunk.spec.shape) - 1)) if chunk.spec.shape else ()
