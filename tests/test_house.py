@@ -54,7 +54,8 @@ def layer_of(module: str) -> int | None:
 
 
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The package's modules `name` imports, anywhere in it (a function's import counts too)."""
+    """The package's modules `name` imports, anywhere in it (a function's import counts too): every
+    name of an import, each as the nearest module it is or is in (`from .x import Name` is `x`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -67,7 +68,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 target = node.module.removeprefix("ray_resume").lstrip(".")
             else:
                 continue
-            candidates = [f"{target}.{a.name}".lstrip(".") for a in node.names] + [target]
+            candidates = [f"{target}.{a.name}".lstrip(".") for a in node.names]
         elif isinstance(node, ast.Import):
             candidates = [a.name.removeprefix("ray_resume").lstrip(".") for a in node.names if a.name.startswith("ray_resume")]
         else:
@@ -77,7 +78,6 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 c = c.rpartition(".")[0]
             if c and c != name:
                 found.add(c)
-                break
     return found
 
 
@@ -91,6 +91,14 @@ def test_every_module_has_a_layer_and_imports_none_above_it():
     assert [m for m in graph if layer_of(m) is None] == []
     upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if d and layer_of(d) > layer_of(m))
     assert upward == []
+
+
+def test_the_import_scanner_reads_every_name_of_an_import(tmp_path):
+    """`from . import a, b` imports b too: an upward import in second place is found."""
+    module = tmp_path / "low.py"
+    module.write_text("from . import paths\nfrom .. import errors, driver\nfrom .root import root_for, CheckpointRoot\n")
+    known = {name: tmp_path for name in ("checkpoint", "checkpoint.paths", "checkpoint.root", "errors", "driver")}
+    assert imports("checkpoint.low", module, known) == {"checkpoint.paths", "errors", "driver", "checkpoint.root"}
 
 
 def test_the_import_map_has_no_circle():
