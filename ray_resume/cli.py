@@ -23,12 +23,13 @@ import os
 import sys
 from typing import Any
 
-from .checkpoint import paths
+from .checkpoint import dcp, paths
 from .checkpoint.reader import ShardReader, check_no_extra_shards, iteration_steps, open_iteration, read_tracker
 from .checkpoint.root import root_for
 from .checkpoint.schema import AbnormalIteration, Iteration, local_shape, parse_json, readable_by_mindformers
 from .checkpoint.storage import LocalStorage
 from .errors import CheckpointError
+from .text_table import human_size, table
 
 PROG = "ray-resume"
 
@@ -47,28 +48,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def table(headers: list[str], rows: list[list[Any]], right: set[int] = frozenset()) -> str:
-    """An aligned plain-text table; columns in `right` are right-aligned (numbers)."""
-    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for n, row in enumerate(cells):
-        parts = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)]
-        lines.append("  ".join(parts).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _emit_json(obj: Any) -> None:
@@ -235,7 +214,25 @@ def cmd_list(args) -> int:
 # ----------------------------------------------------------------------------- verify
 
 
+def dcp_report(path: str, args, verify: bool) -> int:
+    """`show` and `verify` of a DCP checkpoint (`checkpoint.dcp.describe`)."""
+    report = dcp.describe(path)
+    if args.json:
+        _emit_json(report)
+    elif not verify:
+        print(f"{path}: a torch.distributed.checkpoint (DCP) checkpoint; a job takes its weights (`model.*`)\n")
+        print(table(["name", "dtype", "shape", "chunks"], [[n, t["dtype"], t["shape"], t["chunks"]] for n, t in report["tensors"].items()]))
+        print(f"\nand {len(report['other'])} entries that are not tensors (param groups, counters)")
+    files = f"{len(report['files'])} files, {human_size(sum(f['size'] or 0 for f in report['files'].values()))}"
+    if verify and not args.json:
+        print(f"OK: {path}: {files}, every item within its file (DCP keeps no digests: the bytes themselves cannot be checked)"
+              if report["ok"] else f"FAILED: {path}:\n" + "\n".join(f"  - {p}" for p in report["problems"]))
+    return 0 if report["ok"] or not verify else 1
+
+
 def cmd_verify(args) -> int:
+    if (dcp_dir := dcp.dcp_checkpoint(args.root)) is not None:
+        return dcp_report(dcp_dir, args, verify=True)
     storage = open_root(args.root)
     step, tracker = resolve_iteration(storage, args.root, args.iteration)
     path, origin = paths.iteration_dir(args.root, step), None
@@ -278,6 +275,8 @@ def cmd_verify(args) -> int:
 
 
 def cmd_show(args) -> int:
+    if (dcp_dir := dcp.dcp_checkpoint(args.root)) is not None:
+        return dcp_report(dcp_dir, args, verify=False)
     storage = open_root(args.root)
     step, tracker = resolve_iteration(storage, args.root, args.iteration)
     it = open_iteration(storage, args.root, step)  # CheckpointError -> exit 1

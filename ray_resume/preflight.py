@@ -18,7 +18,8 @@ import torch
 from . import parallel
 from .checkpoint import names, paths, state
 from .checkpoint.checkpointer import check_optimizer_state, check_weights, refuse_optimizer_change
-from .checkpoint.root import CommittedIteration, ResumeSource, WeightsExport, root_for
+from .checkpoint.dcp import dcp_checkpoint, weight_specs
+from .checkpoint.root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .checkpoint.schema import Iteration
 from .checkpoint.state import optimizer_slots
 from .config import Config
@@ -100,6 +101,14 @@ def _load_source(ckpt) -> tuple[ResumeSource | None, Iteration | None]:
             f"checkpoint.load_path {ckpt.load_path!r} does not exist or is not a directory; "
             "point it at the save_path of the run to resume (its root, not an iteration_* directory)"
         )
+    if (dcp_dir := dcp_checkpoint(ckpt.load_path)) is not None:
+        if not ckpt.no_load_optim:
+            raise CheckpointError(
+                f"checkpoint.load_path {ckpt.load_path!r} is a torch.distributed.checkpoint (DCP) checkpoint ({dcp_dir}); "
+                "ray_resume starts from its weights: set checkpoint.no_load_optim: true (its optimizer state, step and "
+                "data cursor are not taken over)"
+            )
+        return DcpCheckpoint(dcp_dir), None
     if root.is_export():
         if not ckpt.no_load_optim:
             raise CheckpointError(
@@ -147,6 +156,9 @@ def check_built_in(cfg: Config, plugins, units: list[ReadUnit], source: ResumeSo
                        cfg.checkpoint.storage, cfg.pack_tokens())
     if isinstance(source, WeightsExport):
         refuse_misfit_weights(cfg, plugins, root_for(source.path, cfg.checkpoint.storage).export_specs(), source.path)
+        return cfg
+    if isinstance(source, DcpCheckpoint):
+        refuse_misfit_weights(cfg, plugins, weight_specs(source.path), source.path)
         return cfg
     if it is None:
         return cfg

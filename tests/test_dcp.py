@@ -1,10 +1,14 @@
-"""PyTorch's own checkpoint API reads our roots: torch's `dcp.load` with `ray_resume.checkpoint.dcp.Reader`.
+"""PyTorch's own checkpoint format both ways (`ray_resume.checkpoint.dcp`).
 
-A 2-rank FSDP2 job (gloo) trains with torch's AdamW and saves through our writer and the driver's
-commit; it keeps, beside the root, every tensor it held at the saved step, whole. Then torch's own
-`dcp.load` and `set_state_dict` fill a freshly built model and optimizer on 1 rank (plain modules)
-and on 3 ranks (FSDP2, uneven shards), which are compared element by element with what the job
-held: not with what our own loader reads.
+A 2-rank FSDP2 job (gloo) trains with torch's AdamW and saves twice at the same step: through our
+writer and the driver's commit, and with torch's own `dcp.save` in torchtitan's layout
+(`titan/step-2/`); it keeps every tensor it held, whole, beside them. Then:
+- torch's `dcp.load` and `set_state_dict` fill a freshly built model and optimizer from our root on
+  1 rank (plain modules) and on 3 ranks (FSDP2, uneven shards), compared element by element with
+  what the job held, not with what our own loader reads;
+- our restore starts a model from DCP's checkpoint on 1 (DDP) and 3 (FSDP2) ranks, equal to what the
+  job held, and a whole job with `load_path` at the torchtitan folder writes the very bytes of one
+  started from our own root of the same weights.
 """
 
 from __future__ import annotations
@@ -19,16 +23,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 import harness
-from conftest import commit_by_hand
+from conftest import commit_by_hand, driver_checks, run_on_harness, shard_bytes, tiny_config
 from ray_resume import parallel
 from ray_resume.checkpoint import paths, state
-from ray_resume.checkpoint.dcp import Reader
+from ray_resume.checkpoint.checkpointer import Checkpointer
+from ray_resume.checkpoint.dcp import DCP_METADATA, Reader, dcp_checkpoint, read_dcp_metadata
+from ray_resume.checkpoint.root import DcpCheckpoint
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import save_shards
+from ray_resume.config import Config
+from ray_resume.errors import CheckpointError
 from ray_resume.model import GPT, lm_loss
+from ray_resume.optim import MainParamsOptimizer
 
 STEP = 2
 
@@ -37,16 +46,16 @@ def _build(rank: int, world: int, init: str, strategy: str, seed: int):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    # Rows of 13, 12, 36 and 48: FSDP2 shards them unevenly on 3 ranks, and leaves trailing ranks short.
-    model = GPT(vocab_size=13, seq_len=6, d_model=12, n_layers=2, n_heads=3)
-    if strategy == "fsdp":
+    # tiny_config's model: rows of 64, 32, 96 and 128, which FSDP2 shards unevenly on 3 ranks.
+    model = GPT(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2)
+    if strategy in ("fsdp", "ddp"):
         model = parallel.wrap(model, strategy, [], torch.device("cpu"), world)
     return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
 
 
 def _train(model, optimizer, steps: int, rank: int, world: int) -> None:
     for step in range(steps):
-        batch = torch.randint(0, 13, (12, 7), generator=torch.Generator().manual_seed(100 + step))
+        batch = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(100 + step))
         optimizer.zero_grad()
         lm_loss(model, batch.chunk(world)[rank]).backward()
         optimizer.step()
@@ -70,6 +79,8 @@ def _save(rank: int, world: int, init: str, out: str) -> None:
                            rank_extras=state.capture_rng())
     manifests = [None] * world
     dist.all_gather_object(manifests, manifest)
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(out, "titan", f"step-{STEP}")))  # as torchtitan does
     held = _whole(model, optimizer)
     if rank == 0:
         commit_by_hand(root, STEP, manifests)
@@ -91,6 +102,21 @@ def _load(rank: int, world: int, init: str, out: str, strategy: str, label: str)
     if rank == 0:
         save_file(loaded, str(Path(out, f"{label}.safetensors")))
         Path(out, f"{label}.json").write_text(json.dumps({"bytes_read": reads}))
+    dist.barrier()
+    os._exit(0)
+
+
+def _restore_from_dcp(rank: int, world: int, init: str, out: str, strategy: str, label: str) -> None:
+    """Our rank's restore of DCP's checkpoint, as a job with `load_path` at the torchtitan folder does."""
+    model, _ = _build(rank, world, init, strategy, seed=1)
+    cfg = Config.from_dict(tiny_config(Path(out), training={"strategy": strategy}))
+    start, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(
+        model, MainParamsOptimizer(model, lr=0.05), DcpCheckpoint(dcp_checkpoint(str(Path(out, "titan")))), full=False)
+    loaded = {f"model.{k}": (v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v).detach().clone()
+              for k, v in get_model_state_dict(model).items()}
+    if rank == 0:
+        save_file(loaded, str(Path(out, f"{label}.safetensors")))
+        Path(out, f"{label}.json").write_text(json.dumps({"step": start.step, "source": start.source}))
     dist.barrier()
     os._exit(0)
 
@@ -168,3 +194,83 @@ def test_dcps_own_whole_checkpoint_load_takes_every_tensor_without_a_process_gro
     assert held.keys() <= everything.keys()
     for name in held:
         assert torch.equal(held[name], everything[name]), name
+
+
+# ----------------------------------------------------------------------------- DCP's checkpoints, resumed
+@pytest.mark.parametrize("strategy, world", [("ddp", 1), ("fsdp", 3)])
+def test_our_restore_starts_from_dcps_checkpoint_on_another_world_size(saved, strategy, world):
+    label = f"from-dcp-{strategy}{world}"
+    spawn(_restore_from_dcp, world, saved, strategy, label)
+    held, loaded = load_file(str(saved / "held.safetensors")), load_file(str(saved / f"{label}.safetensors"))
+    weights = {k: v for k, v in held.items() if k.startswith("model.")}
+    assert weights.keys() == loaded.keys()
+    for name in weights:
+        assert torch.equal(weights[name], loaded[name]), name
+    assert json.loads((saved / f"{label}.json").read_text()) == {"step": 0, "source": str(saved / "titan" / f"step-{STEP}")}
+
+
+def test_a_job_started_from_a_torchtitan_folder_is_the_job_started_from_our_root_of_the_same_weights(saved, tmp_path):
+    """Weights only, as the driver resolves it: the newest `step-N/` of the folder; the run then
+    writes, step by step, the bytes of the same job started from our root of the same step."""
+    runs = {}
+    for label, load_path in (("dcp", saved / "titan"), ("ours", saved / "ckpt")):
+        cfg = tiny_config(tmp_path / label, checkpoint={"load_path": str(load_path), "no_load_optim": True},
+                          data={"path": str(tmp_path / "data")})
+        if label == "dcp":
+            assert driver_checks(cfg) == DcpCheckpoint(str(saved / "titan" / f"step-{STEP}"))
+        run_on_harness(cfg)
+        runs[label] = shard_bytes(tmp_path / label / "ckpt", cfg["training"]["train_steps"])
+    assert runs["dcp"] == runs["ours"] and runs["dcp"]
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"checkpoint": {"no_load_optim": False}}, "is a torch.distributed.checkpoint (DCP) checkpoint ({titan}/step-2); ray_resume starts "
+                                               "from its weights: set checkpoint.no_load_optim: true"),
+    ({"model": {"d_model": 16}}, "{titan}/step-2: tensor 'tok.weight' is torch.float32 [64, 32] there but torch.float32 [64, 16] in the model"),
+])
+def test_what_cannot_start_from_dcps_checkpoint_is_refused_on_the_driver(saved, tmp_path, change, error):
+    cfg = tiny_config(tmp_path, checkpoint={"load_path": str(saved / "titan"), "no_load_optim": True})
+    for section, values in change.items():
+        cfg[section].update(values)
+    with pytest.raises(CheckpointError) as refused:
+        driver_checks(cfg)
+    assert error.format(titan=saved / "titan") in str(refused.value)
+
+
+def test_dcps_metadata_is_read_without_running_what_a_pickle_names(saved, tmp_path):
+    """torch writes `.metadata` with pickle; ours reads DCP's classes alone: the same Metadata as
+    DCP's own reader, and a file that would run a command is refused, the command not run."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    step = dcp_checkpoint(str(saved / "titan"))
+    assert read_dcp_metadata(step).state_dict_metadata == FileSystemReader(step).read_metadata().state_dict_metadata
+    evil = tmp_path / "evil"
+    evil.mkdir()
+
+    class RunsCode:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+
+    (evil / DCP_METADATA).write_bytes(__import__("pickle").dumps(RunsCode()))
+    with pytest.raises(CheckpointError, match=r"refers to posix\.system, which DCP's metadata never holds; not read"):
+        read_dcp_metadata(str(evil))
+    assert not (tmp_path / "ran").exists()
+
+
+def test_ray_resume_show_and_verify_describe_a_dcp_checkpoint(saved, tmp_path, capsys):
+    import shutil
+
+    from ray_resume.cli import main
+
+    step = saved / "titan" / f"step-{STEP}"
+    assert main(["verify", str(saved / "titan")]) == 0
+    assert f"OK: {step}: 2 files, " in capsys.readouterr().out
+    assert main(["show", str(saved / "titan")]) == 0
+    shown = capsys.readouterr().out
+    assert "a torch.distributed.checkpoint (DCP) checkpoint" in shown and "model.tok.weight" in shown and "[64, 32]" in shown
+    shutil.copytree(saved / "titan", tmp_path / "titan")
+    shard = tmp_path / "titan" / f"step-{STEP}" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert main(["verify", str(tmp_path / "titan")]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED: {tmp_path / 'titan' / f'step-{STEP}'}:" in out and f"  - {shard}: 100 bytes, but " in out, out

@@ -21,7 +21,7 @@ from ray_resume.errors import CheckpointError
 PACKAGE = REPO / "ray_resume"
 # Bottom to top; a module may import its own layer's and those below (docs/architecture.md).
 LAYERS = [
-    ["errors", "calls", "faults", "model", "summary", "collectives", "wire", "forked", "forkserver", "checkpoint", "checkpoint.paths", "checkpoint.names",
+    ["errors", "calls", "faults", "model", "summary", "text_table", "collectives", "wire", "forked", "forkserver", "checkpoint", "checkpoint.paths", "checkpoint.names",
      "checkpoint.plan", "checkpoint.digest", "checkpoint.storage", "checkpoint.shard_file", "checkpoint.writer_process",
      "checkpoint.async_save"],
     ["checkpoint.schema", "checkpoint.parse", "checkpoint.state", "checkpoint.writer", "checkpoint.reader", "checkpoint.loader", "checkpoint.commit",

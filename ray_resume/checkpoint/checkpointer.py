@@ -18,11 +18,12 @@ from ..collectives import collective_device, decided_by_rank0, smallest
 from ..errors import CheckpointError
 from . import memory, names, paths, state
 from .async_save import BackgroundSave
+from .dcp import load_dcp_weights, weight_specs
 from .fallback import fall_back
 from .loader import StateLoader, open_shared
 from .plan import TensorSpec, needed_range
 from .reader import load_rank_extras, read_export
-from .root import CommittedIteration, ResumeSource, WeightsExport, root_for
+from .root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .schema import DamagedShards
 from .state import DTYPE_TAGS, DTYPES, class_path, optimizer_slots
 from .writer import SnapshotBuffers, live_data, shard_layouts, write_shards
@@ -76,6 +77,12 @@ class Checkpointer:
         if isinstance(source, WeightsExport):
             weights, read = read_export(root_for(source.path, self.ckpt.storage).storage, source.path)
             load_weights(model, weights, source.path, self.rank, self.world_size)
+            optimizer.reload_main_params_from_model()
+            return Start(source=source.path, bytes_read=read), {}
+        if isinstance(source, DcpCheckpoint):  # DCP reshards it to this world size and strategy
+            live = state.model_tensors(model)
+            check_weights(live, weight_specs(source.path), state.tied_aliases(model), source.path)
+            read = load_dcp_weights(source.path, live)
             optimizer.reload_main_params_from_model()
             return Start(source=source.path, bytes_read=read), {}
         storage = root_for(source.root, self.ckpt.storage).storage

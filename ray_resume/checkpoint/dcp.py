@@ -1,4 +1,6 @@
-"""PyTorch's own checkpoint API reads a ray_resume root: `dcp.load(state_dict, storage_reader=Reader(root))`.
+"""PyTorch's own checkpoint format both ways: `dcp.load(state_dict, storage_reader=Reader(root))` reads a
+ray_resume root, and a DCP checkpoint (torchtitan's `step-N/`) is a `checkpoint.load_path` whose weights
+a job starts from (`DcpReader`, `dcp_checkpoint`, `weight_specs`).
 
 `torch.distributed.checkpoint` (DCP) loads by metadata: every tensor's global shape and the chunks
 it was saved in (`TensorStorageMetadata`, `ChunkStorageMetadata`), and where each chunk lies
@@ -22,9 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import re
 import uuid
 import torch
-from torch.distributed.checkpoint import Metadata, StorageReader
+from torch.distributed.checkpoint import FileSystemReader, Metadata, StorageReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
@@ -34,7 +38,7 @@ from .plan import Piece, TensorSpec
 from .reader import Request, ShardReader
 from .root import root_for
 from .schema import Iteration
-from .state import DTYPES
+from .state import DTYPE_TAGS, DTYPES
 
 MODEL, OPTIM = "model", "optim"  # the state dict's top keys, as torchtitan's and DCP's docs write them
 
@@ -170,3 +174,122 @@ def _split(path: str) -> tuple[str, int | None]:
 
 def _offset(chunk: Chunk) -> tuple[int, ...]:
     return (chunk.piece.start // chunk.spec.row_numel, *[0] * (len(chunk.spec.shape) - 1)) if chunk.spec.shape else ()
+
+
+# ----------------------------------------------------------------------------- DCP's checkpoints, read
+DCP_METADATA = ".metadata"  # what `dcp.save` writes beside its `__R_I.distcp` files
+STEP_DIR = re.compile(r"^step-(\d+)$")  # torchtitan's checkpoint directories
+_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+    "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+def dcp_checkpoint(path: str) -> str | None:
+    """The DCP checkpoint `path` names: itself when it holds `.metadata`, else the newest of its
+    torchtitan `step-N/` directories that does; None when neither (or not on a local file system)."""
+    if "://" in path and not path.startswith("file://"):
+        return None
+    path = path.removeprefix("file://")
+    if os.path.isfile(os.path.join(path, DCP_METADATA)):
+        return path
+    steps = sorted(int(m[1]) for n in (os.listdir(path) if os.path.isdir(path) else ())
+                   if (m := STEP_DIR.match(n)) and os.path.isfile(os.path.join(path, n, DCP_METADATA)))
+    return os.path.join(path, f"step-{steps[-1]}") if steps else None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """torch writes `.metadata` with pickle, which can run any code a file names: this one builds
+    DCP's own metadata classes, torch's sizes, dtypes and layouts, and refuses anything else."""
+
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"{self.where}: refers to {module}.{name}, which DCP's metadata never holds; not read "
+                              "(unpickling it could run code): this is not a checkpoint torch.distributed.checkpoint wrote")
+
+
+def read_dcp_metadata(path: str) -> Metadata:
+    """The `Metadata` of the DCP checkpoint directory `path`, unpickled by `_MetadataUnpickler`."""
+    where = os.path.join(path, DCP_METADATA)
+    try:
+        with open(where, "rb") as f:
+            metadata = _MetadataUnpickler(f, where).load()
+    except CheckpointError:
+        raise
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: not a DCP metadata file ({exc})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{where}: holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+def weight_specs(path: str) -> dict[str, TensorSpec]:
+    """The model tensors (`model.{name}`) of the DCP checkpoint at `path`, as our specs, by name."""
+    out = {}
+    for fqn, md in read_dcp_metadata(path).state_dict_metadata.items():
+        if fqn.startswith(f"{MODEL}.") and isinstance(md, TensorStorageMetadata):
+            tag = DTYPE_TAGS.get(md.properties.dtype, str(md.properties.dtype))
+            out[fqn[len(MODEL) + 1:]] = TensorSpec(fqn[len(MODEL) + 1:], tag, tuple(md.size), md.properties.dtype.itemsize)
+    if not out:
+        raise CheckpointError(f"{path}: holds no model tensor (no key under {MODEL!r}); ray_resume reads the state dict "
+                              f"`dcp.save({{\"{MODEL}\": model_state_dict, ...}})` writes, as torchtitan does")
+    return out
+
+
+class DcpReader(FileSystemReader):
+    """DCP's own reader of a checkpoint directory, its `.metadata` through `read_dcp_metadata`
+    (its tensors are read as DCP reads them: `torch.load(weights_only=True)`, torch's restricted
+    loader). `bytes_read`: the stored bytes of the items this rank read."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.dcp_path, self.bytes_read = path, 0
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = read_dcp_metadata(self.dcp_path)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        self.bytes_read += sum(self.storage_data[index].length for index in {item.storage_index for item in plan.items})
+        return super().read_data(plan, planner)
+
+
+def load_dcp_weights(path: str, live: dict[str, torch.Tensor]) -> int:
+    """Fill the model's tensors `live` (plain, or this rank's DTensor shards) from the DCP checkpoint
+    at `path`, in place, resharded by DCP's planner; the bytes this rank read."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = DcpReader(path)
+    dcp.load({MODEL: live}, storage_reader=reader)
+    return reader.bytes_read
+
+
+def describe(path: str) -> dict:
+    """What `ray-resume show` and `verify` say of the DCP checkpoint at `path`: its tensors, its other
+    entries, its files, and what does not hold (a file missing, or shorter than an item it holds).
+    DCP keeps no digests: its bytes themselves cannot be checked."""
+    metadata = read_dcp_metadata(path)
+    tensors = {fqn: {"dtype": str(md.properties.dtype).removeprefix("torch."), "shape": list(md.size), "chunks": len(md.chunks)}
+               for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    files, problems = {}, []
+    for index, info in metadata.storage_data.items():
+        name = str(info.relative_path)
+        file = os.path.join(path, name)
+        if name not in files:
+            files[name] = {"size": os.path.getsize(file) if os.path.isfile(file) else None, "items": 0}
+        files[name]["items"] += 1
+        size = files[name]["size"]
+        if size is None or info.offset + info.length > size:
+            problems.append(f"{file}: {'missing' if size is None else f'{size} bytes'}, but {index.fqn} is stored at bytes "
+                            f"{info.offset}-{info.offset + info.length}")
+    return {"path": path, "tensors": tensors, "other": sorted(set(metadata.state_dict_metadata) - set(tensors)),
+            "files": files, "problems": problems, "ok": not problems}

@@ -40,7 +40,15 @@ class WeightsExport:
     path: str
 
 
-ResumeSource = CommittedIteration | WeightsExport
+@dataclass(frozen=True)
+class DcpCheckpoint:
+    """Start from the weights of a torch.distributed.checkpoint directory (`.metadata`, `.distcp`
+    files; torchtitan's `step-N/`): `checkpoint.dcp`."""
+
+    path: str
+
+
+ResumeSource = CommittedIteration | WeightsExport | DcpCheckpoint
 
 
 class CheckpointRoot:
