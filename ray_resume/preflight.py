@@ -18,7 +18,7 @@ import torch
 from . import parallel
 from .checkpoint import names, paths, state
 from .checkpoint.checkpointer import check_optimizer_state, check_weights, refuse_optimizer_change
-from .checkpoint.dcp import dcp_checkpoint, weight_specs
+from .checkpoint.dcp import dcp_checkpoint, full_resume_problem, optimizer_specs, weight_specs
 from .checkpoint.root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .checkpoint.schema import Iteration
 from .checkpoint.state import optimizer_slots
@@ -102,12 +102,9 @@ def _load_source(ckpt) -> tuple[ResumeSource | None, Iteration | None]:
             "point it at the save_path of the run to resume (its root, not an iteration_* directory)"
         )
     if (dcp_dir := dcp_checkpoint(ckpt.load_path)) is not None:
-        if not ckpt.no_load_optim:
-            raise CheckpointError(
-                f"checkpoint.load_path {ckpt.load_path!r} is a torch.distributed.checkpoint (DCP) checkpoint ({dcp_dir}); "
-                "ray_resume starts from its weights: set checkpoint.no_load_optim: true (its optimizer state, step and "
-                "data cursor are not taken over)"
-            )
+        if not ckpt.no_load_optim and (problem := full_resume_problem(dcp_dir)):
+            raise CheckpointError(f"{dcp_dir}: a torch.distributed.checkpoint (DCP) checkpoint that cannot be resumed whole: "
+                                  f"{problem}; set checkpoint.no_load_optim: true to start from its weights")
         return DcpCheckpoint(dcp_dir), None
     if root.is_export():
         if not ckpt.no_load_optim:
@@ -158,7 +155,8 @@ def check_built_in(cfg: Config, plugins, units: list[ReadUnit], source: ResumeSo
         refuse_misfit_weights(cfg, plugins, root_for(source.path, cfg.checkpoint.storage).export_specs(), source.path)
         return cfg
     if isinstance(source, DcpCheckpoint):
-        refuse_misfit_weights(cfg, plugins, weight_specs(source.path), source.path)
+        full = not cfg.checkpoint.no_load_optim
+        refuse_misfit_weights(cfg, plugins, weight_specs(source.path), source.path, optimizer=optimizer_specs(source.path) if full else None)
         return cfg
     if it is None:
         return cfg

@@ -20,7 +20,7 @@ import torch
 from . import collectives, forked, forkserver
 from .calls import call
 from .checkpoint.checkpointer import Checkpointer, Start
-from .checkpoint.root import CommittedIteration, ResumeSource
+from .checkpoint.root import CommittedIteration, DcpCheckpoint, ResumeSource
 from .checkpoint.state import class_path
 from .config import Config
 from .errors import USER_ERRORS, ConfigError
@@ -166,7 +166,7 @@ class RankCheckpointer:
         if self.job.memory_step is not None:  # newer than the last commit, held for every rank of this world size
             restored = self._checkpointer.restore_snapshot(model, optimizer, self.job.memory_step)
         if restored is None:
-            full = self._full and isinstance(self._source, CommittedIteration)  # an export holds weights only
+            full = self._full and isinstance(self._source, (CommittedIteration, DcpCheckpoint))  # an export holds weights only
             restored = self._checkpointer.restore(model, optimizer, self._source, full=full, global_batch_size=global_batch_size,
                                                   rank0_extras=isinstance(optimizer, OptimizerState) or bool(self._extra))
         start, extras = restored

@@ -6,15 +6,18 @@ writer and the driver's commit, and with torch's own `dcp.save` in torchtitan's 
 - torch's `dcp.load` and `set_state_dict` fill a freshly built model and optimizer from our root on
   1 rank (plain modules) and on 3 ranks (FSDP2, uneven shards), compared element by element with
   what the job held, not with what our own loader reads;
-- our restore starts a model from DCP's checkpoint on 1 (DDP) and 3 (FSDP2) ranks, equal to what the
-  job held, and a whole job with `load_path` at the torchtitan folder writes the very bytes of one
-  started from our own root of the same weights.
+- our restore takes DCP's checkpoint on 1 and 2 (DDP) and 3 (FSDP2) ranks, weights alone or with
+  Adam's state and torchtitan's `train_state.step`, equal to what the job held; a whole job with
+  `load_path` at the torchtitan folder resumes at its step, and started from its weights alone
+  writes the very bytes of one started from our own root of the same weights;
+- `.metadata`, which torch pickles, is read by an unpickler of DCP's own classes alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -23,10 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import harness
-from conftest import commit_by_hand, driver_checks, run_on_harness, shard_bytes, tiny_config
+from conftest import commit_by_hand, driver_checks, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume import parallel
 from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
@@ -80,7 +83,8 @@ def _save(rank: int, world: int, init: str, out: str) -> None:
     manifests = [None] * world
     dist.all_gather_object(manifests, manifest)
     msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(out, "titan", f"step-{STEP}")))  # as torchtitan does
+    train_state = {"step": torch.tensor(STEP, dtype=torch.int32)}  # torchtitan's TrainState keeps its step so
+    dcp.save({"model": msd, "optim": osd, "train_state": train_state}, checkpoint_id=str(Path(out, "titan", f"step-{STEP}")))
     held = _whole(model, optimizer)
     if rank == 0:
         commit_by_hand(root, STEP, manifests)
@@ -106,18 +110,27 @@ def _load(rank: int, world: int, init: str, out: str, strategy: str, label: str)
     os._exit(0)
 
 
-def _restore_from_dcp(rank: int, world: int, init: str, out: str, strategy: str, label: str) -> None:
+def _restore_from_dcp(rank: int, world: int, init: str, out: str, strategy: str, full: bool, label: str) -> None:
     """Our rank's restore of DCP's checkpoint, as a job with `load_path` at the torchtitan folder does."""
     model, _ = _build(rank, world, init, strategy, seed=1)
+    optimizer = MainParamsOptimizer(model, lr=0.05)
+    _train(model, optimizer.optimizer, 1, rank, world)  # state to overwrite
     cfg = Config.from_dict(tiny_config(Path(out), training={"strategy": strategy}))
     start, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(
-        model, MainParamsOptimizer(model, lr=0.05), DcpCheckpoint(dcp_checkpoint(str(Path(out, "titan")))), full=False)
-    loaded = {f"model.{k}": (v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v).detach().clone()
-              for k, v in get_model_state_dict(model).items()}
+        model, optimizer, DcpCheckpoint(dcp_checkpoint(str(Path(out, "titan")))), full=full, global_batch_size=16)
+    loaded = _whole(model, optimizer.optimizer)
     if rank == 0:
-        save_file(loaded, str(Path(out, f"{label}.safetensors")))
-        Path(out, f"{label}.json").write_text(json.dumps({"step": start.step, "source": start.source}))
+        save_file(loaded if full else {k: v for k, v in loaded.items() if k.startswith("model.")}, str(Path(out, f"{label}.safetensors")))
+        Path(out, f"{label}.json").write_text(json.dumps({"step": start.step, "consumed": start.consumed_samples, "source": start.source}))
     dist.barrier()
+    os._exit(0)
+
+
+def _save_weights_and_moments_only(rank: int, world: int, init: str, out: str) -> None:
+    model, optimizer = _build(rank, world, init, "plain", seed=0)
+    _train(model, optimizer, 1, rank, world)
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(out, "bare")))
     os._exit(0)
 
 
@@ -197,16 +210,20 @@ def test_dcps_own_whole_checkpoint_load_takes_every_tensor_without_a_process_gro
 
 
 # ----------------------------------------------------------------------------- DCP's checkpoints, resumed
-@pytest.mark.parametrize("strategy, world", [("ddp", 1), ("fsdp", 3)])
-def test_our_restore_starts_from_dcps_checkpoint_on_another_world_size(saved, strategy, world):
-    label = f"from-dcp-{strategy}{world}"
-    spawn(_restore_from_dcp, world, saved, strategy, label)
+@pytest.mark.parametrize("strategy, world, full", [("ddp", 1, False), ("fsdp", 3, True), ("ddp", 2, True)])
+def test_our_restore_takes_dcps_checkpoint_on_another_world_size(saved, strategy, world, full):
+    """Weights, and with a full resume Adam's moments and steps and the step of `train_state`, equal
+    to what the job held."""
+    label = f"from-dcp-{strategy}{world}-{full}"
+    spawn(_restore_from_dcp, world, saved, strategy, full, label)
     held, loaded = load_file(str(saved / "held.safetensors")), load_file(str(saved / f"{label}.safetensors"))
-    weights = {k: v for k, v in held.items() if k.startswith("model.")}
-    assert weights.keys() == loaded.keys()
-    for name in weights:
-        assert torch.equal(weights[name], loaded[name]), name
-    assert json.loads((saved / f"{label}.json").read_text()) == {"step": 0, "source": str(saved / "titan" / f"step-{STEP}")}
+    wanted = {k: v for k, v in held.items() if full or k.startswith("model.")}
+    assert wanted.keys() == loaded.keys() and (not full or any(k.endswith(".exp_avg_sq") for k in loaded))
+    for name in wanted:
+        assert torch.equal(wanted[name], loaded[name]), name
+    step = STEP if full else 0
+    assert json.loads((saved / f"{label}.json").read_text()) == {"step": step, "consumed": 16 * step,
+                                                                   "source": str(saved / "titan" / f"step-{STEP}")}
 
 
 def test_a_job_started_from_a_torchtitan_folder_is_the_job_started_from_our_root_of_the_same_weights(saved, tmp_path):
@@ -223,9 +240,27 @@ def test_a_job_started_from_a_torchtitan_folder_is_the_job_started_from_our_root
     assert runs["dcp"] == runs["ours"] and runs["dcp"]
 
 
+def test_a_job_resumes_a_torchtitan_checkpoint_whole_at_its_step(saved, tmp_path):
+    cfg = tiny_config(tmp_path, checkpoint={"load_path": str(saved / "titan")}, data={"path": str(tmp_path / "data")})
+    assert driver_checks(cfg) == DcpCheckpoint(str(saved / "titan" / f"step-{STEP}"))
+    run_on_harness(cfg)
+    starts = [r for r in read_metrics(str(tmp_path / "ckpt")) if r.get("event") == "start" and r["rank"] == 0]
+    assert [(r["step"], r["source"]) for r in starts] == [(STEP, str(saved / "titan" / f"step-{STEP}"))]
+
+
+def test_a_dcp_checkpoint_without_its_step_is_refused_a_full_resume(saved, tmp_path):
+    bare = tmp_path / "bare"
+    spawn(_save_weights_and_moments_only, 1, tmp_path)
+    cfg = tiny_config(tmp_path, checkpoint={"load_path": str(bare)})
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{bare}: a torch.distributed.checkpoint (DCP) checkpoint that cannot be resumed whole: it holds no train_state.step "
+            "(an integer, as torchtitan's TrainState saves it), so the step it was taken at is unknown; set "
+            "checkpoint.no_load_optim: true to start from its weights")):
+        driver_checks(cfg)
+    assert isinstance(driver_checks(tiny_config(tmp_path, checkpoint={"load_path": str(bare), "no_load_optim": True})), DcpCheckpoint)
+
+
 @pytest.mark.parametrize("change, error", [
-    ({"checkpoint": {"no_load_optim": False}}, "is a torch.distributed.checkpoint (DCP) checkpoint ({titan}/step-2); ray_resume starts "
-                                               "from its weights: set checkpoint.no_load_optim: true"),
     ({"model": {"d_model": 16}}, "{titan}/step-2: tensor 'tok.weight' is torch.float32 [64, 32] there but torch.float32 [64, 16] in the model"),
 ])
 def test_what_cannot_start_from_dcps_checkpoint_is_refused_on_the_driver(saved, tmp_path, change, error):

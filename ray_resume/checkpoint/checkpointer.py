@@ -18,7 +18,7 @@ from ..collectives import collective_device, decided_by_rank0, smallest
 from ..errors import CheckpointError
 from . import memory, names, paths, state
 from .async_save import BackgroundSave
-from .dcp import load_dcp_weights, weight_specs
+from .dcp import load_dcp, optimizer_specs, weight_specs
 from .fallback import fall_back
 from .loader import StateLoader, open_shared
 from .plan import TensorSpec, needed_range
@@ -79,12 +79,8 @@ class Checkpointer:
             load_weights(model, weights, source.path, self.rank, self.world_size)
             optimizer.reload_main_params_from_model()
             return Start(source=source.path, bytes_read=read), {}
-        if isinstance(source, DcpCheckpoint):  # DCP reshards it to this world size and strategy
-            live = state.model_tensors(model)
-            check_weights(live, weight_specs(source.path), state.tied_aliases(model), source.path)
-            read = load_dcp_weights(source.path, live)
-            optimizer.reload_main_params_from_model()
-            return Start(source=source.path, bytes_read=read), {}
+        if isinstance(source, DcpCheckpoint):
+            return self._restore_dcp(model, optimizer, source.path, full=full, gbs=global_batch_size), {}
         storage = root_for(source.root, self.ckpt.storage).storage
         try:
             return self._restore(storage, model, optimizer, source.root, source.step, full=full, gbs=global_batch_size,
@@ -149,6 +145,26 @@ class Checkpointer:
             optimizer.reload_main_params_from_model()
         step, consumed = self._progress(it, gbs)
         return Start(step, consumed, it.path, loader.bytes_read), extras
+
+    def _restore_dcp(self, model, optimizer, path: str, *, full: bool, gbs: int | None) -> Start:
+        """A DCP checkpoint (torchtitan's), resharded by DCP's own planner: the weights, and with `full`
+        the optimizer's slots and the step (`train_state.step`; the data cursor is that step's
+        samples at `gbs`). It holds no RNG streams: they are not restored."""
+        live = state.model_tensors(model)
+        check_weights(live, weight_specs(path), state.tied_aliases(model), path)
+        if not full:
+            read, _ = load_dcp(path, live)
+            optimizer.reload_main_params_from_model()
+            return Start(source=path, bytes_read=read)
+        saved = optimizer_specs(path)
+        params = dict(optimizer.named_main())
+        check_optimizer_state(saved, {n: tuple(p.shape) for n, p in params.items()}, path)
+        slots = {n: torch.zeros_like(params[names.parse_state_name(n)[0]]) if spec.shape else torch.zeros((), dtype=DTYPES[spec.dtype])
+                 for n, spec in saved.items()}
+        read, step = load_dcp(path, live, slots)
+        optimizer.load_state_tensors({n: state.local_tensor(t) for n, t in slots.items()})
+        logger.warning("%s is a DCP checkpoint: it holds no RNG streams, which are reseeded, not restored", path)
+        return Start(step, step * (gbs or 0), path, read)
 
     def _load(self, loader: StateLoader, kind: str, specs: dict[str, TensorSpec], live: dict,
               into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ import os
 import pickle
 import re
 import uuid
+
 import torch
 from torch.distributed.checkpoint import FileSystemReader, Metadata, StorageReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata
@@ -229,16 +230,45 @@ def read_dcp_metadata(path: str) -> Metadata:
     return metadata
 
 
-def weight_specs(path: str) -> dict[str, TensorSpec]:
+TRAIN_STATE_STEP = "train_state.step"  # torchtitan's TrainState: the step the checkpoint was taken after
+
+
+def weight_specs(path: str, metadata: Metadata | None = None) -> dict[str, TensorSpec]:
     """The model tensors (`model.{name}`) of the DCP checkpoint at `path`, as our specs, by name."""
-    out = {}
-    for fqn, md in read_dcp_metadata(path).state_dict_metadata.items():
-        if fqn.startswith(f"{MODEL}.") and isinstance(md, TensorStorageMetadata):
-            tag = DTYPE_TAGS.get(md.properties.dtype, str(md.properties.dtype))
-            out[fqn[len(MODEL) + 1:]] = TensorSpec(fqn[len(MODEL) + 1:], tag, tuple(md.size), md.properties.dtype.itemsize)
+    out = _specs(metadata or read_dcp_metadata(path), f"{MODEL}.")
     if not out:
         raise CheckpointError(f"{path}: holds no model tensor (no key under {MODEL!r}); ray_resume reads the state dict "
                               f"`dcp.save({{\"{MODEL}\": model_state_dict, ...}})` writes, as torchtitan does")
+    return out
+
+
+def optimizer_specs(path: str, metadata: Metadata | None = None) -> dict[str, TensorSpec]:
+    """The optimizer's tensors (`optim.state.{param}.{slot}`), under our names (`names.state_name`)."""
+    out = {}
+    for fqn, spec in _specs(metadata or read_dcp_metadata(path), f"{OPTIM}.state.").items():
+        param, _, slot = fqn.rpartition(".")
+        out[names.state_name(param, slot)] = dataclasses.replace(spec, name=names.state_name(param, slot))
+    return out
+
+
+def full_resume_problem(path: str) -> str | None:
+    """Why the DCP checkpoint at `path` cannot be resumed whole (optimizer, step, data cursor); None if it can."""
+    metadata = read_dcp_metadata(path)
+    step = metadata.state_dict_metadata.get(TRAIN_STATE_STEP)
+    if not isinstance(step, TensorStorageMetadata) or len(step.size) or step.properties.dtype.is_floating_point:
+        return f"it holds no {TRAIN_STATE_STEP} (an integer, as torchtitan's TrainState saves it), so the step it was taken at is unknown"
+    if not optimizer_specs(path, metadata):
+        return f"it holds no optimizer state ({OPTIM}.state.*)"
+    return None
+
+
+def _specs(metadata: Metadata, prefix: str) -> dict[str, TensorSpec]:
+    out = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata):
+            name = fqn[len(prefix):]
+            out[name] = TensorSpec(name, DTYPE_TAGS.get(md.properties.dtype, str(md.properties.dtype)), tuple(md.size),
+                                   md.properties.dtype.itemsize)
     return out
 
 
@@ -263,14 +293,24 @@ class DcpReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def load_dcp_weights(path: str, live: dict[str, torch.Tensor]) -> int:
-    """Fill the model's tensors `live` (plain, or this rank's DTensor shards) from the DCP checkpoint
-    at `path`, in place, resharded by DCP's planner; the bytes this rank read."""
+def load_dcp(path: str, live: dict[str, torch.Tensor], slots: dict[str, torch.Tensor] | None = None) -> tuple[int, int | None]:
+    """Fill the model's tensors `live` (plain, or this rank's DTensor shards), and the optimizer
+    `slots` given (named as `names.state_name` names them, shaped like their parameters), from the
+    DCP checkpoint at `path`, in place, resharded by DCP's planner; (bytes this rank read, the
+    checkpoint's `train_state.step` when slots were asked for, else None)."""
     import torch.distributed.checkpoint as dcp
 
+    wanted: dict = {MODEL: live}
+    step = torch.zeros((), dtype=torch.int64)
+    if slots is not None:
+        by_param: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in slots.items():
+            param, slot = names.parse_state_name(name)
+            by_param.setdefault(param, {})[slot] = t
+        wanted |= {OPTIM: {"state": by_param}, "train_state": {"step": step}}
     reader = DcpReader(path)
-    dcp.load({MODEL: live}, storage_reader=reader)
-    return reader.bytes_read
+    dcp.load(wanted, storage_reader=reader)
+    return reader.bytes_read, (int(step) if slots is not None else None)
 
 
 def describe(path: str) -> dict:

@@ -221,7 +221,7 @@ class CheckpointConfig(_Section):
     memory_interleaved_steps: int = Field(0, ge=0)  # between saves, snapshot every rank's state into memory (Ray's object store) every N steps, for restarts (0 = off)
     no_save_optim: bool = False  # skip optimizer state when saving
     save_max: Count = 5  # iterations of this job to keep (never the tracker's, never an earlier job's)
-    load_path: str = ""  # a root to resume from (ours or MindFormers'), or weights to start from (a model.safetensors directory, a DCP checkpoint or torchtitan's folder of step-N/); "" = start fresh; equal to save_path = resume if there is something to resume
+    load_path: str = ""  # a root to resume from (ours, MindFormers', a DCP checkpoint or torchtitan's folder of step-N/), or a model.safetensors directory's weights; "" = start fresh; equal to save_path = resume if there is something to resume
     no_load_optim: bool = False  # weights only: step 0, data from the start, the optimizer new (docs/scenarios.md B)
     load_balanced: bool = False  # each byte read off storage once, by one rank, and broadcast to the others (docs/scenarios.md D)
     async_save: bool = True  # write shards in the background; training only waits for a snapshot copy
