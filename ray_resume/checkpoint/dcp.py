@@ -1,6 +1,6 @@
 """PyTorch's own checkpoint format both ways: `dcp.load(state_dict, storage_reader=Reader(root))` reads a
-ray_resume root, and a DCP checkpoint (torchtitan's `step-N/`) is a `checkpoint.load_path` whose weights
-a job starts from (`DcpReader`, `dcp_checkpoint`, `weight_specs`).
+ray_resume root, and a DCP checkpoint (torchtitan's `step-N/`) is a `checkpoint.load_path` a job
+resumes: its weights, and Adam's state and `train_state.step` where it holds them (`load_dcp`).
 
 `torch.distributed.checkpoint` (DCP) loads by metadata: every tensor's global shape and the chunks
 it was saved in (`TensorStorageMetadata`, `ChunkStorageMetadata`), and where each chunk lies
@@ -29,6 +29,7 @@ import re
 import uuid
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, Metadata, StorageReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -298,8 +299,6 @@ def load_dcp(path: str, live: dict[str, torch.Tensor], slots: dict[str, torch.Te
     `slots` given (named as `names.state_name` names them, shaped like their parameters), from the
     DCP checkpoint at `path`, in place, resharded by DCP's planner; (bytes this rank read, the
     checkpoint's `train_state.step` when slots were asked for, else None)."""
-    import torch.distributed.checkpoint as dcp
-
     wanted: dict = {MODEL: live}
     step = torch.zeros((), dtype=torch.int64)
     if slots is not None:

@@ -42,8 +42,8 @@ class WeightsExport:
 
 @dataclass(frozen=True)
 class DcpCheckpoint:
-    """Start from the weights of a torch.distributed.checkpoint directory (`.metadata`, `.distcp`
-    files; torchtitan's `step-N/`): `checkpoint.dcp`."""
+    """Resume from a torch.distributed.checkpoint directory (`.metadata`, `.distcp` files; torchtitan's
+    `step-N/`): its weights, and with a full load Adam's state and `train_state.step` (`checkpoint.dcp`)."""
 
     path: str
 
