@@ -70,7 +70,7 @@ def resolve_source(cfg: Config) -> tuple[ResumeSource | None, Iteration | None]:
     ckpt = cfg.checkpoint
     if not ckpt.enable_save:
         logger.warning("[%s] checkpoints are off (checkpoint.enable_save: false): nothing will be saved", cfg.name)
-    source, it = _load_source(ckpt) if ckpt.load_path else (None, None)
+    source, it = _load_source(ckpt, built_in=cfg.training is not None) if ckpt.load_path else (None, None)
     resumes_own_root = isinstance(source, CommittedIteration) and source.root == ckpt.save_path
     if ckpt.enable_save and not resumes_own_root:
         save = root_for(ckpt.save_path, ckpt.storage)
@@ -89,7 +89,7 @@ def resolve_source(cfg: Config) -> tuple[ResumeSource | None, Iteration | None]:
     return source, it
 
 
-def _load_source(ckpt) -> tuple[ResumeSource | None, Iteration | None]:
+def _load_source(ckpt, built_in: bool) -> tuple[ResumeSource | None, Iteration | None]:
     root = root_for(ckpt.load_path, ckpt.storage)
     resuming_own_root = ckpt.load_path == ckpt.save_path
     nothing_yet = (None, None)
@@ -102,7 +102,8 @@ def _load_source(ckpt) -> tuple[ResumeSource | None, Iteration | None]:
             "point it at the save_path of the run to resume (its root, not an iteration_* directory)"
         )
     if (dcp_dir := dcp_checkpoint(ckpt.load_path)) is not None:
-        if not ckpt.no_load_optim and (problem := full_resume_problem(dcp_dir)):
+        # A fit() loop may say the step itself (`restore(..., step=)`): its ranks check.
+        if not ckpt.no_load_optim and (problem := full_resume_problem(dcp_dir, step_given=not built_in)):
             raise CheckpointError(f"{dcp_dir}: a torch.distributed.checkpoint (DCP) checkpoint that cannot be resumed whole: "
                                   f"{problem}; set checkpoint.no_load_optim: true to start from its weights")
         return DcpCheckpoint(dcp_dir), None

@@ -143,12 +143,13 @@ class RankCheckpointer:
         self.last_snapshot_step: int | None = None  # the step of the last memory snapshot
 
     def restore(self, model: torch.nn.Module, optimizer, extra: dict[str, Any] | None = None, *,
-                global_batch_size: int | None = None) -> Start:
+                global_batch_size: int | None = None, step: int | None = None) -> Start:
         """Load the model, the optimizer and `extra` (in place) from what this job resumes, if anything.
 
         With `global_batch_size`, a checkpoint saved with another one resumes at step
         consumed_samples // global_batch_size (the spec's scenario C; the data cursor stays at the
-        consumed samples); without, at its saved step.
+        consumed samples); without, at its saved step. `step`: the step a DCP checkpoint was taken
+        at, for one that does not say (no torchtitan `train_state.step`).
         """
         if isinstance(optimizer, torch.optim.Optimizer):
             optimizer = OptimizerState(model, optimizer)
@@ -168,7 +169,7 @@ class RankCheckpointer:
         if restored is None:
             full = self._full and isinstance(self._source, (CommittedIteration, DcpCheckpoint))  # an export holds weights only
             restored = self._checkpointer.restore(model, optimizer, self._source, full=full, global_batch_size=global_batch_size,
-                                                  rank0_extras=isinstance(optimizer, OptimizerState) or bool(self._extra))
+                                                  rank0_extras=isinstance(optimizer, OptimizerState) or bool(self._extra), step=step)
         start, extras = restored
         if "param_groups" in extras and isinstance(optimizer, OptimizerState):
             optimizer.load_groups(json.loads(extras["param_groups"]))

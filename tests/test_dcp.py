@@ -41,6 +41,7 @@ from ray_resume.config import Config
 from ray_resume.errors import CheckpointError
 from ray_resume.model import GPT, lm_loss
 from ray_resume.optim import MainParamsOptimizer
+from ray_resume.preflight import resolve_source
 
 STEP = 2
 
@@ -131,6 +132,19 @@ def _save_weights_and_moments_only(rank: int, world: int, init: str, out: str) -
     _train(model, optimizer, 1, rank, world)
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(out, "bare")))
+    os._exit(0)
+
+
+def _restore_bare(rank: int, world: int, init: str, out: str, step: int | None) -> None:
+    """A full restore of a DCP checkpoint that does not say its step: the loop's `step=`, or refused."""
+    model, _ = _build(rank, world, init, "plain", seed=1)
+    cfg = Config.from_dict(tiny_config(Path(out)))
+    try:
+        start, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(
+            model, MainParamsOptimizer(model, lr=0.05), DcpCheckpoint(str(Path(out, "bare"))), full=True, global_batch_size=16, step=step)
+        Path(out, "bare.json").write_text(json.dumps([start.step, start.consumed_samples]))
+    except CheckpointError as exc:
+        Path(out, "bare.json").write_text(json.dumps(str(exc)))
     os._exit(0)
 
 
@@ -258,6 +272,15 @@ def test_a_dcp_checkpoint_without_its_step_is_refused_a_full_resume(saved, tmp_p
             "checkpoint.no_load_optim: true to start from its weights")):
         driver_checks(cfg)
     assert isinstance(driver_checks(tiny_config(tmp_path, checkpoint={"load_path": str(bare), "no_load_optim": True})), DcpCheckpoint)
+    # A fit() loop may say the step itself: its driver lets it through, its ranks take `step=` or refuse.
+    fit_job = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(bare)}, training=None))
+    assert resolve_source(fit_job) == (DcpCheckpoint(str(bare)), None)
+    spawn(_restore_bare, 1, tmp_path, 7)
+    assert json.loads((tmp_path / "bare.json").read_text()) == [7, 7 * 16]
+    spawn(_restore_bare, 1, tmp_path, None)
+    assert json.loads((tmp_path / "bare.json").read_text()) == (
+        f"{bare}: a DCP checkpoint without train_state.step: say the step it was taken at, ck.restore(..., step=N), or set "
+        "checkpoint.no_load_optim: true to start from its weights")
 
 
 @pytest.mark.parametrize("change, error", [

@@ -61,8 +61,8 @@ class Checkpointer:
         self.stalls: list[tuple[int, float]] = []  # (step, stall seconds) of every save, in order
         self.export_facts: dict | None = None  # rank 0: state.export_facts of the model, taken at its first save
 
-    def restore(self, model, optimizer, source: ResumeSource | None, *, full: bool,
-                global_batch_size: int | None = None, rank0_extras: bool = False) -> tuple[Start, dict[str, str]]:
+    def restore(self, model, optimizer, source: ResumeSource | None, *, full: bool, global_batch_size: int | None = None,
+                rank0_extras: bool = False, step: int | None = None) -> tuple[Start, dict[str, str]]:
         """Load `source` into the live model (and optimizer); where to continue, and the rank's strings
         from its opt header (param groups, extra state).
 
@@ -71,6 +71,7 @@ class Checkpointer:
         starts at step 0, and the fp32 main params are refreshed from them.
         A `global_batch_size` other than the saved one rescales the step (see _progress).
         `rank0_extras`: on another world size, every rank takes rank 0's extras (param groups, extra state).
+        `step`: the step a DCP checkpoint without `train_state.step` was taken at (the loop's word).
         """
         if source is None:
             return Start(), {}
@@ -80,7 +81,7 @@ class Checkpointer:
             optimizer.reload_main_params_from_model()
             return Start(source=source.path, bytes_read=read), {}
         if isinstance(source, DcpCheckpoint):
-            return self._restore_dcp(model, optimizer, source.path, full=full, gbs=global_batch_size), {}
+            return self._restore_dcp(model, optimizer, source.path, full=full, gbs=global_batch_size, step=step), {}
         storage = root_for(source.root, self.ckpt.storage).storage
         try:
             return self._restore(storage, model, optimizer, source.root, source.step, full=full, gbs=global_batch_size,
@@ -146,10 +147,10 @@ class Checkpointer:
         step, consumed = self._progress(it, gbs)
         return Start(step, consumed, it.path, loader.bytes_read), extras
 
-    def _restore_dcp(self, model, optimizer, path: str, *, full: bool, gbs: int | None) -> Start:
+    def _restore_dcp(self, model, optimizer, path: str, *, full: bool, gbs: int | None, step: int | None) -> Start:
         """A DCP checkpoint (torchtitan's), resharded by DCP's own planner: the weights, and with `full`
-        the optimizer's slots and the step (`train_state.step`; the data cursor is that step's
-        samples at `gbs`). It holds no RNG streams: they are not restored."""
+        the optimizer's slots and the step (`step` where the loop says it, else `train_state.step`; the
+        data cursor is that step's samples at `gbs`). It holds no RNG streams: they are not restored."""
         live = state.model_tensors(model)
         check_weights(live, weight_specs(path), state.tied_aliases(model), path)
         if not full:
@@ -161,7 +162,11 @@ class Checkpointer:
         check_optimizer_state(saved, {n: tuple(p.shape) for n, p in params.items()}, path)
         slots = {n: torch.zeros_like(params[names.parse_state_name(n)[0]]) if spec.shape else torch.zeros((), dtype=DTYPES[spec.dtype])
                  for n, spec in saved.items()}
-        read, step = load_dcp(path, live, slots)
+        read, saved_step = load_dcp(path, live, slots)
+        step = step if step is not None else saved_step
+        if step is None:
+            raise CheckpointError(f"{path}: a DCP checkpoint without train_state.step: say the step it was taken at, "
+                                  "ck.restore(..., step=N), or set checkpoint.no_load_optim: true to start from its weights")
         optimizer.load_state_tensors({n: state.local_tensor(t) for n, t in slots.items()})
         logger.warning("%s is a DCP checkpoint: it holds no RNG streams, which are reseeded, not restored", path)
         return Start(step, step * (gbs or 0), path, read)

@@ -252,11 +252,17 @@ def optimizer_specs(path: str, metadata: Metadata | None = None) -> dict[str, Te
     return out
 
 
-def full_resume_problem(path: str) -> str | None:
-    """Why the DCP checkpoint at `path` cannot be resumed whole (optimizer, step, data cursor); None if it can."""
-    metadata = read_dcp_metadata(path)
+def holds_step(metadata: Metadata) -> bool:
+    """Whether the checkpoint says its step: `train_state.step`, a 0-d integer (torchtitan's TrainState)."""
     step = metadata.state_dict_metadata.get(TRAIN_STATE_STEP)
-    if not isinstance(step, TensorStorageMetadata) or len(step.size) or step.properties.dtype.is_floating_point:
+    return isinstance(step, TensorStorageMetadata) and not len(step.size) and not step.properties.dtype.is_floating_point
+
+
+def full_resume_problem(path: str, step_given: bool = False) -> str | None:
+    """Why the DCP checkpoint at `path` cannot be resumed whole (optimizer, step, data cursor); None if it
+    can. `step_given`: the loop says the step itself (`restore(..., step=)`)."""
+    metadata = read_dcp_metadata(path)
+    if not step_given and not holds_step(metadata):
         return f"it holds no {TRAIN_STATE_STEP} (an integer, as torchtitan's TrainState saves it), so the step it was taken at is unknown"
     if not optimizer_specs(path, metadata):
         return f"it holds no optimizer state ({OPTIM}.state.*)"
@@ -298,18 +304,20 @@ def load_dcp(path: str, live: dict[str, torch.Tensor], slots: dict[str, torch.Te
     """Fill the model's tensors `live` (plain, or this rank's DTensor shards), and the optimizer
     `slots` given (named as `names.state_name` names them, shaped like their parameters), from the
     DCP checkpoint at `path`, in place, resharded by DCP's planner; (bytes this rank read, the
-    checkpoint's `train_state.step` when slots were asked for, else None)."""
+    checkpoint's `train_state.step` when slots were asked for and it holds one, else None)."""
     wanted: dict = {MODEL: live}
-    step = torch.zeros((), dtype=torch.int64)
+    step = torch.zeros((), dtype=torch.int64) if slots is not None and holds_step(read_dcp_metadata(path)) else None
     if slots is not None:
         by_param: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in slots.items():
             param, slot = names.parse_state_name(name)
             by_param.setdefault(param, {})[slot] = t
-        wanted |= {OPTIM: {"state": by_param}, "train_state": {"step": step}}
+        wanted[OPTIM] = {"state": by_param}
+    if step is not None:
+        wanted["train_state"] = {"step": step}
     reader = DcpReader(path)
     dcp.load(wanted, storage_reader=reader)
-    return reader.bytes_read, (int(step) if slots is not None else None)
+    return reader.bytes_read, (None if step is None else int(step))
 
 
 def describe(path: str) -> dict:
