@@ -38,8 +38,8 @@ from .checkpoint.root import ResumeSource, root_for
 from .checkpoint.schema import Iteration
 from .checkpoint.storage import s3_filesystem
 from .config import Config, ScalingConfig
-from .controller import CommitError, JobController
-from .errors import ConfigError
+from .controller import JobController
+from .errors import USER_ERRORS, CommitError, ConfigError
 from .metrics import read_metrics
 from .preflight import resolve_source
 from .rank import INTERNAL, USER, rank_entry
@@ -104,8 +104,9 @@ def launch(cfg: Config, train_func: Callable[[dict], None], loop_config: dict, *
     committed = outcome["committed"]
     path = paths.iteration_dir(ckpt.save_path, committed) if committed is not None else None
     error = outcome["failure"]
-    if outcome["user_error"]:  # what Ray Train's error wraps, in our words (it was not retried)
-        error = ConfigError(outcome["user_error"])
+    if outcome["user_error"]:  # what Ray Train's error wraps, in our words and of its class (it was not retried)
+        kind = {cls.__name__: cls for cls in USER_ERRORS}.get(outcome.get("user_error_kind"), ConfigError)
+        error = kind(outcome["user_error"])
     elif outcome["error"]:  # a commit failed
         error = TrainingFailed(f"training failed: {outcome['error']}")
         error.__cause__ = CommitError(outcome["error"])

@@ -1,7 +1,7 @@
-"""The mistakes a user can fix, one class each: the message says what is wrong, where, and what to do.
-
-Raised on the driver before Ray starts wherever it can be found there, and
-never retried when a rank finds one (`rank.run_rank` reports it once).
+"""Every error class of ray_resume. The mistakes a user can fix, one class each (`USER_ERRORS`): the
+message says what is wrong, where, and what to do; raised on the driver before Ray starts wherever it
+can be found there, never retried when a rank finds one (`rank.run_rank` reports it once), and raised
+to the caller of the same class as the rank raised. And `CommitError`, a failed commit.
 """
 
 from __future__ import annotations
@@ -30,3 +30,7 @@ class DataError(ValueError):
 
 
 USER_ERRORS = (ConfigError, CheckpointError, DataError)
+
+
+class CommitError(RuntimeError):
+    """A commit failed: the run ends with this error, and its tracker stays on the last good commit."""

@@ -89,7 +89,7 @@ def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callabl
         train_func(config)
         _current.finish()
     except USER_ERRORS as exc:
-        call(controller, "user_failed", rank, str(exc))
+        call(controller, "user_failed", rank, str(exc), next(kind.__name__ for kind in USER_ERRORS if isinstance(exc, kind)))
         raise
     finally:
         _current = None

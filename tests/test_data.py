@@ -651,6 +651,7 @@ def test_an_empty_document_met_by_a_rank_ends_the_job_in_one_line_without_a_retr
     tests/test_data_mistakes.py): the rank says it once, and the group restarted for it returns at once."""
     import harness
     from conftest import read_metrics, tiny_config
+    from ray_resume.api import train
 
     data = tmp_path / "docs"
     data.mkdir()
@@ -659,7 +660,10 @@ def test_an_empty_document_met_by_a_rank_ends_the_job_in_one_line_without_a_retr
                    write_statistics=False)
     cfg = tiny_config(tmp_path)
     cfg["data"] = {"path": str(data), "pack": True}
-    outcome = harness.run_job(cfg)
+    local = harness.LocalBackend()
+    with pytest.raises(DataError, match="is an empty document"):  # the rank's DataError, of its class to the caller
+        train(cfg, backend=local)
+    outcome = local.outcome
     assert re.fullmatch(r"rank [01]: .*a\.parquet row group 0: row 30 of 'input_ids' is an empty document; "
                         r"remove the empty rows \(data\.pack packs documents of at least one token\)", outcome.error), outcome.error
     assert outcome.committed is None

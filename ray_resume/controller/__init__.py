@@ -1,5 +1,5 @@
 """The job's controller, on the driver's node: attempts, commits, retention, the memory tier's ledger."""
 
-from .job import CommitError, JobController
+from .job import JobController
 
-__all__ = ["JobController", "CommitError"]
+__all__ = ["JobController"]

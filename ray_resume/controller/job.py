@@ -44,10 +44,6 @@ from .snapshots import SnapshotLedger
 logger = logging.getLogger("ray_resume.controller")
 
 
-class CommitError(RuntimeError):
-    """A commit failed: the run ends with this error, and its tracker stays on the last good commit."""
-
-
 class JobController(SnapshotLedger, Retention):
     def __init__(self, save_path: str, job_id: str, config: dict, driver_pid: int, keepers: dict | None = None):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -70,6 +66,7 @@ class JobController(SnapshotLedger, Retention):
         self.stop_requested = False
         self.commit_error: str | None = None  # the first failed commit, for the driver's result
         self.user_error: str | None = None  # the first mistake of the user's a rank found: the job ends with it
+        self.user_error_kind: str | None = None  # its class (errors.USER_ERRORS), which the caller gets back
         self.lease_lost = False  # a commit found another job holding the writer lease
         SnapshotLedger.__init__(self, keepers)  # the memory tier (checkpoint.memory_interleaved_steps)
         self.lock = threading.RLock()  # attempts, manifests and commits, one at a time (a commit claims its fault)
@@ -106,11 +103,12 @@ class JobController(SnapshotLedger, Retention):
                 "failed_after": failed_after,
                 "lost": {str(rank): why for rank, why in sorted(lost.items())}, "user_error": self.user_error, "clock": clock}
 
-    def user_failed(self, rank: int, message: str) -> None:
+    def user_failed(self, rank: int, message: str, kind: str = "ConfigError") -> None:
         """A rank hit a mistake of the user's (a loss that is not a scalar...): running it again would
-        hit it again, so the group Ray Train restarts for it returns at once and the run ends with it."""
+        hit it again, so the group Ray Train restarts for it returns at once and the run ends with it,
+        raised to the caller as the rank raised it (`kind`, the name of its class)."""
         if self.user_error is None:
-            self.user_error = f"rank {rank}: {message}"
+            self.user_error, self.user_error_kind = f"rank {rank}: {message}", kind
 
     def ranks_failed(self, why: dict[int, str]) -> None:
         """Ray Train saw these ranks fail (rank -> its error's first line): the restart names them."""
@@ -157,7 +155,7 @@ class JobController(SnapshotLedger, Retention):
             where = f"iteration {last}, the last good commit" if last is not None else "what it named before"
             error = f"{self.commit_error}; the tracker of {self.root} stays on {where}; run again with checkpoint.load_path={self.root} to resume from it"
         return {"committed": self.last_committed(), "metrics": self.final_metrics, "error": error, "attempts": self.reached,
-                "user_error": self.user_error}
+                "user_error": self.user_error, "user_error_kind": self.user_error_kind}
 
     def last_committed(self) -> int | None:
         return self.committed_by_job[-1] if self.committed_by_job else None
