@@ -93,6 +93,15 @@ def test_every_module_has_a_layer_and_imports_none_above_it():
     assert upward == []
 
 
+def test_ruff_finds_nothing():
+    """The lint pyproject.toml configures, over the repository, as part of the suite (so CI runs it)."""
+    import subprocess
+    import sys
+
+    found = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(REPO)], capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout + found.stderr
+
+
 def test_the_import_scanner_reads_every_name_of_an_import(tmp_path):
     """`from . import a, b` imports b too: an upward import in second place is found."""
     module = tmp_path / "low.py"
