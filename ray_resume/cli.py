@@ -27,7 +27,7 @@ from .checkpoint import dcp, paths
 from .checkpoint.reader import ShardReader, check_no_extra_shards, iteration_steps, open_iteration, read_tracker
 from .checkpoint.root import root_for
 from .checkpoint.schema import AbnormalIteration, Iteration, local_shape, parse_json, readable_by_mindformers
-from .checkpoint.storage import LocalStorage
+from .checkpoint.storage import Storage
 from .errors import CheckpointError
 from .text_table import human_size, table
 
@@ -54,7 +54,7 @@ def _emit_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=False))
 
 
-def open_root(root: str) -> LocalStorage:
+def open_root(root: str) -> Storage:
     """The storage of `root`; a missing root or an unsupported scheme is a usage error."""
     try:
         storage = root_for(root).storage
@@ -65,7 +65,7 @@ def open_root(root: str) -> LocalStorage:
     return storage
 
 
-def dir_size(storage: LocalStorage, path: str) -> int:
+def dir_size(storage: Storage, path: str) -> int:
     total = 0
     for name in storage.listdir(path):
         child = paths.join(path, name)
@@ -76,7 +76,7 @@ def dir_size(storage: LocalStorage, path: str) -> int:
     return total
 
 
-def resolve_iteration(storage: LocalStorage, root: str, requested: int | None) -> tuple[int, int | None]:
+def resolve_iteration(storage: Storage, root: str, requested: int | None) -> tuple[int, int | None]:
     """(step to inspect, tracker step). Default: the tracker's iteration."""
     tracker = read_tracker(storage, root)  # CheckpointError: garbled tracker -> exit 1
     if requested is not None:
@@ -98,7 +98,7 @@ def resolve_iteration(storage: LocalStorage, root: str, requested: int | None) -
 # ----------------------------------------------------------------------------- verification
 
 
-def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
+def verify_iteration(storage: Storage, it: Iteration) -> dict:
     """Check every file metadata.json lists (size, block digests, the pieces its header holds) and look for extra shards.
     A MindFormers iteration has no digests: its files' sizes and headers are checked.
 
@@ -127,7 +127,7 @@ def verify_iteration(storage: LocalStorage, it: Iteration) -> dict:
 # ----------------------------------------------------------------------------- list
 
 
-def describe_iteration(storage: LocalStorage, root: str, step: int, tracker: int | None, verify: bool) -> dict:
+def describe_iteration(storage: Storage, root: str, step: int, tracker: int | None, verify: bool) -> dict:
     path = paths.iteration_dir(root, step)
     row: dict[str, Any] = {
         "step": step, "path": path, "status": None, "error": None, "tracker": step == tracker, "origin": None,

@@ -27,13 +27,13 @@ from .parse import parse_iteration
 from .schema import MAX_HEADER, Iteration, StoredFile, parse_json
 from ..errors import CheckpointError
 from .state import DTYPES
-from .storage import READ_BLOCK, LocalStorage, retried
+from .storage import READ_BLOCK, Storage, retried
 from .writer import RANK_EXTRAS_KEY
 
 logger = logging.getLogger(__name__)
 
 
-def read_tracker(storage: LocalStorage, root: str) -> int | None:
+def read_tracker(storage: Storage, root: str) -> int | None:
     """The step the tracker names, None when there is no tracker; errors name the file."""
     path = paths.tracker_path(root)
     if not storage.exists(path):
@@ -46,7 +46,7 @@ def read_tracker(storage: LocalStorage, root: str) -> int | None:
     return int(text)
 
 
-def find_committed(storage: LocalStorage, root: str) -> int | None:
+def find_committed(storage: Storage, root: str) -> int | None:
     """The newest committed iteration under `root`, or None when nothing was committed."""
     if not storage.is_dir(root):
         raise CheckpointError(f"checkpoint.load_path {root!r} does not exist or is not a directory")
@@ -58,7 +58,7 @@ def find_committed(storage: LocalStorage, root: str) -> int | None:
     return step
 
 
-def open_iteration(storage: LocalStorage, root: str, step: int) -> Iteration:
+def open_iteration(storage: Storage, root: str, step: int) -> Iteration:
     """The iteration's JSON files read and checked (and, for one MindFormers wrote, its shards'
     safetensors headers): O(metadata), no shard byte beyond the headers."""
     path = paths.iteration_dir(root, step)
@@ -77,7 +77,7 @@ def open_iteration(storage: LocalStorage, root: str, step: int) -> Iteration:
     return parse_iteration(raw, root, step)
 
 
-def read_headers(storage: LocalStorage, directory: str) -> dict[str, dict]:
+def read_headers(storage: Storage, directory: str) -> dict[str, dict]:
     """{shard file: {"size", "data_start", "header"}} of every shard file in `directory`."""
     out = {}
     for name in storage.listdir(directory):
@@ -94,7 +94,7 @@ def read_headers(storage: LocalStorage, directory: str) -> dict[str, dict]:
     return out
 
 
-def read_verified(storage: LocalStorage, it: Iteration, files: list[str]) -> dict[str, bytes]:
+def read_verified(storage: Storage, it: Iteration, files: list[str]) -> dict[str, bytes]:
     """Whole files as bytes (tools and tests), each checked as a loader checks it: size, every block's digest, the header."""
     reader = ShardReader(storage, it)
     out = {}
@@ -107,7 +107,7 @@ def read_verified(storage: LocalStorage, it: Iteration, files: list[str]) -> dic
     return out
 
 
-def check_no_extra_shards(storage: LocalStorage, it: Iteration) -> None:
+def check_no_extra_shards(storage: Storage, it: Iteration) -> None:
     """No shard file of ours beside the ones the commit listed (a leftover of another world size or attempt).
     MindFormers' iterations may hold copies its metadata does not pick: they are its own."""
     if it.origin != "ray_resume":
@@ -146,7 +146,7 @@ class ShardReader:
       every check passed before any tensor is used (`loader.StateLoader`).
     """
 
-    def __init__(self, storage: LocalStorage, it: Iteration):
+    def __init__(self, storage: Storage, it: Iteration):
         self.storage, self.it = storage, it
         self.bytes_read = 0
         self._sized: set[str] = set()
@@ -399,7 +399,7 @@ def load_rank_extras(reader: ShardReader, rank: int) -> dict[str, str]:
     return parse_json(extras.encode(), f"{reader.path(name)}: {RANK_EXTRAS_KEY}")
 
 
-def iteration_steps(storage: LocalStorage, root: str) -> list[int]:
+def iteration_steps(storage: Storage, root: str) -> list[int]:
     """Steps of every `iteration_XXXXXXXX` directory under `root`, ascending."""
     steps = []
     for name in storage.listdir(root):
@@ -413,12 +413,12 @@ EXPORT_FILE = "model.safetensors"
 EXPORT_INDEX = "model.safetensors.index.json"
 
 
-def is_export(storage: LocalStorage, path: str) -> bool:
+def is_export(storage: Storage, path: str) -> bool:
     """A consolidated safetensors export (the layout the safetensors ecosystem uses)."""
     return any(storage.size(paths.join(path, name)) is not None for name in (EXPORT_FILE, EXPORT_INDEX))
 
 
-def export_files(storage: LocalStorage, path: str) -> tuple[list[str], dict | None]:
+def export_files(storage: Storage, path: str) -> tuple[list[str], dict | None]:
     """The safetensors files of an export (paths), and its index's weight_map (None without an index)."""
     index_path = paths.join(path, EXPORT_INDEX)
     if storage.size(index_path) is None:
@@ -439,7 +439,7 @@ def export_files(storage: LocalStorage, path: str) -> tuple[list[str], dict | No
     return files, weight_map
 
 
-def read_export(storage: LocalStorage, path: str) -> tuple[dict[str, torch.Tensor], int]:
+def read_export(storage: Storage, path: str) -> tuple[dict[str, torch.Tensor], int]:
     """Weights from `model.safetensors`, or from the shards a `model.safetensors.index.json` maps; and the bytes read."""
     files, weight_map = export_files(storage, path)
     out: dict[str, torch.Tensor] = {}
@@ -454,7 +454,7 @@ def read_export(storage: LocalStorage, path: str) -> tuple[dict[str, torch.Tenso
     return out, read
 
 
-def export_specs(storage: LocalStorage, path: str) -> dict[str, TensorSpec]:
+def export_specs(storage: Storage, path: str) -> dict[str, TensorSpec]:
     """Name, dtype and shape of every tensor of an export, from its safetensors headers alone."""
     specs = {}
     for file in export_files(storage, path)[0]:

@@ -36,7 +36,7 @@ from .plan import Piece, SavePlan, TensorSpec
 from .schema import SAFETENSORS_ORDER, local_shape
 from .state import DTYPE_TAGS, DTYPES, dim0_sharded, local_tensor
 from .shard_file import ShardFile, write_file
-from .storage import LocalStorage
+from .storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def shard_files(root: str, step: int, shards: list[ShardLayout], *, prefix: str,
 
 
 def write_shards(
-    storage: LocalStorage,
+    storage: Storage,
     root: str,
     step: int,
     *,
@@ -283,7 +283,7 @@ def write_shards(
 
 
 def save_shards(
-    storage: LocalStorage,
+    storage: Storage,
     root: str,
     step: int,
     *,
