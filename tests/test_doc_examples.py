@@ -88,3 +88,24 @@ def test_the_readme_is_a_front_door_and_the_figures_live_in_benchmarks():
         prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", doc.read_text(), flags=re.S))
         figures = re.findall(r"\b\d+(?:\.\d+)?\s?(?:×|x\b|GB/s|MB/s|steps/s|samples/s)", prose)
         assert figures == [], (doc.name, figures)
+
+
+def _anchors(doc) -> set[str]:
+    """The anchors GitHub gives a document's headings (lowercase, punctuation dropped, spaces as hyphens)."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_every_link_between_the_documents_reaches_its_file_and_heading():
+    docs = [*ex.DOCS, REPO / "benchmarks" / "README.md", REPO / "tests" / "README.md", REPO / "cluster" / "README.md"]
+    broken = []
+    for doc in docs:
+        prose = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (doc.parent / path).resolve() if path else doc
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
+                broken.append(f"{doc.relative_to(REPO)}: {target}")
+    assert broken == []
