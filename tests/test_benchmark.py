@@ -91,3 +91,16 @@ def test_restart_floor_times_the_imports_of_a_restarted_worker(tmp_path):
     for n in (1, 2):  # importing what a rank imports takes longer than starting an interpreter that imports nothing
         assert rows[f"imports, {n} at once"]["min_s"] > rows[f"interpreter, {n} at once"]["max_s"], rows
     assert f"| imports, 2 at once | {rows['imports, 2 at once']['median_s']:.2f} |" in proc.stdout
+
+
+def test_dcp_reads_loads_every_layout_and_counts_what_each_rank_read(tmp_path):
+    """`benchmarks/dcp_reads.py --size small`: every load of the table runs, one count per rank; a load
+    on the saving layout or on one rank reads each byte of ours once (no timing)."""
+    out = tmp_path / "reads.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.dcp_reads", "--size", "small", "--out", str(out)],
+                          cwd=REPO, env=env_for_subprocess(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    rows = {(r["checkpoint"], r["loaded as"]): r for r in results["loads"]}
+    assert [len(r["bytes read"]) for r in results["loads"]] == [1, 2, 3, 2, 3]
+    assert rows[("ours", "plain, 1 rank")]["ratio"] == 1.0 and rows[("ours", "ddp, 2 ranks")]["ratio"] == 2.0

@@ -124,22 +124,25 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        """Every chunk the plan names, read once from the checksum blocks it lies in (checked), then
-        copied into what the planner resolves each request to."""
+        """The rows of each chunk the plan asks for, read from the checksum blocks they lie in (every
+        block checked, and the header's), then copied into what the planner resolves each request to."""
         reader = ShardReader(self._root().storage, self.iteration)
         by_file: dict[str, list] = {}
         for item in plan.items:
             chunk = self.chunks[item.storage_index]
-            by_file.setdefault(chunk.file, []).append((item, chunk))
+            first, rows = (item.storage_offsets[0], item.lengths[0]) if chunk.shape else (0, 1)
+            start = chunk.piece.start + first * chunk.spec.row_numel
+            rows_read = torch.empty(rows * chunk.spec.row_numel, dtype=DTYPES[chunk.spec.dtype])
+            by_file.setdefault(chunk.file, []).append(
+                (item, chunk, rows_read, Request(chunk.piece, chunk.spec, start, start + rows_read.numel(), rows_read)))
         for file, items in by_file.items():
-            whole = {c: torch.empty(c.piece.numel, dtype=DTYPES[c.spec.dtype]) for _, c in items}
-            requests = [Request(c.piece, c.spec, c.piece.start, c.piece.start + c.piece.numel, dest) for c, dest in whole.items()]
+            requests = [request for *_, request in items]
             spans = reader.spans(file, requests)
             needed = {0} | {i for i, (lo, hi, _) in enumerate(reader.blocks(file)) if any(first < hi and lo < last for first, last, _ in spans)}
             reader.read_checked(file, requests, blocks=sorted(needed))
-            for item, chunk in items:
-                source = whole[chunk].view(chunk.shape)
-                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+            for item, chunk, rows_read, _ in items:
+                source = rows_read.view((item.lengths[0], *chunk.shape[1:]) if chunk.shape else ())
+                for dim, (offset, length) in list(enumerate(zip(item.storage_offsets, item.lengths)))[1:]:
                     source = source.narrow(dim, offset, length)
                 target = planner.resolve_tensor(item).detach()
                 target.copy_(source)
