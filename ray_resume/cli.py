@@ -230,8 +230,13 @@ def dcp_report(path: str, args, verify: bool) -> int:
     return 0 if report["ok"] or not verify else 1
 
 
+def _dcp_dir(args) -> str | None:
+    """The DCP checkpoint ROOT names (its `step-N/` with --iteration N), None if it is not one."""
+    return dcp.dcp_checkpoint(args.root if args.iteration is None else os.path.join(args.root, f"step-{args.iteration}"))
+
+
 def cmd_verify(args) -> int:
-    if (dcp_dir := dcp.dcp_checkpoint(args.root)) is not None:
+    if (dcp_dir := _dcp_dir(args)) is not None:
         return dcp_report(dcp_dir, args, verify=True)
     storage = open_root(args.root)
     step, tracker = resolve_iteration(storage, args.root, args.iteration)
@@ -275,7 +280,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_show(args) -> int:
-    if (dcp_dir := dcp.dcp_checkpoint(args.root)) is not None:
+    if (dcp_dir := _dcp_dir(args)) is not None:
         return dcp_report(dcp_dir, args, verify=False)
     storage = open_root(args.root)
     step, tracker = resolve_iteration(storage, args.root, args.iteration)

@@ -1,7 +1,7 @@
 """Every error class of ray_resume. The mistakes a user can fix, one class each (`USER_ERRORS`): the
 message says what is wrong, where, and what to do; raised on the driver before Ray starts wherever it
 can be found there, never retried when a rank finds one (`rank.run_rank` reports it once), and raised
-to the caller of the same class as the rank raised. And `CommitError`, a failed commit.
+to the caller as the one of these three classes the rank's was. And `CommitError`, a failed commit.
 """
 
 from __future__ import annotations

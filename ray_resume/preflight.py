@@ -17,11 +17,11 @@ import torch
 
 from . import parallel
 from .checkpoint import names, paths, state
-from .checkpoint.checkpointer import check_optimizer_state, check_weights, refuse_optimizer_change
-from .checkpoint.dcp import dcp_checkpoint, full_resume_problem, optimizer_specs, weight_specs
+from .checkpoint.checkpointer import check_optimizer_state, check_weights, refuse_foreign_slots, refuse_optimizer_change
+from .checkpoint.dcp import dcp_checkpoint, describe, full_resume_problem, optimizer_specs, weight_specs
 from .checkpoint.root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .checkpoint.schema import Iteration
-from .checkpoint.state import optimizer_slots
+from .checkpoint.state import class_path, optimizer_slots
 from .config import Config
 from .data import (DEFAULT_COLUMNS, DEFAULT_LANES, ReadUnit, check_data_map, check_eval_set, check_lanes, data_fingerprint,
                    dataset_size, ensure_dataset, fingerprint_changes, scan_units)
@@ -103,6 +103,8 @@ def _load_source(ckpt, built_in: bool) -> tuple[ResumeSource | None, Iteration |
         )
     if (dcp_dir := dcp_checkpoint(ckpt.load_path)) is not None:
         # A fit() loop may say the step itself (`restore(..., step=)`): its ranks check.
+        if problems := describe(dcp_dir)["problems"]:
+            raise CheckpointError(f"{problems[0]}; the DCP checkpoint at {dcp_dir} is damaged or incomplete")
         if not ckpt.no_load_optim and (problem := full_resume_problem(dcp_dir, step_given=not built_in)):
             raise CheckpointError(f"{dcp_dir}: a torch.distributed.checkpoint (DCP) checkpoint that cannot be resumed whole: "
                                   f"{problem}; set checkpoint.no_load_optim: true to start from its weights")
@@ -158,6 +160,11 @@ def check_built_in(cfg: Config, plugins, units: list[ReadUnit], source: ResumeSo
     if isinstance(source, DcpCheckpoint):
         full = not cfg.checkpoint.no_load_optim
         refuse_misfit_weights(cfg, plugins, weight_specs(source.path), source.path, optimizer=optimizer_specs(source.path) if full else None)
+        if full:
+            kwargs = {"lr": cfg.training.lr, **optimizer_kwargs(plugins.optimizer, cfg.training.weight_decay, cfg.training.optimizer_args)}
+            now = class_path(plugins.optimizer)
+            refuse_foreign_slots(optimizer_specs(source.path), optimizer_slots(plugins.optimizer, kwargs), source.path,
+                                 f"training.optimizer builds {now}", f"{now} from its weights", "set training.optimizer to the one that saved it")
         return cfg
     if it is None:
         return cfg

@@ -1,8 +1,10 @@
 """PyTorch's own checkpoint format both ways (`ray_resume.checkpoint.dcp`).
 
 A 2-rank FSDP2 job (gloo) trains with torch's AdamW and saves twice at the same step: through our
-writer and the driver's commit, and with torch's own `dcp.save` in torchtitan's layout
-(`titan/step-2/`); it keeps every tensor it held, whole, beside them. Then:
+writer and the driver's commit, and with torch's own `dcp.save` in the layouts torchtitan has written
+(`titan*/step-2/`: the model under "model" or at the top, the optimizer's flattened state under
+"optimizer", `train_state` with its step and its pickled lists) and in DCP's docs' (`{"model", "optim"}`);
+it keeps every tensor it held, whole, beside them. Then:
 - torch's `dcp.load` and `set_state_dict` fill a freshly built model and optimizer from our root on
   1 rank (plain modules) and on 3 ranks (FSDP2, uneven shards), compared element by element with
   what the job held, not with what our own loader reads;
@@ -15,6 +17,7 @@ writer and the driver's commit, and with torch's own `dcp.save` in torchtitan's 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -26,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, get_state_dict, set_state_dict
 
 import harness
 from conftest import commit_by_hand, driver_checks, read_metrics, run_on_harness, shard_bytes, tiny_config
@@ -44,6 +47,21 @@ from ray_resume.optim import MainParamsOptimizer
 from ray_resume.preflight import resolve_source
 
 STEP = 2
+
+
+def _train_state() -> dict:
+    """torchtitan's TrainState.state_dict(): its step, and its loss history as torch.save'd bytes."""
+    losses = io.BytesIO()
+    torch.save([4.2, 4.1], losses)
+    return {"step": torch.tensor(STEP, dtype=torch.int32), "global_avg_losses": losses}
+
+
+# The state dicts DCP checkpoints hold (model state dict, optimizer state dict, its flattened form):
+LAYOUTS = {
+    "titan": lambda msd, osd, flat: {"model": msd, "optimizer": flat, "train_state": _train_state()},  # torchtitan, 2025
+    "titan-flat": lambda msd, osd, flat: {**msd, "optimizer": flat, "train_state": _train_state()},  # torchtitan since
+    "dcp-docs": lambda msd, osd, flat: {"model": msd, "optim": osd, "train_state": {"step": torch.tensor(STEP)}},
+}
 
 
 def _build(rank: int, world: int, init: str, strategy: str, seed: int):
@@ -84,8 +102,9 @@ def _save(rank: int, world: int, init: str, out: str) -> None:
     manifests = [None] * world
     dist.all_gather_object(manifests, manifest)
     msd, osd = get_state_dict(model, optimizer)
-    train_state = {"step": torch.tensor(STEP, dtype=torch.int32)}  # torchtitan's TrainState keeps its step so
-    dcp.save({"model": msd, "optim": osd, "train_state": train_state}, checkpoint_id=str(Path(out, "titan", f"step-{STEP}")))
+    flat = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    for layout, states in LAYOUTS.items():
+        dcp.save(states(msd, osd, flat), checkpoint_id=str(Path(out, layout, f"step-{STEP}")))
     held = _whole(model, optimizer)
     if rank == 0:
         commit_by_hand(root, STEP, manifests)
@@ -111,14 +130,14 @@ def _load(rank: int, world: int, init: str, out: str, strategy: str, label: str)
     os._exit(0)
 
 
-def _restore_from_dcp(rank: int, world: int, init: str, out: str, strategy: str, full: bool, label: str) -> None:
+def _restore_from_dcp(rank: int, world: int, init: str, out: str, strategy: str, full: bool, layout: str, label: str) -> None:
     """Our rank's restore of DCP's checkpoint, as a job with `load_path` at the torchtitan folder does."""
     model, _ = _build(rank, world, init, strategy, seed=1)
     optimizer = MainParamsOptimizer(model, lr=0.05)
     _train(model, optimizer.optimizer, 1, rank, world)  # state to overwrite
     cfg = Config.from_dict(tiny_config(Path(out), training={"strategy": strategy}))
     start, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(
-        model, optimizer, DcpCheckpoint(dcp_checkpoint(str(Path(out, "titan")))), full=full, global_batch_size=16)
+        model, optimizer, DcpCheckpoint(dcp_checkpoint(str(Path(out, layout)))), full=full, global_batch_size=16)
     loaded = _whole(model, optimizer.optimizer)
     if rank == 0:
         save_file(loaded if full else {k: v for k, v in loaded.items() if k.startswith("model.")}, str(Path(out, f"{label}.safetensors")))
@@ -145,6 +164,29 @@ def _restore_bare(rank: int, world: int, init: str, out: str, step: int | None) 
         Path(out, "bare.json").write_text(json.dumps([start.step, start.consumed_samples]))
     except CheckpointError as exc:
         Path(out, "bare.json").write_text(json.dumps(str(exc)))
+    os._exit(0)
+
+
+def _bf16_resume(rank: int, world: int, init: str, out: str) -> None:
+    """A bf16 model saved by plain AdamW in torchtitan's layout, resumed whole into the built-in job's
+    optimizer, which keeps fp32 main params: they start from the loaded weights."""
+    model, optimizer = _build(rank, world, init, "plain", seed=0)
+    model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train(model, optimizer, 1, rank, world)
+    msd, osd = get_state_dict(model, optimizer)
+    flat = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save(LAYOUTS["titan"](msd, osd, flat), checkpoint_id=str(Path(out, "bf16", f"step-{STEP}")))
+    fresh, _ = GPT(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2).to(torch.bfloat16), None
+    ours = MainParamsOptimizer(fresh, lr=0.05)
+    cfg = Config.from_dict(tiny_config(Path(out), model={"dtype": "bfloat16"}))
+    start, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(
+        fresh, ours, DcpCheckpoint(str(Path(out, "bf16", f"step-{STEP}"))), full=True, global_batch_size=16)
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    mains = all(torch.equal(main, p.float()) for main, p in zip(ours.main, fresh.parameters()))
+    moments = all(torch.equal(optimizer.state[p]["exp_avg"].float(), ours.optimizer.state[m]["exp_avg"])
+                  for p, m in zip(model.parameters(), ours.main))
+    Path(out, "bf16.json").write_text(json.dumps([start.step, same, mains, moments]))
     os._exit(0)
 
 
@@ -224,12 +266,13 @@ def test_dcps_own_whole_checkpoint_load_takes_every_tensor_without_a_process_gro
 
 
 # ----------------------------------------------------------------------------- DCP's checkpoints, resumed
-@pytest.mark.parametrize("strategy, world, full", [("ddp", 1, False), ("fsdp", 3, True), ("ddp", 2, True)])
-def test_our_restore_takes_dcps_checkpoint_on_another_world_size(saved, strategy, world, full):
+@pytest.mark.parametrize("layout, strategy, world, full", [
+    ("titan", "ddp", 1, False), ("titan", "fsdp", 3, True), ("titan-flat", "ddp", 2, True), ("dcp-docs", "fsdp", 3, True)])
+def test_our_restore_takes_dcps_checkpoint_on_another_world_size(saved, layout, strategy, world, full):
     """Weights, and with a full resume Adam's moments and steps and the step of `train_state`, equal
-    to what the job held."""
-    label = f"from-dcp-{strategy}{world}-{full}"
-    spawn(_restore_from_dcp, world, saved, strategy, full, label)
+    to what the job held, from each layout."""
+    label = f"from-{layout}-{strategy}{world}-{full}"
+    spawn(_restore_from_dcp, world, saved, strategy, full, layout, label)
     held, loaded = load_file(str(saved / "held.safetensors")), load_file(str(saved / f"{label}.safetensors"))
     wanted = {k: v for k, v in held.items() if full or k.startswith("model.")}
     assert wanted.keys() == loaded.keys() and (not full or any(k.endswith(".exp_avg_sq") for k in loaded))
@@ -237,7 +280,7 @@ def test_our_restore_takes_dcps_checkpoint_on_another_world_size(saved, strategy
         assert torch.equal(wanted[name], loaded[name]), name
     step = STEP if full else 0
     assert json.loads((saved / f"{label}.json").read_text()) == {"step": step, "consumed": 16 * step,
-                                                                   "source": str(saved / "titan" / f"step-{STEP}")}
+                                                                   "source": str(saved / layout / f"step-{STEP}")}
 
 
 def test_a_job_started_from_a_torchtitan_folder_is_the_job_started_from_our_root_of_the_same_weights(saved, tmp_path):
@@ -254,12 +297,13 @@ def test_a_job_started_from_a_torchtitan_folder_is_the_job_started_from_our_root
     assert runs["dcp"] == runs["ours"] and runs["dcp"]
 
 
-def test_a_job_resumes_a_torchtitan_checkpoint_whole_at_its_step(saved, tmp_path):
-    cfg = tiny_config(tmp_path, checkpoint={"load_path": str(saved / "titan")}, data={"path": str(tmp_path / "data")})
-    assert driver_checks(cfg) == DcpCheckpoint(str(saved / "titan" / f"step-{STEP}"))
+@pytest.mark.parametrize("layout", ["titan", "titan-flat"])
+def test_a_job_resumes_a_torchtitan_checkpoint_whole_at_its_step(saved, tmp_path, layout):
+    cfg = tiny_config(tmp_path, checkpoint={"load_path": str(saved / layout)}, data={"path": str(tmp_path / "data")})
+    assert driver_checks(cfg) == DcpCheckpoint(str(saved / layout / f"step-{STEP}"))
     run_on_harness(cfg)
     starts = [r for r in read_metrics(str(tmp_path / "ckpt")) if r.get("event") == "start" and r["rank"] == 0]
-    assert [(r["step"], r["source"]) for r in starts] == [(STEP, str(saved / "titan" / f"step-{STEP}"))]
+    assert [(r["step"], r["source"]) for r in starts] == [(STEP, str(saved / layout / f"step-{STEP}"))]
 
 
 def test_a_dcp_checkpoint_without_its_step_is_refused_a_full_resume(saved, tmp_path):
@@ -285,6 +329,10 @@ def test_a_dcp_checkpoint_without_its_step_is_refused_a_full_resume(saved, tmp_p
 
 @pytest.mark.parametrize("change, error", [
     ({"model": {"d_model": 16}}, "{titan}/step-2: tensor 'tok.weight' is torch.float32 [64, 32] there but torch.float32 [64, 16] in the model"),
+    ({"checkpoint": {"no_load_optim": False}, "training": {"optimizer": "torch.optim.SGD", "optimizer_args": {"momentum": 0.9}}},
+     "{titan}/step-2 holds optimizer state 'adam_m.tok.weight' (torch's 'exp_avg'), but training.optimizer builds "
+     "torch.optim.sgd:SGD, which keeps ['momentum_buffer']; set checkpoint.no_load_optim: true to start torch.optim.sgd:SGD from "
+     "its weights, or set training.optimizer to the one that saved it"),
 ])
 def test_what_cannot_start_from_dcps_checkpoint_is_refused_on_the_driver(saved, tmp_path, change, error):
     cfg = tiny_config(tmp_path, checkpoint={"load_path": str(saved / "titan"), "no_load_optim": True})
@@ -293,6 +341,22 @@ def test_what_cannot_start_from_dcps_checkpoint_is_refused_on_the_driver(saved, 
     with pytest.raises(CheckpointError) as refused:
         driver_checks(cfg)
     assert error.format(titan=saved / "titan") in str(refused.value)
+
+
+def test_a_low_precision_model_resumes_dcps_checkpoint_whole_with_main_params_from_its_weights(tmp_path):
+    spawn(_bf16_resume, 1, tmp_path)
+    assert json.loads((tmp_path / "bf16.json").read_text()) == [STEP, True, True, True]
+
+
+def test_a_dcp_checkpoint_with_a_truncated_file_is_refused_on_the_driver(saved, tmp_path):
+    import shutil
+
+    shutil.copytree(saved / "titan", tmp_path / "titan")
+    shard = tmp_path / "titan" / f"step-{STEP}" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: 100 bytes, but ") + ".*" + re.escape(
+            f"; the DCP checkpoint at {tmp_path / 'titan' / f'step-{STEP}'} is damaged or incomplete")):
+        driver_checks(tiny_config(tmp_path, checkpoint={"load_path": str(tmp_path / "titan")}))
 
 
 def test_dcps_metadata_is_read_without_running_what_a_pickle_names(saved, tmp_path):
@@ -322,6 +386,8 @@ def test_ray_resume_show_and_verify_describe_a_dcp_checkpoint(saved, tmp_path, c
 
     step = saved / "titan" / f"step-{STEP}"
     assert main(["verify", str(saved / "titan")]) == 0
+    assert f"OK: {step}: 2 files, " in capsys.readouterr().out
+    assert main(["verify", str(saved / "titan"), "--iteration", str(STEP)]) == 0
     assert f"OK: {step}: 2 files, " in capsys.readouterr().out
     assert main(["show", str(saved / "titan")]) == 0
     shown = capsys.readouterr().out

@@ -158,6 +158,9 @@ class Checkpointer:
             optimizer.reload_main_params_from_model()
             return Start(source=path, bytes_read=read)
         saved = optimizer_specs(path)
+        now = class_path(type(optimizer.optimizer))
+        refuse_foreign_slots(saved, optimizer_slots(optimizer.optimizer), path, f"this job's optimizer is {now}",
+                             "it from the weights", "build the optimizer that saved it")
         params = dict(optimizer.named_main())
         check_optimizer_state(saved, {n: tuple(p.shape) for n, p in params.items()}, path)
         slots = {n: torch.zeros_like(params[names.parse_state_name(n)[0]]) if spec.shape else torch.zeros((), dtype=DTYPES[spec.dtype])
@@ -167,7 +170,12 @@ class Checkpointer:
         if step is None:
             raise CheckpointError(f"{path}: a DCP checkpoint without train_state.step: say the step it was taken at, "
                                   "ck.restore(..., step=N), or set checkpoint.no_load_optim: true to start from its weights")
-        optimizer.load_state_tensors({n: state.local_tensor(t) for n, t in slots.items()})
+        tensors = {n: state.local_tensor(t) for n, t in slots.items()}
+        if getattr(optimizer, "mixed", False):  # a low-precision model's fp32 main params: DCP's holds none, so its weights
+            optimizer.reload_main_params_from_model()
+            tensors |= {n: state.local_tensor(t) for n, t in optimizer.state_tensors().items()
+                        if names.parse_state_name(n)[1] == names.MAIN_PARAM}
+        optimizer.load_state_tensors(tensors)
         logger.warning("%s is a DCP checkpoint: it holds no RNG streams, which are reseeded, not restored", path)
         return Start(step, step * (gbs or 0), path, read)
 
@@ -369,15 +377,21 @@ def refuse_optimizer_change(it, cls: type, ours: str, start: str, back: str, *, 
         raise CheckpointError(
             f"{paths.join(it.path, paths.METADATA)}: iteration {it.step} holds the state of optimizer {saved}, but "
             f"{ours.format(now=now)}; set checkpoint.no_load_optim: true to start {start.format(now=now)}, or {back}")
-    if it.origin != "mindformers" or slots is None or not it.has_optimizer:
+    if it.origin == "mindformers" and it.has_optimizer:
+        refuse_foreign_slots(it.specs(paths.OPTIM_KIND), slots, f"{paths.join(it.path, paths.METADATA)}: iteration {it.step}",
+                             ours.format(now=now), start.format(now=now), back)
+
+
+def refuse_foreign_slots(saved, slots: set[str] | None, where: str, ours: str, start: str, back: str) -> None:
+    """A checkpoint that names no optimizer class (MindFormers', DCP's): every saved slot (`saved`,
+    names as `names.state_name` gives them) must be one the optimizer keeps (`slots`; None: unknown)."""
+    if slots is None:
         return
-    for name in it.specs(paths.OPTIM_KIND):
+    for name in saved:
         param, slot = names.parse_state_name(name)
         if param is not None and slot not in slots | {names.MAIN_PARAM}:
-            raise CheckpointError(
-                f"{paths.join(it.path, paths.METADATA)}: iteration {it.step} holds optimizer state {name!r} (torch's {slot!r}), "
-                f"but {ours.format(now=now)}, which keeps {sorted(slots)}; set checkpoint.no_load_optim: true to start "
-                f"{start.format(now=now)}, or {back}")
+            raise CheckpointError(f"{where} holds optimizer state {name!r} (torch's {slot!r}), but {ours}, which keeps "
+                                  f"{sorted(slots)}; set checkpoint.no_load_optim: true to start {start}, or {back}")
 
 
 def check_optimizer_state(saved: dict[str, TensorSpec], params: dict[str, tuple[int, ...]], where: str) -> None:

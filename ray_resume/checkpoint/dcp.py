@@ -29,6 +29,7 @@ import re
 import uuid
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, Metadata, StorageReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata
@@ -74,23 +75,24 @@ class Reader(StorageReader):
 
     def __init__(self, path: str | os.PathLike, *, step: int | None = None, storage: dict | None = None):
         super().__init__()
-        self.path, self.step, self.options = os.fspath(path), step, storage
-        self.chunks: dict[MetadataIndex, Chunk] = {}
-        self.iteration: Iteration | None = None
-        self.bytes_read = 0
+        self.path, self.requested, self.options = os.fspath(path), step, storage
+        self.reset()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self.chunks, self.iteration, self.bytes_read = {}, None, 0
+        self.chunks: dict[MetadataIndex, Chunk] = {}
+        self.iteration: Iteration | None = None
+        self.step: int | None = None  # the iteration read, once chosen
+        self.bytes_read = 0
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return paths.parse_iteration_dirname(os.path.basename(os.fspath(checkpoint_id).rstrip("/"))) is not None or \
             os.path.exists(paths.tracker_path(os.fspath(checkpoint_id)))
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        """DCP's Metadata of the chosen iteration (on the coordinator; DCP hands it to the others)."""
+    def read_metadata(self, *args) -> Metadata:  # no **kwargs: DCP then asks no per-rank metadata after a failure
+        """DCP's Metadata of the chosen iteration (every rank asks for it)."""
         it = self._open()
         state: dict[str, TensorStorageMetadata] = {}
         for kind, tensors in it.tensors.items():
@@ -113,9 +115,6 @@ class Reader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         self.chunks = dict(metadata.storage_data)
-        if self.iteration is None:  # another rank than the coordinator: the iteration it chose
-            self.step = paths.parse_iteration_dirname(os.path.basename(metadata.storage_meta.checkpoint_id))
-            self._open()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -157,10 +156,16 @@ class Reader(StorageReader):
         return root_for(root, self.options)
 
     def _open(self) -> Iteration:
-        """The iteration to read: `step` (the path's, or the one asked for) if committed, else the tracker's."""
+        """The iteration to read: the one asked for (or the path's) if committed, else the tracker's,
+        which rank 0 reads for every rank of the default process group (a job committing beside the
+        load moves it; with DCP on another group, name the iteration)."""
         root, step = _split(self.path)
-        step = self.step if self.step is not None else step
+        step = self.requested if self.requested is not None else step
         committed = self._root().committed()
+        if step is None and dist.is_initialized() and dist.get_world_size() > 1:
+            chosen = [committed]
+            dist.broadcast_object_list(chosen, src=0)
+            committed = chosen[0]
         if committed is None:
             raise CheckpointError(f"{paths.tracker_path(root)}: no committed iteration to read (no tracker)")
         if step is not None and step > committed:
@@ -237,19 +242,43 @@ def read_dcp_metadata(path: str) -> Metadata:
 TRAIN_STATE_STEP = "train_state.step"  # torchtitan's TrainState: the step the checkpoint was taken after
 
 
+# The top keys of a state dict that are not the model's, as torchtitan and DCP's docs name them.
+NOT_MODEL = ("optimizer", OPTIM, "lr_scheduler", "dataloader", "train_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a DCP checkpoint keeps the model and the optimizer: `model.{name}` (torchtitan until
+    2025, DCP's docs) or the model's names at the top (torchtitan since, and its weights-only
+    last step); `optimizer.state.{param}.{slot}` (torchtitan's flattened optimizer state) or
+    `optim.state.{param}.{slot}` (`get_state_dict` under "optim")."""
+
+    model: str  # "model." or ""
+    optimizer: str  # "optimizer" or "optim"
+
+
+def layout(metadata: Metadata) -> Layout:
+    keys = metadata.state_dict_metadata
+    model = f"{MODEL}." if any(k.startswith(f"{MODEL}.") for k in keys) else ""
+    return Layout(model, "optimizer" if any(k.startswith("optimizer.state.") for k in keys) else OPTIM)
+
+
 def weight_specs(path: str, metadata: Metadata | None = None) -> dict[str, TensorSpec]:
-    """The model tensors (`model.{name}`) of the DCP checkpoint at `path`, as our specs, by name."""
-    out = _specs(metadata or read_dcp_metadata(path), f"{MODEL}.")
+    """The model tensors of the DCP checkpoint at `path` (`Layout`), as our specs, by name."""
+    metadata = metadata or read_dcp_metadata(path)
+    prefix = layout(metadata).model
+    out = {name: spec for name, spec in _specs(metadata, prefix).items() if prefix or name.split(".")[0] not in NOT_MODEL}
     if not out:
-        raise CheckpointError(f"{path}: holds no model tensor (no key under {MODEL!r}); ray_resume reads the state dict "
-                              f"`dcp.save({{\"{MODEL}\": model_state_dict, ...}})` writes, as torchtitan does")
+        raise CheckpointError(f"{path}: holds no model tensor; ray_resume reads what torchtitan saves, the model's "
+                              f"state dict under {MODEL!r} or at the top")
     return out
 
 
 def optimizer_specs(path: str, metadata: Metadata | None = None) -> dict[str, TensorSpec]:
-    """The optimizer's tensors (`optim.state.{param}.{slot}`), under our names (`names.state_name`)."""
+    """The optimizer's tensors (`{optimizer}.state.{param}.{slot}`), under our names (`names.state_name`)."""
+    metadata = metadata or read_dcp_metadata(path)
     out = {}
-    for fqn, spec in _specs(metadata or read_dcp_metadata(path), f"{OPTIM}.state.").items():
+    for fqn, spec in _specs(metadata, f"{layout(metadata).optimizer}.state.").items():
         param, _, slot = fqn.rpartition(".")
         out[names.state_name(param, slot)] = dataclasses.replace(spec, name=names.state_name(param, slot))
     return out
@@ -268,7 +297,7 @@ def full_resume_problem(path: str, step_given: bool = False) -> str | None:
     if not step_given and not holds_step(metadata):
         return f"it holds no {TRAIN_STATE_STEP} (an integer, as torchtitan's TrainState saves it), so the step it was taken at is unknown"
     if not optimizer_specs(path, metadata):
-        return f"it holds no optimizer state ({OPTIM}.state.*)"
+        return "it holds no optimizer state (optimizer.state.* or optim.state.*)"
     return None
 
 
@@ -308,18 +337,27 @@ def load_dcp(path: str, live: dict[str, torch.Tensor], slots: dict[str, torch.Te
     `slots` given (named as `names.state_name` names them, shaped like their parameters), from the
     DCP checkpoint at `path`, in place, resharded by DCP's planner; (bytes this rank read, the
     checkpoint's `train_state.step` when slots were asked for and it holds one, else None)."""
-    wanted: dict = {MODEL: live}
-    step = torch.zeros((), dtype=torch.int64) if slots is not None and holds_step(read_dcp_metadata(path)) else None
+    metadata = read_dcp_metadata(path)
+    where = layout(metadata)
+    wanted: dict = {MODEL: live} if where.model else dict(live)
+    step = torch.zeros((), dtype=torch.int64) if slots is not None and holds_step(metadata) else None
     if slots is not None:
         by_param: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in slots.items():
             param, slot = names.parse_state_name(name)
             by_param.setdefault(param, {})[slot] = t
-        wanted[OPTIM] = {"state": by_param}
+        wanted[where.optimizer] = {"state": by_param}
     if step is not None:
         wanted["train_state"] = {"step": step}
     reader = DcpReader(path)
-    dcp.load(wanted, storage_reader=reader)
+    try:
+        dcp.load(wanted, storage_reader=reader)
+    except BaseException as exc:  # DCP's CheckpointException (a BaseException) or its AssertionError, of what a rank met
+        if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+            raise
+        why = next((line.strip() for line in reversed(str(exc).splitlines()) if line.strip()), type(exc).__name__)
+        raise CheckpointError(f"{path}: torch.distributed.checkpoint could not load it ({why}); "
+                              f"`ray-resume verify {path}` checks its files") from None
     return reader.bytes_read, (None if step is None else int(step))
 
 
