@@ -26,7 +26,7 @@ from typing import Any
 from .checkpoint import dcp, paths
 from .checkpoint.reader import ShardReader, check_no_extra_shards, iteration_steps, open_iteration, read_tracker
 from .checkpoint.root import root_for
-from .checkpoint.schema import AbnormalIteration, Iteration, local_shape, parse_json, readable_by_mindformers
+from .checkpoint.schema import AbnormalIteration, Iteration, first_row, local_shape, parse_json, readable_by_mindformers
 from .checkpoint.storage import Storage
 from .errors import CheckpointError
 from .text_table import human_size, table
@@ -291,7 +291,7 @@ def cmd_show(args) -> int:
             spec = stored.spec
             tensors.append({"kind": kind, "name": name, "dtype": spec.dtype, "shape": list(spec.shape),
                             "mindformers_readable": readable_by_mindformers(it, kind, name),
-                            "chunks": [{"file": file, "first_row": piece.start // spec.row_numel if spec.shape and spec.row_numel else 0,
+                            "chunks": [{"file": file, "first_row": first_row(spec, piece),
                                         "local_shape": list(local_shape(spec, piece)), "start": piece.start, "numel": piece.numel}
                                        for file, piece in stored.pieces]})
     files = {name: {"kind": f.kind, "rank": f.rank, "size": f.size, "data_start": f.data_start, "checksum": f.checksum,

@@ -158,12 +158,12 @@ def check_built_in(cfg: Config, plugins, units: list[ReadUnit], source: ResumeSo
         refuse_misfit_weights(cfg, plugins, root_for(source.path, cfg.checkpoint.storage).export_specs(), source.path)
         return cfg
     if isinstance(source, DcpCheckpoint):
-        full = not cfg.checkpoint.no_load_optim
-        refuse_misfit_weights(cfg, plugins, weight_specs(source.path), source.path, optimizer=optimizer_specs(source.path) if full else None)
-        if full:
+        slots = None if cfg.checkpoint.no_load_optim else optimizer_specs(source.path)
+        refuse_misfit_weights(cfg, plugins, weight_specs(source.path), source.path, optimizer=slots)
+        if slots is not None:
             kwargs = {"lr": cfg.training.lr, **optimizer_kwargs(plugins.optimizer, cfg.training.weight_decay, cfg.training.optimizer_args)}
             now = class_path(plugins.optimizer)
-            refuse_foreign_slots(optimizer_specs(source.path), optimizer_slots(plugins.optimizer, kwargs), source.path,
+            refuse_foreign_slots(slots, optimizer_slots(plugins.optimizer, kwargs), source.path,
                                  f"training.optimizer builds {now}", f"{now} from its weights", "set training.optimizer to the one that saved it")
         return cfg
     if it is None:

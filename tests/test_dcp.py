@@ -398,3 +398,13 @@ def test_ray_resume_show_and_verify_describe_a_dcp_checkpoint(saved, tmp_path, c
     assert main(["verify", str(tmp_path / "titan")]) == 1
     out = capsys.readouterr().out
     assert f"FAILED: {tmp_path / 'titan' / f'step-{STEP}'}:" in out and f"  - {shard}: 100 bytes, but " in out, out
+
+
+def test_a_chunk_of_rows_of_no_element_has_its_shape_and_offset():
+    """A tensor whose rows hold no element ([3, 0]) is one chunk of its 3 empty rows (the writer's
+    rule), at row 0: DCP's metadata of it, not a division by its zero row size."""
+    from ray_resume.checkpoint.dcp import Chunk
+    from ray_resume.checkpoint.plan import Piece, TensorSpec
+
+    chunk = Chunk("f", TensorSpec("t", "F32", (3, 0), 4), Piece("t", 0, 0))
+    assert (chunk.shape, chunk.offset) == ((3, 0), (0, 0))

@@ -23,6 +23,7 @@ is committed; a damaged block fails the load naming the file and block, as a res
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pickle
 import re
@@ -40,7 +41,7 @@ from ..errors import CheckpointError
 from .plan import Piece, TensorSpec
 from .reader import Request, ShardReader
 from .root import root_for
-from .schema import Iteration
+from .schema import Iteration, first_row, local_shape
 from .state import DTYPE_TAGS, DTYPES
 
 MODEL, OPTIM = "model", "optim"  # the state dict's top keys, as torchtitan's and DCP's docs write them
@@ -56,8 +57,11 @@ class Chunk:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        rows = self.piece.numel // self.spec.row_numel if self.spec.shape else 1
-        return (rows, *self.spec.shape[1:]) if self.spec.shape else ()
+        return local_shape(self.spec, self.piece)
+
+    @property
+    def offset(self) -> tuple[int, ...]:
+        return (first_row(self.spec, self.piece), *[0] * (len(self.spec.shape) - 1)) if self.spec.shape else ()
 
 
 def dcp_name(kind: str, name: str) -> str | None:
@@ -103,8 +107,8 @@ class Reader(StorageReader):
                 chunks = [Chunk(file, stored.spec, piece) for file, piece in stored.pieces]
                 state[fqn] = TensorStorageMetadata(
                     properties=TensorProperties(dtype=DTYPES[stored.spec.dtype]), size=torch.Size(stored.spec.shape),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(_offset(c)), sizes=torch.Size(c.shape)) for c in chunks])
-                self.chunks |= {MetadataIndex(fqn, _offset(c)): c for c in chunks}
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offset), sizes=torch.Size(c.shape)) for c in chunks])
+                self.chunks |= {MetadataIndex(fqn, c.offset): c for c in chunks}
         for alias, first in (it.ours.get("model") or {}).get("tied", {}).items():  # a tied weight, stored once
             if f"{MODEL}.{first}" in state:
                 state[f"{MODEL}.{alias}"] = state[f"{MODEL}.{first}"]
@@ -182,10 +186,6 @@ def _split(path: str) -> tuple[str, int | None]:
     return (os.path.dirname(path.rstrip("/")), step) if step is not None else (path, None)
 
 
-def _offset(chunk: Chunk) -> tuple[int, ...]:
-    return (chunk.piece.start // chunk.spec.row_numel, *[0] * (len(chunk.spec.shape) - 1)) if chunk.spec.shape else ()
-
-
 # ----------------------------------------------------------------------------- DCP's checkpoints, read
 DCP_METADATA = ".metadata"  # what `dcp.save` writes beside its `__R_I.distcp` files
 STEP_DIR = re.compile(r"^step-(\d+)$")  # torchtitan's checkpoint directories
@@ -225,8 +225,20 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: str) -> Metadata:
-    """The `Metadata` of the DCP checkpoint directory `path`, unpickled by `_MetadataUnpickler`."""
+    """The `Metadata` of the DCP checkpoint directory `path`, unpickled by `_MetadataUnpickler` once per
+    process for a file as it is (a job's driver and ranks ask several times; torchtitan's can be tens of
+    MB). Shared: not to be changed."""
     where = os.path.join(path, DCP_METADATA)
+    try:
+        stat = os.stat(where)
+    except OSError as exc:
+        raise CheckpointError(f"{where}: not a DCP metadata file ({exc})") from None
+    return _unpickled(where, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _unpickled(where: str, mtime_ns: int, size: int) -> Metadata:
+    """`read_dcp_metadata`'s reading, keyed by the file's time and size so that a rewritten file is read again."""
     try:
         with open(where, "rb") as f:
             metadata = _MetadataUnpickler(f, where).load()
@@ -321,11 +333,9 @@ class DcpReader(FileSystemReader):
         self.dcp_path, self.bytes_read = path, 0
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = read_dcp_metadata(self.dcp_path)
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        metadata = read_dcp_metadata(self.dcp_path)  # shared: this load's id goes on a copy
+        return dataclasses.replace(metadata, storage_meta=dataclasses.replace(metadata.storage_meta or StorageMeta(),
+                                                                              load_id=self.load_id))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         self.bytes_read += sum(self.storage_data[index].length for index in {item.storage_index for item in plan.items})

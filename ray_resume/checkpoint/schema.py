@@ -239,6 +239,11 @@ def place_entries(files: dict[str, StoredFile], tensors: dict[str, dict[str, Sto
 SAFETENSORS_ORDER = {"BOOL": 0, "U8": 1, "I8": 2, "I16": 3, "F16": 4, "BF16": 5, "I32": 6, "F32": 7, "F64": 8, "I64": 9}
 
 
+def first_row(spec: TensorSpec, piece: Piece) -> int:
+    """The first dim-0 row of a chunk of rows of `spec` (0 for a 0-d tensor, or rows of no element)."""
+    return piece.start // spec.row_numel if spec.shape and spec.row_numel else 0
+
+
 def local_shape(spec: TensorSpec, piece: Piece) -> tuple[int, ...]:
     """The shape of a chunk of rows of `spec`: its rows, then the tensor's other dimensions."""
     if not spec.shape:
