@@ -184,7 +184,7 @@ class RayTrain:
         # noticed within one interval, 2 s by Ray's default, 0.5 s by ours (a poll is one small call per worker).
         os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.failure.health_check_interval_s)
         try:
-            with stop_on_sigterm(controller, cfg.name):
+            with stop_on_sigterm(controller.request_stop.remote, cfg.name):
                 trainer.fit()
         except Exception as exc:  # Ray wraps worker errors; report them, keep what was committed
             failure = exc
@@ -245,16 +245,17 @@ class FailedRanks(ray.train.UserCallback):
 
 
 @contextlib.contextmanager
-def stop_on_sigterm(controller, name: str):
+def stop_on_sigterm(request_stop: Callable[[], object], name: str):
     """SIGTERM (a preemption notice, `kill`, a scheduler's grace period) becomes a clean stop:
-    the ranks save and commit at the next step boundary and the run returns."""
+    `request_stop` asks the job's controller, the ranks save and commit at the next step boundary
+    and the run returns."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be installed from the main thread
         return
 
     def on_sigterm(signum, frame):
         logger.warning("[%s] SIGTERM: saving a checkpoint at the next step boundary, then stopping", name)
-        controller.request_stop.remote()
+        request_stop()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:

@@ -24,6 +24,7 @@ that has torch and ray_resume imported already.
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -46,7 +47,7 @@ from ray_resume.checkpoint.memory import MemoryKeeper
 from ray_resume.config import Config
 from ray_resume.data import ReadUnit, SampleStream
 from ray_resume.data.stream import _read_unit_batch
-from ray_resume.driver import TrainingFailed
+from ray_resume.driver import TrainingFailed, stop_on_sigterm
 from ray_resume.errors import USER_ERRORS
 from ray_resume.rank import INTERNAL, USER, get_checkpointer, run_rank
 from ray_resume.train_loop import train_func as built_in_train_func
@@ -80,11 +81,20 @@ class DriverSide(controller_module.JobController, MemoryKeeper):
     process: the job's driver as far as the ranks and the commits are concerned.
     """
 
-    def __init__(self, save_path: str, job_id: str, config: dict, storage_faults=None):
-        if storage_faults:
-            storage_faults_module.install(*storage_faults)
+    def __init__(self, save_path: str, job_id: str, config: dict, storage_faults=None, setup=None):
+        _prepare(storage_faults, setup)
         controller_module.JobController.__init__(self, save_path, job_id, config, driver_pid=os.getpid())
         MemoryKeeper.__init__(self)
+
+    def claim_fault(self) -> bool:
+        claimed = super().claim_fault()
+        if claimed:
+            self.fault_claimed_at = time.time()
+        return claimed
+
+    def fault_fired(self) -> float | None:
+        """When the config's `fault:` fired in this job (its one claim was taken), None if it did not."""
+        return getattr(self, "fault_claimed_at", None)
 
 
 class SlowRetention(DriverSide):
@@ -151,10 +161,17 @@ class Outcome:
     reached: list = ()  # the controller's account of each attempt: the last step rank 0 finished, and when
 
 
-def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, train_func, config: dict, source, job_id: str, preempted,
-          storage_faults) -> None:
+def _prepare(storage_faults, setup) -> None:
+    """What a test injects into each process of a job (the controller's, every rank's) as it starts."""
     if storage_faults:
         storage_faults_module.install(*storage_faults)
+    if setup:
+        setup[0](*setup[1:])
+
+
+def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, train_func, config: dict, source, job_id: str, preempted,
+          storage_faults, setup) -> None:
+    _prepare(storage_faults, setup)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     if train_func is built_in_train_func:  # its Ray parts swapped: the CPU, LocalStream, the harness's preemption notice
         def train_func(config):
@@ -193,6 +210,14 @@ def _run_group(world: int, tmp: Path, args: tuple, driver: Driver, timeout: floa
         rendezvous.unlink(missing_ok=True)  # gloo leaves it behind when a rank is killed
 
 
+def _if_alive(call):
+    """`call()` to the controller's process; None if that process is dead (a fault killed the driver)."""
+    try:
+        return call()
+    except (EOFError, OSError):
+        return None
+
+
 def never() -> bool:
     return False
 
@@ -204,33 +229,41 @@ class LocalBackend:
     `controller` names the controller class served (`Driver.register`); `inspect(controller)` is
     called once the job has ended, before the controller is released; `preempted()` stands in for
     Ray Train's preemption notice; `storage_faults`, (faults, record file), are injected into the
-    ranks' and the controller's storage (tests/storage_faults.py), not into the driver's checks."""
+    ranks' and the controller's storage (tests/storage_faults.py), not into the driver's checks;
+    `setup`, (function, *args), is called in each of those processes as it starts. SIGTERM to this
+    process asks the job to stop, as it does the driver's (`driver.stop_on_sigterm`)."""
 
     def __init__(self, *, controller: str = "JobController", preempted=never, timeout: float = 120, inspect=None,
-                 storage_faults=None):
+                 storage_faults=None, setup=None):
         self.controller, self.preempted, self.timeout, self.inspect = controller, preempted, timeout, inspect
-        self.storage_faults = storage_faults
+        self.storage_faults, self.setup = storage_faults, setup
         self.outcome: Outcome | None = None  # once the job has run
+        self.driver_pid: int | None = None  # the controller's process, once started
 
     def run(self, cfg: Config, job_id: str, loop_config: dict) -> dict:
         started = time.monotonic()
         driver = Driver(ctx=CTX)
         driver.start()
+        self.driver_pid = driver._process.pid
         try:
-            controller = getattr(driver, self.controller)(cfg.checkpoint.save_path, job_id, cfg.to_dict(), self.storage_faults)
+            controller = getattr(driver, self.controller)(cfg.checkpoint.save_path, job_id, cfg.to_dict(), self.storage_faults,
+                                                          self.setup)
             ours = loop_config[INTERNAL]
             args = (cfg.to_dict(), controller, ours["train_func"], loop_config[USER], ours["source"], job_id, self.preempted,
-                    self.storage_faults)
-            attempts, error = 0, None
-            for attempts in range(1, cfg.failure.max_failures + 2):
-                error = _run_group(cfg.scaling.max_workers, Path(tempfile.gettempdir()), args, driver, self.timeout)
-                if error is None or error == "driver died":
-                    break
+                    self.storage_faults, self.setup)
+            attempts, error, result = 0, None, None
+            with stop_on_sigterm(functools.partial(_if_alive, controller.request_stop), cfg.name):
+                for attempts in range(1, cfg.failure.max_failures + 2):
+                    error = _run_group(cfg.scaling.max_workers, Path(tempfile.gettempdir()), args, driver, self.timeout)
+                    if error is None or error == "driver died":
+                        break
+            if error != "driver died":
+                result = _if_alive(controller.result)
+                error = "driver died" if result is None else error  # it died as the ranks ended
             if error == "driver died":
                 self.outcome = Outcome(None, attempts, True, error)
                 return {"committed": None, "metrics": {}, "error": None, "attempts": [], "user_error": None,
                         "failure": RuntimeError(error), "wall_s": time.monotonic() - started}
-            result = controller.result()
             controller.release()
             if self.inspect:
                 self.inspect(controller)

@@ -42,6 +42,7 @@ class Fault:
     error: str = "EIO"  # an errno name, "timeout" (TimeoutError) or "reset" (ConnectionResetError)
     path_contains: str = ""
     delay_s: float = 0.0  # slept before every matching call
+    once: str = ""  # a file: the fault fires only in the process that creates it, once in all the job's processes
 
     def exception(self, path: str) -> OSError:
         if self.error == "timeout":
@@ -53,6 +54,15 @@ class Fault:
 
 
 _calls: dict[int, int] = {}  # fault index -> matching calls so far, in this process
+_delayed: set[int] = set()  # faults whose delay this process has recorded
+
+
+def _first_to_claim(path: str) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 class FaultyStorage:
@@ -67,10 +77,14 @@ class FaultyStorage:
                 continue
             _calls[index] = _calls.get(index, 0) + 1
             time.sleep(fault.delay_s)
-            if hit is None and fault.nth <= _calls[index] < fault.nth + fault.times:
+            if fault.delay_s and index not in _delayed:
+                _delayed.add(index)
+                _append(self.record, {"pid": os.getpid(), "method": method, "path": path, "at": time.time(), "delayed": fault.delay_s,
+                                      "once": fault.once})
+            if hit is None and fault.nth <= _calls[index] < fault.nth + fault.times and (not fault.once or _first_to_claim(fault.once)):
                 hit = fault
         if hit:
-            _append(self.record, {"pid": os.getpid(), "method": method, "path": path, **asdict(hit)})
+            _append(self.record, {"pid": os.getpid(), "method": method, "path": path, "at": time.time(), **asdict(hit)})
         return hit
 
     def __getattr__(self, name: str):
@@ -132,6 +146,7 @@ def install(faults: list[dict], record: str) -> None:
     storage built is a line in `record` too (`builds`)."""
     parsed = [Fault(**f) for f in faults]
     _calls.clear()  # counts start with the faults installed
+    _delayed.clear()
 
     def wrap(backend, uri):
         _append(record, {"built": os.getpid(), "uri": uri, "writer": sys.argv[0].endswith("writer_process.py")})

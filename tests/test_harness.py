@@ -117,9 +117,10 @@ def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path
     run_on_harness({**cfg, "fault": None, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
     assert starts(root)[-1]["source"].endswith("iteration_00000008")
     assert shard_bytes(root, FINAL) == shard_bytes(local_reference["root"], FINAL)
-    # The resumed job keeps its own newest (12) and leaves the first job's 8 alone.
+    # The resumed job keeps its own newest (12), leaves the first job's 8 alone, and clears what is left
+    # of 4 (no common.json: nothing can ever load it), found by the soak (benchmarks/soak.py, seed 1).
     kept = sorted(p.name for p in Path(root).iterdir() if p.name.startswith("iteration_"))
-    assert kept[-2:] == ["iteration_00000008", "iteration_00000012"]
+    assert kept == ["iteration_00000008", "iteration_00000012"]
 
 
 @pytest.mark.invariant(5)

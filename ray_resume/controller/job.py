@@ -61,6 +61,7 @@ class JobController(SnapshotLedger, Retention):
         self.pending: dict[int, dict[int, dict]] = {}  # iteration -> rank -> manifest
         self.pending_common: dict[int, dict] = {}  # iteration -> rank 0's common
         self.committed_by_job: list[int] = []
+        self.complete_below: set[int] = set()  # iterations retention found complete (it clears the others)
         self.fault_claimed = False
         self.final_metrics: dict = {}
         self.stop_requested = False

@@ -1,5 +1,6 @@
 """Retention on the job's controller: keep the newest `save_max` iterations this job committed,
-deleting older ones of this job only, crash-safe, on a thread of its own.
+deleting older ones of this job only, crash-safe, on a thread of its own; and clear what crashes
+left below the newest commit that nothing can ever load.
 
 A mixin of `JobController` (the harness overrides `_remove_iteration` to slow it down).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from ..checkpoint import paths
+from ..checkpoint.reader import iteration_steps
 
 logger = logging.getLogger("ray_resume.controller")
 
@@ -28,6 +30,25 @@ class Retention:
             victim = self.committed_by_job.pop(0)
             if victim != tracked:
                 self.deleter.submit(self._delete_iteration, victim)
+        self.deleter.submit(self._clear_uncommitted, tracked)
+
+    def _clear_uncommitted(self, tracked: int) -> None:
+        """Remove the iteration directories below `tracked` that hold no common.json: a save a crash cut
+        short that no later save replaced (one off the interval, for a preemption), or a deletion a
+        crash cut short. Nothing can load them (a commit writes common.json before the tracker), and
+        no save of this job writes below its newest commit. Each complete one is looked at once."""
+        try:
+            for step in iteration_steps(self.storage, self.root):
+                if step >= tracked or step in self.complete_below:
+                    continue
+                iter_dir = paths.iteration_dir(self.root, step)
+                if self.storage.exists(paths.join(iter_dir, paths.COMMON)):
+                    self.complete_below.add(step)
+                    continue
+                self.storage.remove_tree(iter_dir)
+                logger.info("removed iteration %d: a save or a deletion a crash cut short (it has no common.json)", step)
+        except Exception:
+            logger.exception("could not clear the uncommitted iterations below %d under %s", tracked, self.root)
 
     def _delete_iteration(self, step: int) -> None:
         """Crash-safe: common.json goes first, so a half-deleted dir can never pass as complete.
