@@ -100,6 +100,7 @@ INVARIANTS = {
 
 STEPS, SAVE_EVERY, SAVE_MAX, GLOBAL_BATCH = 24, 4, 2, 16
 MAX_SUBMISSIONS = 40  # of one round
+PROGRESS_EVERY_S = 30
 STEP_SLEEP = 0.03  # per micro-batch (2 a step): faults drawn at random land inside training
 
 logger = logging.getLogger("soak")
@@ -586,11 +587,14 @@ def main(argv=None) -> int:
     soak.make_reference()
     pending = list(kinds) if args.cover else []
     failure = None
+    said = start
     try:
         while True:
             soak.run_round(pending)
             elapsed = time.time() - start
-            print(f"soak: {elapsed / 60:5.1f} min, round {soak.rounds}, {len(soak.faults)} faults survived", flush=True)
+            if time.time() - said >= PROGRESS_EVERY_S:
+                said = time.time()
+                print(f"soak: {elapsed / 60:5.1f} min, round {soak.rounds}, {len(soak.faults)} faults survived", flush=True)
             if args.cover and not pending or args.rounds and soak.rounds >= args.rounds:
                 break
             if args.minutes is not None and elapsed >= args.minutes * 60:
