@@ -303,6 +303,9 @@ def test_a_failed_commit_ends_the_run_with_its_error_and_the_next_start_resumes(
     assert tracker(root) == str(outcome.committed) and outcome.attempts == 1
     stops = {r["step"] for r in read_metrics(root) if r.get("event") == "stop"}
     assert stops == {outcome.committed}  # the stop step was saved and committed
+    # Iteration 8's files and JSON were written, its tracker write failed: never committed, so cleared
+    # once the stop step's commit is newer (found by the soak: it stayed, one more than save_max).
+    assert not (Path(root) / "iteration_00000008").exists()
     run_on_harness({**cfg, "fault": None, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
     assert starts(root)[-1]["step"] == outcome.committed
     assert shard_bytes(root, FINAL) == shard_bytes(local_reference["root"], FINAL)

@@ -62,6 +62,7 @@ class JobController(SnapshotLedger, Retention):
         self.pending_common: dict[int, dict] = {}  # iteration -> rank 0's common
         self.committed_by_job: list[int] = []
         self.complete_below: set[int] = set()  # iterations retention found complete (it clears the others)
+        self.failed_commits: set[int] = set()  # iterations this job wrote but did not commit (retention clears them)
         self.fault_claimed = False
         self.final_metrics: dict = {}
         self.stop_requested = False
@@ -189,6 +190,7 @@ class JobController(SnapshotLedger, Retention):
             return True
         except Exception as exc:  # never raised into Ray: the ranks stop, and the driver fails the run with it
             logger.exception("commit of iteration %d failed; the tracker stays on the previous iteration", iteration)
+            self.failed_commits.add(iteration)
             self.commit_error = self.commit_error or f"the commit of iteration {iteration} failed: {exc}"
             self.lease_lost = self.lease_lost or isinstance(exc, LeaseLost)
             return False
@@ -200,6 +202,7 @@ class JobController(SnapshotLedger, Retention):
             before_tracker=lambda: self._before_tracker(iteration),
         )
         self.committed_by_job.append(iteration)
+        self.failed_commits.discard(iteration)  # saved again, committed this time
         logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["ray_resume"]["files"]), paths.iteration_dir(self.root, iteration))
         self._apply_retention(iteration)
 

@@ -8,14 +8,29 @@ A mixin of `JobController` (the harness overrides `_remove_iteration` to slow it
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from ..checkpoint import paths
 from ..checkpoint.reader import iteration_steps
+from ..checkpoint.storage import Storage
 
 logger = logging.getLogger("ray_resume.controller")
 
 
 class Retention:
+    # JobController's, which this mixin reads and keeps up
+    config: dict
+    root: str
+    storage: Storage
+    deleter: ThreadPoolExecutor  # one thread: deletions in commit order, off the commit's path
+    fault: dict | None
+    committed_by_job: list[int]
+    complete_below: set[int]
+    failed_commits: set[int]
+    claim_fault: Callable[[], bool]
+    _kill_driver: Callable[[str], None]
+
     def _apply_retention(self, tracked: int) -> None:
         """Keep the newest `save_max` iterations this job committed; remove older ones of this job only.
 
@@ -33,20 +48,23 @@ class Retention:
         self.deleter.submit(self._clear_uncommitted, tracked)
 
     def _clear_uncommitted(self, tracked: int) -> None:
-        """Remove the iteration directories below `tracked` that hold no common.json: a save a crash cut
-        short that no later save replaced (one off the interval, for a preemption), or a deletion a
-        crash cut short. Nothing can load them (a commit writes common.json before the tracker), and
-        no save of this job writes below its newest commit. Each complete one is looked at once."""
+        """Remove the iteration directories below `tracked` that were never committed: those that hold no
+        common.json (a save a crash cut short that no later save replaced, one off the interval for a
+        preemption; a deletion a crash cut short) and those whose commit failed in this job (written
+        whole, the tracker never moved to them). The tracker never names them (a commit writes
+        common.json before the tracker), and no save of this job writes below its newest commit.
+        Each complete one is looked at once."""
         try:
             for step in iteration_steps(self.storage, self.root):
                 if step >= tracked or step in self.complete_below:
                     continue
                 iter_dir = paths.iteration_dir(self.root, step)
-                if self.storage.exists(paths.join(iter_dir, paths.COMMON)):
+                if step not in self.failed_commits and self.storage.exists(paths.join(iter_dir, paths.COMMON)):
                     self.complete_below.add(step)
                     continue
                 self.storage.remove_tree(iter_dir)
-                logger.info("removed iteration %d: a save or a deletion a crash cut short (it has no common.json)", step)
+                self.failed_commits.discard(step)
+                logger.info("removed iteration %d: never committed (a save, a commit or a deletion cut short)", step)
         except Exception:
             logger.exception("could not clear the uncommitted iterations below %d under %s", tracked, self.root)
 
