@@ -142,7 +142,10 @@ class JobController(SnapshotLedger, Retention):
         return SAVE_AND_STOP if self.stop_requested or self.commit_error is not None else 0
 
     def release(self) -> None:
-        """The job is over: finish retention's deletions (the driver gives the lease back after this)."""
+        """The job is over: finish retention's deletions, clear what was never committed below the tracker
+        (a job with nothing left to do commits nothing), and the driver gives the lease back after this."""
+        if not self.lease_lost:
+            self.clear_below_tracker()
         self.deleter.shutdown(wait=True)
 
     def finish(self, metrics: dict) -> None:

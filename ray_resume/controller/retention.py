@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..checkpoint import paths
-from ..checkpoint.reader import iteration_steps
+from ..checkpoint.reader import iteration_steps, read_tracker
 from ..checkpoint.storage import Storage
 
 logger = logging.getLogger("ray_resume.controller")
@@ -46,6 +46,16 @@ class Retention:
             if victim != tracked:
                 self.deleter.submit(self._delete_iteration, victim)
         self.deleter.submit(self._clear_uncommitted, tracked)
+
+    def clear_below_tracker(self) -> None:
+        """`_clear_uncommitted` below what the tracker names now, on the deletion thread."""
+        try:
+            tracked = read_tracker(self.storage, self.root)
+        except Exception:  # a garbled tracker is the next load's to report
+            logger.exception("could not read the tracker of %s", self.root)
+            return
+        if tracked is not None:
+            self.deleter.submit(self._clear_uncommitted, tracked)
 
     def _clear_uncommitted(self, tracked: int) -> None:
         """Remove the iteration directories below `tracked` that were never committed: those that hold no
