@@ -193,14 +193,12 @@ class Soak:
         """The job uninterrupted, committing every step (kept): every iteration a soak round may commit."""
         root = self.work / "reference" / "ckpt"
         cfg = job_config(root, str(self.work / "data"), save_every=1, save_max=STEPS)
-        began = time.monotonic()
         outcome = harness.run_job(cfg, setup=(soak_faults.prepare, self.journal, str(self.work / "jobs.log")))
         assert outcome.error is None and outcome.committed == STEPS, outcome
         self.reference = {step: committed_state(str(root), step) for step in range(1, STEPS + 1)}
         self.reference_steps = {step: runs[0] for step, runs in step_runs(str(root)).items()}
         times = [self.reference_steps[s]["time"] for s in range(1, STEPS + 1)]
         self.step_s = statistics.median(b - a for a, b in zip(times, times[1:])) + 2 * STEP_SLEEP
-        self.job_s = time.monotonic() - began + STEPS * 2 * STEP_SLEEP
 
     # ------------------------------------------------------------------------- drawing faults
 
@@ -262,17 +260,14 @@ class Soak:
             cfg["checkpoint"]["load_path"] = str(root)  # as a resubmission of the job would
         cfg["fault"] = plan.phase
         remaining = (STEPS - (committed or 0)) * self.step_s
-        submitted = time.time()
-        notice = None
-        if plan.notice_at is not None:
-            notice = soak_faults.NoticeAt(submitted + self.job_s - STEPS * self.step_s + plan.notice_at * remaining, str(marks) + ".notice")
+        notice = soak_faults.NoticeAt(str(marks) + ".notice-at", str(marks) + ".notice") if plan.notice_at is not None else None
         fired: dict = {}
         backend = harness.LocalBackend(
             storage_faults=([f for _, f in plan.storage], record) if plan.storage else None,
             setup=(soak_faults.prepare, self.journal, str(self.work / "jobs.log"), self.mutations), preempted=notice or harness.never,
             inspect=lambda controller: fired.update(phase_at=controller.fault_fired()))
         done = threading.Event()
-        timed = threading.Thread(target=self.fire_timed, args=(plan.timed, backend, marks, root, remaining, done, cfg))
+        timed = threading.Thread(target=self.fire_timed, args=(plan, backend, marks, root, remaining, done, cfg))
         timed.start()
         try:
             api.train(cfg, loss=functools.partial(soak_faults.slow_loss, str(marks), STEP_SLEEP), backend=backend)
@@ -316,12 +311,14 @@ class Soak:
         except BaseException as exc:  # raised in the main thread once the submission has ended
             self.timed_error = exc
 
-    def _fire_timed(self, timed, backend, marks: Path, root: Path, remaining: float, done: threading.Event, cfg: dict) -> None:
+    def _fire_timed(self, plan: Plan, backend, marks: Path, root: Path, remaining: float, done: threading.Event, cfg: dict) -> None:
         while not self.training(marks, 0):
             if done.wait(0.01):
                 return
         began = time.time()
-        for kind, fraction in sorted(timed, key=lambda t: t[1]):
+        if plan.notice_at is not None:  # when the ranks' NoticeAt gives the notice
+            Path(str(marks) + ".notice-at").write_text(str(began + plan.notice_at * remaining))
+        for kind, fraction in sorted(plan.timed, key=lambda t: t[1]):
             if done.wait(max(0.0, began + fraction * remaining - time.time())):
                 return
             detail = self.inject(kind, backend, marks, root, cfg)
@@ -480,13 +477,17 @@ class Soak:
         shutil.rmtree(root.parent)
 
     def attribute_lost_time(self, root: Path) -> None:
-        """Each fault of this round: from it to the job's next step at or past the step it had reached, less a
-        step's time (so a fault that stopped nothing lost about 0)."""
+        """Each fault of this round: the time from it until the job had done SAVE_EVERY more steps than it had
+        when the fault hit (fewer at the round's end), less those steps' undisturbed time: a fault that
+        stopped nothing lost about 0, one that stopped the job its restart, reload and redone steps.
+        Overlapping faults share their loss. None for a fault after the last step."""
         steps = sorted((t, s) for r, t, s in self.timeline if r == self.rounds)
         for fault in (f for f in self.faults if f.round == self.rounds):
-            reached = max((s for t, s in steps if t <= fault.at), default=1)
-            back = next((t for t, s in steps if t > fault.at and s >= reached), None)
-            fault.lost_s = None if back is None else max(0.0, back - fault.at - self.step_s)
+            reached = max((s for t, s in steps if t <= fault.at), default=0)
+            target = min(reached + SAVE_EVERY, STEPS)
+            back = next((t for t, s in steps if t > fault.at and s >= target), None)
+            if back is not None and target > reached:
+                fault.lost_s = max(0.0, back - fault.at - (target - reached) * self.step_s)
 
 
 class _SecondJobRan(Exception):

@@ -90,13 +90,18 @@ def slow_loss(marks: str, step_sleep: float, model, batch):
 
 
 class NoticeAt:
-    """Ray Train's preemption notice, from wall time `at` on; `marker` is created when it was given."""
+    """Ray Train's preemption notice, from the wall time written in the file `at` on (the soak writes it
+    once training has begun); `marker` is created when the notice was given."""
 
-    def __init__(self, at: float, marker: str):
+    def __init__(self, at: str, marker: str):
         self.at, self.marker = at, marker
 
     def __call__(self) -> bool:
-        if time.time() < self.at:
+        try:
+            due = float(Path(self.at).read_text())
+        except (FileNotFoundError, ValueError):  # not written yet, or being written
+            return False
+        if time.time() < due:
             return False
         Path(self.marker).touch()
         return True
