@@ -537,27 +537,41 @@ def print_report(report: dict) -> None:
         print(f"SOAK FAILED (seed {report['seed']}, round {report['rounds']}): {report['failure']}")
 
 
-def plot(soak: Soak, start: float, path: str) -> None:
-    """Progress (rounds × steps) over time, each fault a mark at the moment it hit."""
+def plot(soak: Soak, start: float, path: str, failure: str | None, window_s: float = 90) -> None:
+    """Above, the soak's first `window_s` seconds: each step run (the round's step over time; a fall is a
+    resume from an earlier commit, or the next round) and each fault as a line of its kind's colour.
+    Below, the faults injected so far over the whole soak, by kind."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    points = sorted((t, (r - 1) * STEPS + s) for r, t, s in soak.timeline)
-    ax.plot([(t - start) / 60 for t, _ in points], [p for _, p in points], ".", markersize=1.5, color="0.3", label="a step")
-    colors = plt.get_cmap("tab20")
-    for i, kind in enumerate(k for k in KINDS if any(f.kind == k for f in soak.faults)):
-        at = [f.at for f in soak.faults if f.kind == kind]
-        done = [max((p for t, p in points if t <= a), default=0) for a in at]
-        ax.plot([(a - start) / 60 for a in at], done, "v", color=colors(i), markersize=5, label=kind)
-    ax.set_xlabel("minutes")
-    ax.set_ylabel("steps done (all rounds)")
-    ax.set_title(f"soak, seed {soak.seed}: {len(soak.faults)} faults")
-    ax.legend(fontsize=6, ncol=2, loc="upper left")
+    fig, (near, whole) = plt.subplots(2, 1, figsize=(11, 7.5))
+    first = min(t for _, t, _ in soak.timeline)
+    points = sorted((t - first, s) for _, t, s in soak.timeline if t - first <= window_s)
+    near.plot([t for t, _ in points], [s for _, s in points], "-o", color="0.35", markersize=1.8, linewidth=0.4)
+    colors = {kind: plt.get_cmap("tab20")(i) for i, kind in enumerate(KINDS)}
+    for kind in KINDS:
+        at = [f.at - first for f in soak.faults if f.kind == kind and 0 <= f.at - first <= window_s]
+        if at:
+            near.vlines(at, 0, STEPS, color=colors[kind], linewidth=1.2, label=kind)
+    near.set_xlabel(f"seconds (the first {window_s:.0f} s)")
+    near.set_ylabel("step of the round")
+    near.set_title(f"soak, seed {soak.seed}: each step run, and each fault as it hit")
+    near.legend(fontsize=6, ncol=4, loc="lower right")
+    for kind in KINDS:
+        at = sorted((f.at - start) / 60 for f in soak.faults if f.kind == kind)
+        if at:
+            whole.step(at, range(1, len(at) + 1), where="post", color=colors[kind], linewidth=1, label=kind)
+    at = sorted((f.at - start) / 60 for f in soak.faults)
+    whole.step(at, range(1, len(at) + 1), where="post", color="black", linewidth=1.6, label="all")
+    whole.set_xlabel("minutes")
+    whole.set_ylabel("faults injected")
+    whole.set_title(f"{len(soak.faults)} faults of {len({f.kind for f in soak.faults})} kinds in {soak.rounds} rounds, "
+                    + ("all survived" if failure is None else "FAILED: " + failure[:80]))
+    whole.legend(fontsize=6, ncol=3, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None) -> int:
@@ -612,7 +626,7 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:
-        plot(soak, start, args.plot)
+        plot(soak, start, args.plot, failure)
     if not args.dir and failure is None:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failure else 0
