@@ -162,7 +162,7 @@ class Fault:
     round: int
     at: float  # wall time it was injected
     detail: str = ""
-    lost_s: float | None = None  # from the fault to the job back past the step it had reached, less a step's time
+    lost_s: float | None = None  # see Soak.attribute_lost_time
 
 
 @dataclass
@@ -186,6 +186,14 @@ class Soak:
         self.rounds = self.submissions = 0
         self.timeline: list[tuple[int, float, int]] = []  # (round, time, step) of rank 0's steps
         self.timed_error: BaseException | None = None  # what the thread injecting timed faults raised
+        self.sigterm_sent = False  # a SIGTERM of the soak's own, for the job, is on its way
+
+    def on_sigterm(self, signum, frame) -> None:
+        """Outside a job's run (whose driver takes SIGTERM as a stop request): the soak's own SIGTERM, come
+        as the job ended, is dropped; anyone else's stops the soak."""
+        if not self.sigterm_sent:
+            raise KeyboardInterrupt("SIGTERM")
+        self.sigterm_sent = False
 
     # ------------------------------------------------------------------------- the reference
 
@@ -223,7 +231,7 @@ class Soak:
         return plan
 
     def moment(self) -> float:
-        """When a fault lands, as a fraction of the submission's remaining training. A quarter of the draws
+        """When a fault lands, as a fraction of the submission's remaining training. A fifth of the draws
         fall after its end: else a power cut would land before each next save once few steps remain."""
         return self.rng.uniform(0.0, 1.25)
 
@@ -232,7 +240,7 @@ class Soak:
         if kind == "rank_killed_after_step":
             return list(ahead)
         saves = [s for s in ahead if s % SAVE_EVERY == 0]
-        if kind == "driver_killed_mid_retention":  # the third save on deletes one
+        if kind == "driver_killed_mid_retention":  # a job's third commit on deletes one (it fires only where one does)
             return [s for s in saves if s > SAVE_EVERY * SAVE_MAX]
         return saves
 
@@ -277,6 +285,7 @@ class Soak:
         finally:
             done.set()
             timed.join()
+        self.sigterm_sent = False
         if self.timed_error:
             error, self.timed_error = self.timed_error, None
             raise error
@@ -352,6 +361,7 @@ class Soak:
             os.kill(backend.driver_pid, signal.SIGKILL)
             return f"pid {backend.driver_pid}"
         if kind == "sigterm":
+            self.sigterm_sent = True
             os.kill(os.getpid(), signal.SIGTERM)  # to the driver: this process runs the job's launch
             return "to the driver"
         if kind == "power_cut":
@@ -504,18 +514,18 @@ class _MustNotRun:
 # ----------------------------------------------------------------------------- report
 
 
-def summary(soak: Soak, seconds: float, failure: str | None) -> dict:
+def summary(soak: Soak, seconds: float, failure: str | None, interrupted: bool = False) -> dict:
     by_kind = {}
     for kind in KINDS:
         faults = [f for f in soak.faults if f.kind == kind]
         lost = [f.lost_s for f in faults if f.lost_s is not None]
-        survived = len(faults) if failure is None else sum(f.round < soak.rounds for f in faults)
+        survived = len(faults) if failure is None and not interrupted else sum(f.round < soak.rounds for f in faults)
         by_kind[kind] = {"injected": len(faults), "survived": survived,
                          "lost_median_s": round(statistics.median(lost), 2) if lost else None,
                          "lost_worst_s": round(max(lost), 2) if lost else None}
     return {"seed": soak.seed, "seconds": round(seconds, 1), "rounds": soak.rounds, "submissions": soak.submissions,
             "faults": len(soak.faults), "kinds": sum(1 for k in by_kind.values() if k["injected"]), "by_kind": by_kind,
-            "checked": dict(soak.checked), "failure": failure, "mutations": list(soak.mutations),
+            "checked": dict(soak.checked), "failure": failure, "interrupted": interrupted, "mutations": list(soak.mutations),
             "injected": [asdict(f) for f in soak.faults]}
 
 
@@ -535,6 +545,8 @@ def print_report(report: dict) -> None:
         print(f"| {text} | {report['checked'].get(name, 0)} |")
     if report["failure"]:
         print(f"SOAK FAILED (seed {report['seed']}, round {report['rounds']}): {report['failure']}")
+    elif report["interrupted"]:
+        print(f"soak interrupted in round {report['rounds']}: its faults are not counted as survived")
 
 
 def plot(soak: Soak, start: float, path: str, failure: str | None, window_s: float = 90) -> None:
@@ -593,16 +605,16 @@ def main(argv=None) -> int:
     mutations = tuple(m for m in args.mutate.split(",") if m)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("ray_resume").setLevel(logging.ERROR)  # the soak's own lines, not every submission's
-    signal.signal(signal.SIGTERM, lambda *_: None)  # a SIGTERM meant for a job that has just ended
     work = Path(args.dir or tempfile.mkdtemp(prefix="soak-"))
     work.mkdir(parents=True, exist_ok=True)
     soak = Soak(work, args.seed, kinds, mutations)
+    signal.signal(signal.SIGTERM, soak.on_sigterm)
     soak_faults.journal_fsyncs(soak.journal)  # the driver's own writes (the lease) are this process's
     start = time.time()
     soak.make_reference()
     pending = list(kinds) if args.cover else []
     failure = None
-    said = start
+    said, interrupted = start, False
     try:
         while True:
             soak.run_round(pending)
@@ -621,7 +633,9 @@ def main(argv=None) -> int:
     except Exception as exc:  # the soak itself broke: reported as a failure too, with where
         traceback.print_exc()
         failure = f"{type(exc).__name__}: {exc}"
-    report = summary(soak, time.time() - start, failure)
+    except KeyboardInterrupt:  # Ctrl-C, or a SIGTERM not the soak's own: the report of the rounds done
+        interrupted = True
+    report = summary(soak, time.time() - start, failure, interrupted)
     print_report(report)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
@@ -629,7 +643,7 @@ def main(argv=None) -> int:
         plot(soak, start, args.plot, failure)
     if not args.dir and failure is None:
         shutil.rmtree(work, ignore_errors=True)
-    return 1 if failure else 0
+    return 1 if failure else 130 if interrupted else 0
 
 
 if __name__ == "__main__":

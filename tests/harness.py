@@ -210,12 +210,15 @@ def _run_group(world: int, tmp: Path, args: tuple, driver: Driver, timeout: floa
         rendezvous.unlink(missing_ok=True)  # gloo leaves it behind when a rank is killed
 
 
+DEAD = object()  # what a call to a dead controller's process returns
+
+
 def _if_alive(call):
-    """`call()` to the controller's process; None if that process is dead (a fault killed the driver)."""
+    """`call()` to the controller's process; DEAD if that process is dead (a fault killed the driver)."""
     try:
         return call()
     except (EOFError, OSError):
-        return None
+        return DEAD
 
 
 def never() -> bool:
@@ -257,16 +260,16 @@ class LocalBackend:
                     error = _run_group(cfg.scaling.max_workers, Path(tempfile.gettempdir()), args, driver, self.timeout)
                     if error is None or error == "driver died":
                         break
-            if error != "driver died":
+            if error != "driver died":  # it may die as the ranks end, too
                 result = _if_alive(controller.result)
-                error = "driver died" if result is None else error  # it died as the ranks ended
+                released = _if_alive(controller.release)
+                inspected = _if_alive(lambda: self.inspect(controller)) if self.inspect else None
+                if any(answer is DEAD for answer in (result, released, inspected)):
+                    error = "driver died"
             if error == "driver died":
                 self.outcome = Outcome(None, attempts, True, error)
                 return {"committed": None, "metrics": {}, "error": None, "attempts": [], "user_error": None,
                         "failure": RuntimeError(error), "wall_s": time.monotonic() - started}
-            controller.release()
-            if self.inspect:
-                self.inspect(controller)
             self.outcome = Outcome(result["committed"], attempts, False, result["user_error"] or error or result["error"], result["attempts"])
             return {**result, "failure": RuntimeError(error) if error else None, "wall_s": time.monotonic() - started}
         finally:
