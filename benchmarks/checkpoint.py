@@ -139,7 +139,7 @@ class Rank:
         ck.save(step, self.model, self.optimizer, {"global_step": step, "global_batch_size": 4, "consumed_samples": 4 * step,
                                                     "epoch_num": 0, "step_num": step, "loss_scale": 1.0})
         stall = time.perf_counter() - start
-        ck.finish()
+        ck.close()
         total = time.perf_counter() - start
         return {"stall": stall, "total": total, "bytes": sum(info["size"] for _, info in self._my_files(ck.ckpt.save_path, step))}
 

@@ -84,7 +84,7 @@ class TrainingRank(Rank):
                 stalls.append(time.perf_counter() - start)
             ends[step] = time.perf_counter()
         if ck:
-            ck.finish()
+            ck.close()
         if pending is not None:
             pending.result()
         self.optimizer.zero_grad()

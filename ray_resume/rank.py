@@ -237,4 +237,4 @@ class RankCheckpointer:
         self._finished = True
         if save_last and self._cfg.checkpoint.enable_save and self._last is not None and self._last[0] != self._saved:
             self._save(*self._last, durable=True)
-        return self._checkpointer.finish()
+        return self._checkpointer.close()

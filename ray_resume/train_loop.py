@@ -120,7 +120,7 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
     if ck.last_stall_s is not None:
         progress._record({"event": "save_wait", "step": train.train_steps, "save_stall_s": final_wait}, flush=True)
     if rank == 0:
-        call(controller, "finish", progress.last)
+        call(controller, "record_final_metrics", progress.last)
 
 
 def learning_rate(train, consumed: int) -> float:

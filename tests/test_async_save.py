@@ -100,7 +100,7 @@ def test_sync_thread_and_process_saves_write_identical_files(tmp_path, dtype):
             torch.manual_seed(1234)  # same RNG state captured into the opt shard's header
             ck.save(3, model, opt, common)
             assert ck.last_stall_s is not None and ck.stalls[0][0] == 3
-            ck.finish()
+            ck.close()
             writers[mode, rank] = ck.writer.pid if ck.writer else None
     assert files_of(roots["sync"], 3) == files_of(roots["thread"], 3) == files_of(roots["process"], 3)
     assert len(files_of(roots["sync"], 3)) == 4
@@ -133,12 +133,12 @@ def test_auto_writes_a_small_share_in_the_thread_and_a_large_one_in_a_process(tm
     small = checkpointer_for(tmp_path / "small", 0, 1)  # async_writer: auto, the default
     assert small.writer is None  # decided at the first save, by the share's size
     small.save(1, model, opt, {"global_step": 1})
-    small.finish()
+    small.close()
     assert small.writer is None and (tmp_path / "small" / "iteration_00000001").is_dir()
     monkeypatch.setattr(writer_process, "PROCESS_MIN_BYTES", 1)  # every share is large now
     large = checkpointer_for(tmp_path / "large", 0, 1)
     large.save(1, model, opt, {"global_step": 1})
-    large.finish()
+    large.close()
     assert large.writer.pid is not None
     assert files_of(tmp_path / "small", 1).keys() == files_of(tmp_path / "large", 1).keys()
 
@@ -158,14 +158,14 @@ def test_a_writer_process_killed_mid_write_loses_that_save_only(tmp_path, caplog
 
     ck.faults.maybe_kill = kill_the_writer
     ck.save(1, model, opt, {"global_step": 1})
-    ck.finish()  # no error: the save is lost, the training goes on
+    ck.close()  # no error: the save is lost, the training goes on
     assert coordinator.reports == []
     assert [r.getMessage() for r in caplog.records if "not saved" in r.getMessage()] == [
         f"rank 0: iteration 1 is not saved: the writer process (pid {killed[0]}) ended (killed by SIGKILL) while writing "
         "ckpt-model-0000000-0000001.safetensors, ckpt-opt-0000000-0000001.safetensors; the next save starts a new writer"]
     torch.manual_seed(7)
     ck.save(2, model, opt, {"global_step": 2})
-    ck.finish()
+    ck.close()
     assert [step for _, step, _, _ in coordinator.reports] == [2] and ck.writer.pid != killed[0]
     expected = checkpointer_for(tmp_path / "sync" / "ckpt", 0, 1, **MODES["sync"])
     torch.manual_seed(7)
@@ -184,7 +184,7 @@ def test_a_storage_error_surfaces_the_same_from_the_thread_and_the_process(tmp_p
         ck = checkpointer_for(tmp_path / "ckpt", 0, 1, **MODES[mode])
         ck.save(1, model, opt, {"global_step": 1})
         with pytest.raises(AsyncSaveError) as info:
-            ck.finish()
+            ck.close()
     finally:
         storage_module.wrappers.clear()
     path = tmp_path / "ckpt" / "iteration_00000001" / "ckpt-model-0000000-0000001.safetensors"
@@ -208,7 +208,7 @@ def test_the_writer_process_dies_with_its_rank(tmp_path):
         model, opt = make_state()
         ck = checkpointer_for(Path({str(tmp_path / "ckpt")!r}), 0, 1, **MODES["process"])
         ck.save(1, model, opt, {{"global_step": 1}})
-        ck.finish()
+        ck.close()
         print(ck.writer.pid, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """))
@@ -245,7 +245,7 @@ def test_snapshot_is_taken_at_the_save_step_and_buffers_are_reused(tmp_path):
     pointers = {k: buf.data_ptr() for k, (_, buf) in ck.snapshots._buffers.items()}
     assert set(pointers) == {"model", "opt"} and ck.snapshots.allocations == 2
     ck.save(2, model, opt, {"global_step": 2})  # waits for save 1, then snapshots into the same buffers
-    ck.finish()
+    ck.close()
     assert files_of(tmp_path / "async" / "ckpt", 1) == files_of(tmp_path / "sync" / "ckpt", 1)
     assert files_of(tmp_path / "async" / "ckpt", 2) != files_of(tmp_path / "async" / "ckpt", 1)
     assert {k: buf.data_ptr() for k, (_, buf) in ck.snapshots._buffers.items()} == pointers
@@ -272,7 +272,7 @@ def test_a_failed_background_write_surfaces_at_the_next_save(tmp_path, monkeypat
     # Raised once: the loop may go on, and a later save works again.
     monkeypatch.setattr(checkpointer_module, "write_shards", real)
     ck.save(2, model, opt, {"global_step": 2})
-    ck.finish()
+    ck.close()
     assert len(files_of(tmp_path / "ckpt", 2)) == 2
 
 
@@ -282,9 +282,9 @@ def test_a_failed_last_write_surfaces_at_the_final_wait(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpointer_module, "write_shards", lambda *a, **k: 1 / 0)
     ck.save(1, model, opt, {"global_step": 1})
     with pytest.raises(AsyncSaveError, match="iteration 1") as info:
-        ck.finish()
+        ck.close()
     assert isinstance(info.value.__cause__, ZeroDivisionError)
-    assert ck.finish() == 0.0  # nothing left in flight
+    assert ck.close() == 0.0  # nothing left in flight
 
 
 def test_a_failure_is_raised_even_at_a_step_that_does_not_save(tmp_path, monkeypatch):

@@ -304,7 +304,7 @@ class Checkpointer:
         state.restore_rng(snap["rng"])
         return Start(common["global_step"], common["consumed_samples"], memory.MEMORY_SOURCE.format(step=step)), snap["extras"]
 
-    def finish(self) -> float:
+    def close(self) -> float:
         """Wait for the save in flight (so its commit happens before the worker returns); seconds blocked.
 
         Raises the error of a failed background save.

@@ -148,7 +148,7 @@ class JobController(SnapshotLedger, Retention):
             self.clear_below_tracker()
         self.deleter.shutdown(wait=True)
 
-    def finish(self, metrics: dict) -> None:
+    def record_final_metrics(self, metrics: dict) -> None:
         """Rank 0's last step metrics, for the driver's result."""
         self.final_metrics = metrics
 
