@@ -55,12 +55,12 @@ from benchmarks import soak_faults  # noqa: E402
 from ray_resume import api  # noqa: E402
 from ray_resume.checkpoint import paths  # noqa: E402
 from ray_resume.checkpoint.lease import LEASE_DIR  # noqa: E402
-from ray_resume.checkpoint.reader import open_iteration, read_tracker  # noqa: E402
-from ray_resume.checkpoint.storage import LocalStorage  # noqa: E402
+from ray_resume.checkpoint.reader import iteration_steps, read_tracker  # noqa: E402
+from ray_resume.checkpoint.root import CheckpointRoot, root_for  # noqa: E402
 from ray_resume.cli import verify_iteration  # noqa: E402
 from ray_resume.driver import TrainingFailed  # noqa: E402
 from ray_resume.errors import USER_ERRORS, CheckpointError  # noqa: E402
-from ray_resume.metrics import read_metrics  # noqa: E402
+from ray_resume.metrics import metrics_dir, read_metrics  # noqa: E402
 
 KINDS = {
     "rank_killed": "a rank SIGKILLed from outside at a random moment (mid-step, mid-write, mid-report)",
@@ -110,7 +110,7 @@ class SoakFailure(Exception):
     """A check failed: what, where."""
 
 
-def job_config(root: Path, data: str, save_every: int = SAVE_EVERY, save_max: int = SAVE_MAX) -> dict:
+def job_config(root: CheckpointRoot, data: str, options: dict | None, save_every: int = SAVE_EVERY, save_max: int = SAVE_MAX) -> dict:
     """A job small enough for a fault every few seconds on 2 cores; it crosses an epoch boundary (step 10)."""
     return {
         "name": "soak",
@@ -120,23 +120,24 @@ def job_config(root: Path, data: str, save_every: int = SAVE_EVERY, save_max: in
                      "log_every": 1, "log_sample_ids": True},
         "scaling": {"num_workers": 2},
         "failure": {"max_failures": 100},
-        "checkpoint": {"save_path": str(root), "save_interleaved_steps": save_every, "save_max": save_max},
+        "checkpoint": {"save_path": root.uri, "save_interleaved_steps": save_every, "save_max": save_max,
+                       **({"storage": options} if options else {})},
     }
 
 
-def committed_state(root: str, step: int) -> dict:
+def committed_state(root: CheckpointRoot, step: int) -> dict:
     """What a load of iteration `step` sees: its shards' bytes and its progress fields."""
-    directory = Path(paths.iteration_dir(root, step))
-    it = open_iteration(LocalStorage(), root, step)
-    common = {k: it.common[k] for k in ("global_step", "consumed_samples", "epoch_num", "step_num")}
-    return {"shards": {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if paths.parse_shard_filename(p.name)},
+    directory = root.iteration_dir(step)
+    common = {k: root.iteration(step).common[k] for k in ("global_step", "consumed_samples", "epoch_num", "step_num")}
+    return {"shards": {name: root.storage.read_bytes(paths.join(directory, name))
+                       for name in sorted(root.storage.listdir(directory)) if paths.parse_shard_filename(name)},
             "common": common}
 
 
-def step_runs(root: str) -> dict[int, list[dict]]:
+def step_runs(records: list[dict]) -> dict[int, list[dict]]:
     """For each step, each run of it in order: {"loss", "ids" (all ranks'), "time" (rank 0's)}."""
     runs: dict[int, dict[tuple, dict]] = {}
-    for r in sorted(read_metrics(root), key=lambda r: r["time"]):
+    for r in sorted(records, key=lambda r: r["time"]):
         if "loss" in r:
             run = runs.setdefault(r["step"], {}).setdefault((r["job"], r["attempt"]), {"loss": r["loss"], "ids": [], "time": r["time"]})
             run["ids"] = sorted(run["ids"] + r["sample_ids"])
@@ -187,6 +188,9 @@ class Soak:
         self.timeline: list[tuple[int, float, int]] = []  # (round, time, step) of rank 0's steps
         self.timed_error: BaseException | None = None  # what the thread injecting timed faults raised
         self.sigterm_sent = False  # a SIGTERM of the soak's own, for the job, is on its way
+        self.s3: dict | None = None  # the S3 server's checkpoint.storage options, if every other round is on it
+        self.options: dict | None = None  # this round's checkpoint.storage
+        self.s3_rounds = 0
 
     def on_sigterm(self, signum, frame) -> None:
         """Outside a job's run (whose driver takes SIGTERM as a stop request): the soak's own SIGTERM, come
@@ -199,12 +203,12 @@ class Soak:
 
     def make_reference(self) -> None:
         """The job uninterrupted, committing every step (kept): every iteration a soak round may commit."""
-        root = self.work / "reference" / "ckpt"
-        cfg = job_config(root, str(self.work / "data"), save_every=1, save_max=STEPS)
+        root = root_for(str(self.work / "reference" / "ckpt"))
+        cfg = job_config(root, str(self.work / "data"), None, save_every=1, save_max=STEPS)
         outcome = harness.run_job(cfg, setup=(soak_faults.prepare, self.journal, str(self.work / "jobs.log")))
         assert outcome.error is None and outcome.committed == STEPS, outcome
-        self.reference = {step: committed_state(str(root), step) for step in range(1, STEPS + 1)}
-        self.reference_steps = {step: runs[0] for step, runs in step_runs(str(root)).items()}
+        self.reference = {step: committed_state(root, step) for step in range(1, STEPS + 1)}
+        self.reference_steps = {step: runs[0] for step, runs in step_runs(read_metrics(root.uri)).items()}
         times = [self.reference_steps[s]["time"] for s in range(1, STEPS + 1)]
         self.step_s = statistics.median(b - a for a, b in zip(times, times[1:])) + 2 * STEP_SLEEP
 
@@ -258,14 +262,14 @@ class Soak:
 
     # ------------------------------------------------------------------------- one submission
 
-    def submit(self, root: Path, plan: Plan) -> harness.Outcome:
+    def submit(self, root: CheckpointRoot, plan: Plan) -> harness.Outcome:
         n = self.submissions = self.submissions + 1
         marks, record = self.work / f"marks-{n}", str(self.work / f"storage-{n}.jsonl")
         marks.mkdir()
-        cfg = job_config(root, str(self.work / "data"))
-        committed = read_tracker(LocalStorage(), str(root)) if root.exists() else None
+        cfg = job_config(root, str(self.work / "data"), self.options)
+        committed = read_tracker(root.storage, root.uri)
         if committed is not None:
-            cfg["checkpoint"]["load_path"] = str(root)  # as a resubmission of the job would
+            cfg["checkpoint"]["load_path"] = root.uri  # as a resubmission of the job would
         cfg["fault"] = plan.phase
         remaining = (STEPS - (committed or 0)) * self.step_s
         notice = soak_faults.NoticeAt(str(marks) + ".notice-at", str(marks) + ".notice") if plan.notice_at is not None else None
@@ -320,7 +324,8 @@ class Soak:
         except BaseException as exc:  # raised in the main thread once the submission has ended
             self.timed_error = exc
 
-    def _fire_timed(self, plan: Plan, backend, marks: Path, root: Path, remaining: float, done: threading.Event, cfg: dict) -> None:
+    def _fire_timed(self, plan: Plan, backend, marks: Path, root: CheckpointRoot, remaining: float, done: threading.Event,
+                    cfg: dict) -> None:
         while not self.training(marks, 0):
             if done.wait(0.01):
                 return
@@ -348,18 +353,18 @@ class Soak:
                 pass
         return out
 
-    def inject(self, kind: str, backend, marks: Path, root: Path, cfg: dict) -> str | None:
+    def inject(self, kind: str, backend, marks: Path, root: CheckpointRoot, cfg: dict) -> str | None:
         """Inject one timed fault; what was done, or None if the job was not training any more."""
         ranks = self.training(marks, time.time() - 1.0)
         if not ranks:
             return None
-        if kind == "rank_killed":
-            victim = self.rng.choice(sorted(ranks))
-            os.kill(victim, signal.SIGKILL)
+        if kind in ("rank_killed", "driver_killed"):
+            victim = self.rng.choice(sorted(ranks)) if kind == "rank_killed" else backend.driver_pid
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:  # it had died meanwhile, of another fault
+                return None
             return f"pid {victim}"
-        if kind == "driver_killed":
-            os.kill(backend.driver_pid, signal.SIGKILL)
-            return f"pid {backend.driver_pid}"
         if kind == "sigterm":
             self.sigterm_sent = True
             os.kill(os.getpid(), signal.SIGTERM)  # to the driver: this process runs the job's launch
@@ -370,55 +375,64 @@ class Soak:
             return self.second_job(root, backend, cfg)
         raise ValueError(kind)
 
-    def power_cut(self, root: Path) -> str:
-        seen: dict = {}
+    def power_cut(self, root: CheckpointRoot) -> str:
+        """On object storage, what a PUT acknowledged is kept: the cut only kills."""
+        seen: dict = {"lost": []}
 
         def cut() -> None:
-            seen["tracker"] = read_tracker(LocalStorage(), str(root))
-            seen["lost"] = soak_faults.lose_unsynced(str(root), self.journal)
+            seen["tracker"] = read_tracker(root.storage, root.uri)
+            if self.options is None:
+                seen["lost"] = soak_faults.lose_unsynced(root.uri, self.journal)
 
         soak_faults.freeze_and_kill(job_processes(), cut)
         self.check_tracker(root, seen["tracker"], "after a power cut")
         return f"{len(seen['lost'])} files lost bytes"
 
-    def second_job(self, root: Path, backend, cfg: dict) -> str | None:
+    def second_job(self, root: CheckpointRoot, backend, cfg: dict) -> str | None:
         """The same job submitted again while it runs: refused at the lease, before anything is read or written."""
-        lease_dir = root / LEASE_DIR
-        before = {p.name: p.read_bytes() for p in lease_dir.iterdir()}
-        holder = json.loads(max(before.items())[1])["job_id"]
-        second = dict(cfg, checkpoint={**cfg["checkpoint"], "load_path": str(root)}, fault=None)
+        holder = self.lease_holders(root)[-1][1]
+        second = dict(cfg, checkpoint={**cfg["checkpoint"], "load_path": root.uri}, fault=None)
         try:
             api.train(second, backend=_MustNotRun())
         except CheckpointError as exc:
             self.checked["second_job"] += 1
             if f"is being written by job {holder}" not in str(exc):
                 raise SoakFailure(f"the second job was refused for another reason: {exc}") from exc
-            left = {p.name: json.loads(p.read_bytes()).get("job_id") for p in lease_dir.iterdir()}
-            if set(left.values()) != {holder}:
+            left = self.lease_holders(root)
+            if {job for _, job, _ in left} != {holder}:
                 raise SoakFailure(f"the refused second job changed the lease: {left}") from exc
             return f"refused: job {holder} holds the lease"
         except _SecondJobRan:
             if psutil.pid_exists(backend.driver_pid) and backend.outcome is None:
-                raise SoakFailure(f"a second job on {root} was not refused while job {holder} ran") from None
+                raise SoakFailure(f"a second job on {root.uri} was not refused while job {holder} ran") from None
         return None  # the first job had ended meanwhile: no fault
+
+    @staticmethod
+    def lease_holders(root: CheckpointRoot) -> list[tuple[str, str, bool]]:
+        """(file, job, released) of every lease generation, oldest first."""
+        lease_dir = paths.join(root.uri, LEASE_DIR)
+        out = []
+        for name in sorted(root.storage.listdir(lease_dir)):
+            held = json.loads(root.storage.read_bytes(paths.join(lease_dir, name)))
+            out.append((name, held.get("job_id"), held.get("released") is True))
+        return out
 
     # ------------------------------------------------------------------------- checks
 
-    def after_stop(self, root: Path, committed_before: int | None) -> None:
+    def after_stop(self, root: CheckpointRoot, committed_before: int | None) -> None:
         deadline = time.monotonic() + 10
         while job_processes() and time.monotonic() < deadline:
             time.sleep(0.05)
         self.check("processes", not job_processes(), f"processes left after the job stopped: {job_processes()}")
-        if root.exists():
-            self.check_tracker(root, committed_before, "after the job stopped")
+        self.check_tracker(root, committed_before, "after the job stopped")
 
     def check(self, invariant: str, ok: bool, message: str) -> None:
         self.checked[invariant] += 1
         if not ok:
             raise SoakFailure(f"{INVARIANTS[invariant]}: {message}")
 
-    def check_tracker(self, root: Path, committed_before: int | None, when: str) -> None:
-        tracker = read_tracker(LocalStorage(), str(root))
+    def check_tracker(self, root: CheckpointRoot, committed_before: int | None, when: str) -> None:
+        tracker = read_tracker(root.storage, root.uri)
         if committed_before is not None:
             self.check("no_commit_lost", tracker is not None and tracker >= committed_before,
                        f"{when}, the tracker names {tracker}; iteration {committed_before} was committed before")
@@ -426,19 +440,19 @@ class Soak:
             return
         self.check_iteration(root, tracker, when)
 
-    def check_iteration(self, root: Path, step: int, when: str) -> None:
+    def check_iteration(self, root: CheckpointRoot, step: int, when: str) -> None:
         try:
-            result = verify_iteration(LocalStorage(), open_iteration(LocalStorage(), str(root), step))
-            problems = result["problems"]
+            problems = verify_iteration(root.storage, root.iteration(step))["problems"]
         except CheckpointError as exc:
             problems = [str(exc)]
         self.check("tracker", not problems, f"{when}, iteration {step} does not verify: {problems}")
-        same = committed_state(str(root), step) == self.reference[step]
+        same = committed_state(root, step) == self.reference[step]
         self.check("bytes", same, f"{when}, iteration {step} differs from the reference's")
 
-    def check_round(self, root: Path) -> None:
-        runs = step_runs(str(root))
-        starts = sorted((r["time"], r["step"]) for r in read_metrics(str(root)) if r.get("event") == "start" and r["rank"] == 0)
+    def check_round(self, root: CheckpointRoot) -> None:
+        records = read_metrics(root.uri, self.options)
+        runs = step_runs(records)
+        starts = sorted((r["time"], r["step"]) for r in records if r.get("event") == "start" and r["rank"] == 0)
         last_start = starts[-1][1]
         self.check("losses", sorted(runs) == list(range(1, STEPS + 1)), f"steps run: {sorted(runs)}")
         for step, step_runs_ in runs.items():
@@ -452,9 +466,9 @@ class Soak:
                            f"step {step}: its last run consumed {step_runs_[-1]['ids']}, the reference {expected['ids']}")
             self.timeline += [(self.rounds, run["time"], step) for run in step_runs_]
         by_job: dict[str, list[int]] = {}
-        for step in sorted(int(p.name.split("_")[1]) for p in root.glob("iteration_*")):
+        for step in iteration_steps(root.storage, root.uri):
             try:
-                job = open_iteration(LocalStorage(), str(root), step).ours["job_id"]
+                job = root.iteration(step).ours["job_id"]
             except CheckpointError as exc:
                 raise SoakFailure(f"{INVARIANTS['leftovers']}: iteration {step} is left uncommitted: {exc}") from exc
             by_job.setdefault(job, []).append(step)
@@ -462,31 +476,37 @@ class Soak:
         newest = max(max(steps) for steps in by_job.values())
         self.check("save_max", newest == STEPS and all(len(steps) <= SAVE_MAX for steps in by_job.values()),
                    f"the root keeps iterations {by_job} by job")
-        temporary = [str(p.relative_to(root)) for p in root.rglob("*") if ".tmp" in p.name]
-        self.check("leftovers", not temporary, f"temporary files left: {temporary}")
-        newest = max((root / LEASE_DIR).iterdir())
-        self.check("leftovers", json.loads(newest.read_bytes()).get("released") is True, f"{newest} is still held")
+        if self.options is None:  # object storage has no temporary names: a PUT is whole or absent
+            temporary = [str(p.relative_to(root.uri)) for p in Path(root.uri).rglob("*") if ".tmp" in p.name]
+            self.check("leftovers", not temporary, f"temporary files left: {temporary}")
+        newest, _, released = self.lease_holders(root)[-1]
+        self.check("leftovers", released, f"lease {newest} of {root.uri} is still held")
 
     # ------------------------------------------------------------------------- rounds
 
     def run_round(self, pending: list[str]) -> None:
         self.rounds += 1
-        root = self.work / f"round-{self.rounds}" / "ckpt"
+        on_s3 = self.s3 is not None and self.rounds % 2 == 0  # every other round, if there is an S3 server
+        self.options = self.s3 if on_s3 else None
+        self.s3_rounds += on_s3
+        root = root_for(f"s3://ckpts/round-{self.rounds}/ckpt" if on_s3 else str(self.work / f"round-{self.rounds}" / "ckpt"),
+                        self.options)
         for _ in range(MAX_SUBMISSIONS):
-            committed = read_tracker(LocalStorage(), str(root)) if root.exists() else None
+            committed = read_tracker(root.storage, root.uri)
             plan = self.draw(committed or 0, pending)
             outcome = self.submit(root, plan)
             fired = {f.kind for f in self.faults}
             pending[:] = [k for k in pending if k not in fired]
-            if outcome.error is None and not outcome.driver_killed and read_tracker(LocalStorage(), str(root)) == STEPS:
+            if outcome.error is None and not outcome.driver_killed and read_tracker(root.storage, root.uri) == STEPS:
                 break  # (a job resubmitted after its last commit has nothing to do: it commits nothing)
         else:
             raise SoakFailure(f"round {self.rounds} did not finish in {MAX_SUBMISSIONS} submissions")
         self.check_round(root)
-        self.attribute_lost_time(root)
-        shutil.rmtree(root.parent)
+        self.attribute_lost_time()
+        for uri in (root.uri, metrics_dir(root.uri)):
+            root.storage.remove_tree(uri)
 
-    def attribute_lost_time(self, root: Path) -> None:
+    def attribute_lost_time(self) -> None:
         """Each fault of this round: the time from it until the job had done SAVE_EVERY more steps than it had
         when the fault hit (fewer at the round's end), less those steps' undisturbed time: a fault that
         stopped nothing lost about 0, one that stopped the job its restart, reload and redone steps.
@@ -498,6 +518,25 @@ class Soak:
             back = next((t for t, s in steps if t > fault.at and s >= target), None)
             if back is not None and target > reached:
                 fault.lost_s = max(0.0, back - fault.at - (target - reached) * self.step_s)
+
+
+def start_s3() -> tuple[object, dict]:
+    """An S3 server (moto) on loopback with a bucket `ckpts`: (the server, its checkpoint.storage options)."""
+    import socket
+
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "region": "us-east-1", "access_key_id": "testing",
+               "secret_access_key": "testing"}
+    pafs.S3FileSystem(endpoint_override=options["endpoint_url"], scheme="http", region="us-east-1", access_key="testing",
+                      secret_key="testing", allow_bucket_creation=True).create_dir("ckpts")
+    return server, options
 
 
 class _SecondJobRan(Exception):
@@ -523,14 +562,16 @@ def summary(soak: Soak, seconds: float, failure: str | None, interrupted: bool =
         by_kind[kind] = {"injected": len(faults), "survived": survived,
                          "lost_median_s": round(statistics.median(lost), 2) if lost else None,
                          "lost_worst_s": round(max(lost), 2) if lost else None}
-    return {"seed": soak.seed, "seconds": round(seconds, 1), "rounds": soak.rounds, "submissions": soak.submissions,
+    return {"seed": soak.seed, "seconds": round(seconds, 1), "rounds": soak.rounds, "rounds_on_s3": soak.s3_rounds,
+            "submissions": soak.submissions,
             "faults": len(soak.faults), "kinds": sum(1 for k in by_kind.values() if k["injected"]), "by_kind": by_kind,
             "checked": dict(soak.checked), "failure": failure, "interrupted": interrupted, "mutations": list(soak.mutations),
             "injected": [asdict(f) for f in soak.faults]}
 
 
 def print_report(report: dict) -> None:
-    print(f"soak: seed {report['seed']}, {report['seconds'] / 60:.1f} min, {report['rounds']} rounds, "
+    print(f"soak: seed {report['seed']}, {report['seconds'] / 60:.1f} min, {report['rounds']} rounds "
+          f"({report['rounds_on_s3']} on S3), "
           f"{report['submissions']} submissions, {report['faults']} faults of {report['kinds']} kinds")
     print("| fault | injected | survived | time lost, median | worst |")
     print("|---|---|---|---|---|")
@@ -597,6 +638,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     parser.add_argument("--plot", default=None, help="draw progress and faults into this PNG")
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    parser.add_argument("--local-only", action="store_true", help="no S3 rounds (by default every other round is on "
+                        "an S3 server on loopback, moto: pip install -e .[test])")
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
@@ -604,12 +647,16 @@ def main(argv=None) -> int:
         parser.error(f"unknown kinds {unknown}; known: {', '.join(KINDS)}")
     mutations = tuple(m for m in args.mutate.split(",") if m)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("ray_resume").setLevel(logging.ERROR)  # the soak's own lines, not every submission's
+    for name in ("ray_resume", "werkzeug"):  # the soak's own lines, not every submission's nor the S3 server's requests
+        logging.getLogger(name).setLevel(logging.ERROR)
     work = Path(args.dir or tempfile.mkdtemp(prefix="soak-"))
     work.mkdir(parents=True, exist_ok=True)
     soak = Soak(work, args.seed, kinds, mutations)
     signal.signal(signal.SIGTERM, soak.on_sigterm)
     soak_faults.journal_fsyncs(soak.journal)  # the driver's own writes (the lease) are this process's
+    server = None
+    if not args.local_only:
+        server, soak.s3 = start_s3()
     start = time.time()
     soak.make_reference()
     pending = list(kinds) if args.cover else []
@@ -635,6 +682,8 @@ def main(argv=None) -> int:
         failure = f"{type(exc).__name__}: {exc}"
     except KeyboardInterrupt:  # Ctrl-C, or a SIGTERM not the soak's own: the report of the rounds done
         interrupted = True
+    if server is not None:
+        server.stop()
     report = summary(soak, time.time() - start, failure, interrupted)
     print_report(report)
     if args.out:

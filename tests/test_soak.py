@@ -28,6 +28,7 @@ def test_a_short_seeded_soak_survives_every_kind_of_fault(tmp_path):
     proc, report = soak(tmp_path, "--cover", "--seed", "1")
     assert proc.returncode == 0 and report["failure"] is None, proc.stdout[-3000:]
     assert {kind for kind, row in report["by_kind"].items() if row["injected"]} == set(KINDS)
+    assert 0 < report["rounds_on_s3"] < report["rounds"]  # on the S3 server on loopback and on local disk
     assert all(row["survived"] == row["injected"] for row in report["by_kind"].values())
     assert {name for name, count in report["checked"].items() if count} == set(INVARIANTS)
     assert "| power_cut | " in proc.stdout and "seed 1" in proc.stdout  # the report's table
