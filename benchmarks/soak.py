@@ -4,8 +4,8 @@
     python -m benchmarks.soak --cover --seed 1        # the short soak CI runs: every kind once, then stop
 
 Each round is one job (the built-in GPT, 2 ranks, 24 steps, a save every 4, save_max 2) taken from an
-empty root to its last step through as many submissions as it takes: a seeded draw gives each
-submission one to four faults of the kinds in KINDS, at moments and steps nobody chose, overlapping
+empty root to its last step through as many submissions as it takes, every other round on an S3
+server on loopback (moto): a seeded draw gives each submission up to four faults of the kinds in KINDS, at moments and steps nobody chose, overlapping
 (a storage fault under a rank kill under a power cut), and the job is resubmitted, as `ray job
 submit`'s retries would, whenever one ends it. The job runs on the in-process harness
 (tests/harness.py: the product's own driver, controller, ranks, writer and commit on gloo, without
@@ -16,10 +16,11 @@ every step. After every fault that stops the job, the processes are gone, the tr
 iteration that verifies and is the reference's byte for byte, and no commit seen before the fault
 is lost; at the end of each round every step's loss and samples are the reference's, every retained
 iteration is too, save_max holds, and no lease, temporary file or stray iteration is left. The first
-check that fails stops the soak (exit 1) with the seed, so that it replays.
+check that fails stops the soak (exit 1) with the seed, so that it replays (the schedule's draws
+do; where a kill lands depends on timing too).
 
 A node removed and added needs a Ray cluster (tests/test_elastic_cluster.py, test_memory_tier.py)
-and is not among the kinds; S3 faults are the same injector on another backend (tests/test_storage_faults.py).
+and a `fit()` loop needs Ray Train's context: neither is among the kinds.
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ KINDS = {
     "sigterm": "SIGTERM to the driver: save, stop, resubmitted",
     "preemption_notice": "Ray Train's preemption notice: save at once and go on",
     "power_cut": "every process of the job frozen, what was never fsynced lost, all killed; resubmitted",
-    "storage_error": "a transient storage error (EIO, timeout, connection reset) on a write, read, list, stat or rename",
+    "storage_error": "a transient storage error (EIO, timeout, connection reset) on a write, read, list or stat",
     "torn_write": "a shard write fails after its first chunk went out (a partial file)",
     "storage_delay": "every call of one storage operation slowed by up to 0.2 s",
-    "disk_full": "ENOSPC on a write: that save fails",
+    "disk_full": "ENOSPC on a checkpoint write: that save fails",
     "second_job": "a second job started on the same root: refused, changing nothing",
 }
 PHASES = {"rank_killed_after_step": "after_optimizer_step", "rank_killed_mid_write": "mid_shard_write",
@@ -181,13 +182,17 @@ class Soak:
     def __init__(self, work: Path, seed: int, kinds: list[str], mutations: tuple[str, ...] = ()):
         self.work, self.rng, self.kinds, self.mutations = work, random.Random(seed), kinds, mutations
         self.seed = seed
+        self.victims = random.Random(-seed)  # drawn as faults land: timing must not shift the schedule's draws
         self.faults: list[Fault] = []
         self.checked: Counter = Counter()
         self.journal = str(work / "fsync-journal")
+        self.job_log = str(work / "jobs.log")  # what the job's processes print
         self.rounds = self.submissions = 0
         self.timeline: list[tuple[int, float, int]] = []  # (round, time, step) of rank 0's steps
         self.timed_error: BaseException | None = None  # what the thread injecting timed faults raised
         self.sigterm_sent = False  # a SIGTERM of the soak's own, for the job, is on its way
+        self.sigterm_dropped = False  # ... and it came when no job ran
+        self.committed_seen: int | None = None  # the tracker as a fault that ends the job hit
         self.s3: dict | None = None  # the S3 server's checkpoint.storage options, if every other round is on it
         self.options: dict | None = None  # this round's checkpoint.storage
         self.s3_rounds = 0
@@ -198,6 +203,7 @@ class Soak:
         if not self.sigterm_sent:
             raise KeyboardInterrupt("SIGTERM")
         self.sigterm_sent = False
+        self.sigterm_dropped = True
 
     # ------------------------------------------------------------------------- the reference
 
@@ -205,7 +211,7 @@ class Soak:
         """The job uninterrupted, committing every step (kept): every iteration a soak round may commit."""
         root = root_for(str(self.work / "reference" / "ckpt"))
         cfg = job_config(root, str(self.work / "data"), None, save_every=1, save_max=STEPS)
-        outcome = harness.run_job(cfg, setup=(soak_faults.prepare, self.journal, str(self.work / "jobs.log")))
+        outcome = harness.run_job(cfg, setup=(soak_faults.prepare, self.journal, self.job_log))
         assert outcome.error is None and outcome.committed == STEPS, outcome
         self.reference = {step: committed_state(root, step) for step in range(1, STEPS + 1)}
         self.reference_steps = {step: runs[0] for step, runs in step_runs(read_metrics(root.uri)).items()}
@@ -244,19 +250,19 @@ class Soak:
         if kind == "rank_killed_after_step":
             return list(ahead)
         saves = [s for s in ahead if s % SAVE_EVERY == 0]
-        if kind == "driver_killed_mid_retention":  # a job's third commit on deletes one (it fires only where one does)
-            return [s for s in saves if s > SAVE_EVERY * SAVE_MAX]
+        if kind == "driver_killed_mid_retention":  # the fault is at the deletion of its step: all but a job's last save_max
+            return saves[:-SAVE_MAX]
         return saves
 
     def storage_fault(self, kind: str) -> dict:
         once = str(self.work / f"claim-{self.rng.getrandbits(64):016x}")  # fires once in all the job's processes; names it
         if kind == "storage_error":
-            op = self.rng.choice(["write", "write", "read", "list", "stat", "rename"])
+            op = self.rng.choice(["write", "write", "read", "list", "stat"])
             return {"op": op, "nth": self.rng.randint(1, 12), "error": self.rng.choice(["EIO", "timeout", "reset"]), "once": once}
         if kind == "torn_write":
             return {"op": "write", "nth": self.rng.randint(1, 8), "path_contains": ".safetensors", "once": once}
         if kind == "disk_full":
-            return {"op": "write", "nth": self.rng.randint(1, 12), "error": "ENOSPC", "once": once}
+            return {"op": "write", "nth": self.rng.randint(1, 6), "error": "ENOSPC", "path_contains": "iteration_", "once": once}
         return {"op": self.rng.choice(["write", "read", "list"]), "nth": 1, "times": 0,  # slowed, never failed
                 "delay_s": round(self.rng.uniform(0.02, 0.2), 3), "once": once}
 
@@ -276,8 +282,9 @@ class Soak:
         fired: dict = {}
         backend = harness.LocalBackend(
             storage_faults=([f for _, f in plan.storage], record) if plan.storage else None,
-            setup=(soak_faults.prepare, self.journal, str(self.work / "jobs.log"), self.mutations), preempted=notice or harness.never,
+            setup=(soak_faults.prepare, self.journal, self.job_log, self.mutations), preempted=notice or harness.never,
             inspect=lambda controller: fired.update(phase_at=controller.fault_fired()))
+        log_at = os.path.getsize(self.job_log) if os.path.exists(self.job_log) else 0
         done = threading.Event()
         timed = threading.Thread(target=self.fire_timed, args=(plan, backend, marks, root, remaining, done, cfg))
         timed.start()
@@ -290,23 +297,26 @@ class Soak:
             done.set()
             timed.join()
         self.sigterm_sent = False
+        if self.sigterm_dropped:  # it came as the job ended: no fault
+            self.sigterm_dropped = False
+            last = max((i for i, f in enumerate(self.faults) if f.kind == "sigterm"), default=None)
+            if last is not None:
+                del self.faults[last]
         if self.timed_error:
             error, self.timed_error = self.timed_error, None
             raise error
         ended = time.time()
         outcome = backend.outcome
-        self.count_installed(plan, outcome, fired, record, str(marks) + ".notice", ended)
+        fired["driver_said"] = f"[fault] killing the driver (pid {backend.driver_pid})" in self.job_log_since(log_at)
+        self.count_installed(plan, fired, record, str(marks) + ".notice", ended)
         self.after_stop(root, committed)
         return outcome
 
-    def count_installed(self, plan: Plan, outcome, fired: dict, record: str, notice: str, ended: float) -> None:
+    def count_installed(self, plan: Plan, fired: dict, record: str, notice: str, ended: float) -> None:
         """The faults that were set up before the submission and fired during it."""
-        if plan.phase_kind:
+        if plan.phase_kind:  # the controller's claim, or its own word that it killed the driver (then it cannot answer)
             at = fired.get("phase_at")
-            driver_phase = plan.phase["phase"] in ("commit_before_tracker", "retention_delete")
-            if driver_phase and outcome.driver_killed:
-                at = ended
-            elif plan.phase["phase"] == "commit_fails" and (outcome.error or "").startswith("the commit of iteration"):
+            if plan.phase["phase"] in ("commit_before_tracker", "retention_delete") and fired.get("driver_said"):
                 at = ended
             if at:
                 self.faults.append(Fault(plan.phase_kind, self.rounds, at, json.dumps(plan.phase)))
@@ -317,6 +327,11 @@ class Soak:
                 self.faults.append(Fault(kind, self.rounds, hit["at"], f"{hit['method']} {Path(hit['path']).name}"))
         if os.path.exists(notice):
             self.faults.append(Fault("preemption_notice", self.rounds, os.path.getmtime(notice)))
+
+    def job_log_since(self, offset: int) -> str:
+        with open(self.job_log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
 
     def fire_timed(self, *args) -> None:
         try:
@@ -358,8 +373,10 @@ class Soak:
         ranks = self.training(marks, time.time() - 1.0)
         if not ranks:
             return None
+        if kind in ENDS_SUBMISSION:
+            self.committed_seen = read_tracker(root.storage, root.uri)
         if kind in ("rank_killed", "driver_killed"):
-            victim = self.rng.choice(sorted(ranks)) if kind == "rank_killed" else backend.driver_pid
+            victim = self.victims.choice(sorted(ranks)) if kind == "rank_killed" else backend.driver_pid
             try:
                 os.kill(victim, signal.SIGKILL)
             except ProcessLookupError:  # it had died meanwhile, of another fault
@@ -412,7 +429,7 @@ class Soak:
         """(file, job, released) of every lease generation, oldest first."""
         lease_dir = paths.join(root.uri, LEASE_DIR)
         out = []
-        for name in sorted(root.storage.listdir(lease_dir)):
+        for name in sorted(n for n in root.storage.listdir(lease_dir) if n.endswith(".json") and n[:-5].isdigit()):
             held = json.loads(root.storage.read_bytes(paths.join(lease_dir, name)))
             out.append((name, held.get("job_id"), held.get("released") is True))
         return out
@@ -424,7 +441,9 @@ class Soak:
         while job_processes() and time.monotonic() < deadline:
             time.sleep(0.05)
         self.check("processes", not job_processes(), f"processes left after the job stopped: {job_processes()}")
-        self.check_tracker(root, committed_before, "after the job stopped")
+        seen = [s for s in (committed_before, self.committed_seen) if s is not None]
+        self.committed_seen = None
+        self.check_tracker(root, max(seen, default=None), "after the job stopped")
 
     def check(self, invariant: str, ok: bool, message: str) -> None:
         self.checked[invariant] += 1
@@ -600,7 +619,7 @@ def plot(soak: Soak, start: float, path: str, failure: str | None, window_s: flo
     import matplotlib.pyplot as plt
 
     fig, (near, whole) = plt.subplots(2, 1, figsize=(11, 7.5))
-    first = min(t for _, t, _ in soak.timeline)
+    first = min((t for _, t, _ in soak.timeline), default=start)
     points = sorted((t - first, s) for _, t, s in soak.timeline if t - first <= window_s)
     near.plot([t for t, _ in points], [s for _, s in points], "-o", color="0.35", markersize=1.8, linewidth=0.4)
     colors = {kind: plt.get_cmap("tab20")(i) for i, kind in enumerate(KINDS)}
@@ -653,7 +672,6 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     soak = Soak(work, args.seed, kinds, mutations)
     signal.signal(signal.SIGTERM, soak.on_sigterm)
-    soak_faults.journal_fsyncs(soak.journal)  # the driver's own writes (the lease) are this process's
     server = None
     if not args.local_only:
         server, soak.s3 = start_s3()

@@ -1,8 +1,10 @@
 """What the soak (benchmarks/soak.py) puts inside a job's processes, and the power cut it models.
 
-`prepare(journal, mutations)` runs in every process of a job as it starts (the harness's `setup`):
-every fsync is written down in `journal` as the file's inode and the size it had, and each named
-mutation breaks the product on purpose, so that a test can show the soak catches it.
+`prepare(journal, log, mutations)` runs in every process of a job as it starts (the harness's
+`setup`): every fsync is written down in `journal` (the file's inode, size and mtime), what the
+process prints goes to `log`, and each named mutation breaks the product on purpose, so that a
+test can show the soak catches it. (A rank's writer process is not prepared: the soak's shares are
+small enough for the writer thread.)
 
 A power cut (`lose_unsynced`) then does to a root what losing a node's page cache does: a file
 whose bytes, as they are now, were never fsynced is gone (a file is known by inode, size and

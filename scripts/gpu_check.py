@@ -137,7 +137,7 @@ def save(ck: Checkpointer, model, optimizer, step: int, device: torch.device) ->
     start = time.perf_counter()
     ck.save(step, model, optimizer, common_of(step))
     stall = time.perf_counter() - start
-    ck.finish()
+    ck.close()
     return {"stall_s": stall, "save_s": time.perf_counter() - start}
 
 
@@ -229,7 +229,7 @@ def exact_run(size: str, device: torch.device, strategy: str, root: str, k: int,
         losses[step] = train_step(model, optimizer, cfg, step, device)
         if step in (k, n):
             ck.save(step, model, optimizer, common_of(step))
-    ck.finish()
+    ck.close()
     return losses
 
 

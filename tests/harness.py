@@ -213,11 +213,13 @@ def _run_group(world: int, tmp: Path, args: tuple, driver: Driver, timeout: floa
 DEAD = object()  # what a call to a dead controller's process returns
 
 
-def _if_alive(call):
+def _if_alive(driver: Driver, call):
     """`call()` to the controller's process; DEAD if that process is dead (a fault killed the driver)."""
     try:
         return call()
     except (EOFError, OSError):
+        if driver._process.is_alive():  # an error of the call's own
+            raise
         return DEAD
 
 
@@ -255,15 +257,15 @@ class LocalBackend:
             args = (cfg.to_dict(), controller, ours["train_func"], loop_config[USER], ours["source"], job_id, self.preempted,
                     self.storage_faults, self.setup)
             attempts, error, result = 0, None, None
-            with stop_on_sigterm(functools.partial(_if_alive, controller.request_stop), cfg.name):
+            with stop_on_sigterm(functools.partial(_if_alive, driver, controller.request_stop), cfg.name):
                 for attempts in range(1, cfg.failure.max_failures + 2):
                     error = _run_group(cfg.scaling.max_workers, Path(tempfile.gettempdir()), args, driver, self.timeout)
                     if error is None or error == "driver died":
                         break
             if error != "driver died":  # it may die as the ranks end, too
-                result = _if_alive(controller.result)
-                released = _if_alive(controller.release)
-                inspected = _if_alive(lambda: self.inspect(controller)) if self.inspect else None
+                result = _if_alive(driver, controller.result)
+                released = _if_alive(driver, controller.release)
+                inspected = _if_alive(driver, lambda: self.inspect(controller)) if self.inspect else None
                 if any(answer is DEAD for answer in (result, released, inspected)):
                     error = "driver died"
             if error == "driver died":

@@ -28,7 +28,8 @@ INVARIANTS = {
        "deterministic order, no duplicate, no gap",
     4: "Commit after all: the tracker never advances before every rank's shards are durable; a half-written "
        "iteration is never loaded and a re-save replaces it cleanly",
-    5: "Retention is safe: save_max deletes only this job's iterations, never the tracker's, only after the newer commit",
+    5: "Retention is safe: save_max deletes only this job's iterations, never the tracker's, only after the newer commit; "
+       "what was never committed is cleared below the newest commit, under the lease, never on an I/O error",
     6: "Bad input is refused loudly, naming the file or key; a failed load changes nothing on disk; no pickle",
     7: "Damage is proven, never assumed: only a size, checksum, JSON or format mismatch is damage; transient I/O "
        "errors are retried and never set a healthy iteration aside",

@@ -197,3 +197,47 @@ def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, lo
         assert json.loads((root / paths.iteration_dirname(step) / "metadata.json").read_text())["ray_resume"]["job_id"] != \
             json.loads((root / paths.iteration_dirname(20) / "metadata.json").read_text())["ray_resume"]["job_id"]
 
+
+
+class StatFails:
+    """A storage whose `size` of one path fails as a flaky disk's stat does."""
+
+    def __init__(self, storage, failing: str):
+        self.storage, self.failing = storage, failing
+
+    def __getattr__(self, name):
+        return getattr(self.storage, name)
+
+    def size(self, path: str):
+        if path == self.failing:
+            raise OSError(5, "injected EIO on stat", path)
+        return self.storage.size(path)
+
+
+@pytest.mark.invariant(5, 7)
+def test_clearing_what_was_never_committed_spares_what_it_cannot_look_at(tmp_path, local_reference):
+    """Below the tracker, an iteration without common.json is cleared; one whose common.json cannot be
+    stat'ed (EIO) is not: an I/O error is not proof that it was never committed (the soak's review)."""
+    from ray_resume.checkpoint.lease import LEASE_DIR
+    from ray_resume.config import Config
+    from ray_resume.controller.job import JobController
+
+    cfg = tiny_config(tmp_path)
+    cfg["data"]["path"] = local_reference["data"]
+    run_on_harness(cfg)  # commits 4, 8, 12
+    root = Path(cfg["checkpoint"]["save_path"])
+    (root / paths.iteration_dirname(4) / paths.COMMON).unlink()  # 4: a deletion cut short
+    controller = JobController(str(root), "clearer", Config.from_dict(cfg).to_dict(), driver_pid=0)
+    controller.lease.acquire()
+    controller.attempt = 0
+    common_8 = str(root / paths.iteration_dirname(8) / paths.COMMON)
+    controller.storage = StatFails(controller.storage, common_8)
+    (root / paths.iteration_dirname(8) / paths.COMMON).unlink()  # 8 looks uncommitted too, but cannot be looked at
+    controller._clear_uncommitted(12, attempt=0)
+    assert iterations(root) == [8, 12]  # 4 cleared; 8 spared by the error
+    controller._clear_uncommitted(12, attempt=1)  # asked by an earlier attempt than the current one: nothing
+    controller.attempt = 1
+    controller.lease.release()
+    controller.storage = controller.storage.storage
+    controller._clear_uncommitted(12, attempt=1)  # the lease is gone: nothing
+    assert iterations(root) == [8, 12] and (root / LEASE_DIR).exists()

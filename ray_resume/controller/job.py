@@ -144,7 +144,7 @@ class JobController(SnapshotLedger, Retention):
     def release(self) -> None:
         """The job is over: finish retention's deletions, clear what was never committed below the tracker
         (a job with nothing left to do commits nothing), and the driver gives the lease back after this."""
-        if not self.lease_lost:
+        if self.lease is not None and not self.lease_lost:
             self.clear_below_tracker()
         self.deleter.shutdown(wait=True)
 

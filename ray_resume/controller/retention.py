@@ -12,7 +12,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..checkpoint import paths
-from ..checkpoint.reader import iteration_steps, read_tracker
+from ..checkpoint.reader import read_tracker
+from ..checkpoint.lease import Lease
 from ..checkpoint.storage import Storage
 
 logger = logging.getLogger("ray_resume.controller")
@@ -25,6 +26,8 @@ class Retention:
     storage: Storage
     deleter: ThreadPoolExecutor  # one thread: deletions in commit order, off the commit's path
     fault: dict | None
+    attempt: int
+    lease: Lease | None
     committed_by_job: list[int]
     complete_below: set[int]
     failed_commits: set[int]
@@ -45,38 +48,59 @@ class Retention:
             victim = self.committed_by_job.pop(0)
             if victim != tracked:
                 self.deleter.submit(self._delete_iteration, victim)
-        self.deleter.submit(self._clear_uncommitted, tracked)
+        self.deleter.submit(self._clear_uncommitted, tracked, self.attempt)
 
     def clear_below_tracker(self) -> None:
-        """`_clear_uncommitted` below what the tracker names now, on the deletion thread."""
+        """As the job ends: `_clear_uncommitted` below what the tracker names now (a job with nothing left
+        to train commits nothing, and so clears nothing after a commit)."""
         try:
             tracked = read_tracker(self.storage, self.root)
         except Exception:  # a garbled tracker is the next load's to report
             logger.exception("could not read the tracker of %s", self.root)
             return
         if tracked is not None:
-            self.deleter.submit(self._clear_uncommitted, tracked)
+            self.deleter.submit(self._clear_uncommitted, tracked, self.attempt, ended=True)
 
-    def _clear_uncommitted(self, tracked: int) -> None:
-        """Remove the iteration directories below `tracked` that were never committed: those that hold no
+    def _clear_uncommitted(self, tracked: int, attempt: int, ended: bool = False) -> None:
+        """Remove the iteration directories below `tracked` that were never committed: those without a
         common.json (a save a crash cut short that no later save replaced, one off the interval for a
         preemption; a deletion a crash cut short) and those whose commit failed in this job (written
         whole, the tracker never moved to them). The tracker never names them (a commit writes
-        common.json before the tracker), and no save of this job writes below its newest commit.
-        Each complete one is looked at once."""
+        common.json before the tracker). No save writes below the newest commit of the attempt that
+        asked, so a clear asked by an earlier attempt is dropped (a restart may have fallen back below
+        it). As the job `ended`, also a tracker's temporary file a crash left (while it runs, one may be
+        this job's commit's). Only while this job holds the lease; a directory whose common.json cannot
+        be looked at (an I/O error, not its absence) is left alone."""
         try:
-            for step in iteration_steps(self.storage, self.root):
-                if step >= tracked or step in self.complete_below:
-                    continue
-                iter_dir = paths.iteration_dir(self.root, step)
-                if step not in self.failed_commits and self.storage.exists(paths.join(iter_dir, paths.COMMON)):
-                    self.complete_below.add(step)
-                    continue
-                self.storage.remove_tree(iter_dir)
-                self.failed_commits.discard(step)
-                logger.info("removed iteration %d: never committed (a save, a commit or a deletion cut short)", step)
+            if attempt != self.attempt:
+                return
+            self.lease.check()
+            names = self.storage.listdir(self.root)
+        except Exception as exc:  # LeaseLost, or the lease or the root could not be read: clear nothing
+            logger.warning("not clearing uncommitted iterations of %s: %s", self.root, exc)
+            return
+        for name in names:
+            step = paths.parse_iteration_dirname(name)
+            if ended and name.startswith(paths.TRACKER + ".tmp-"):  # a crash cut a tracker write short before its rename
+                try:
+                    self.storage.remove(paths.join(self.root, name))
+                except Exception:
+                    logger.exception("could not remove %s under %s", name, self.root)
+            elif step is not None and step < tracked and step not in self.complete_below:
+                self._clear_if_uncommitted(step)
+
+    def _clear_if_uncommitted(self, step: int) -> None:
+        iter_dir = paths.iteration_dir(self.root, step)
+        try:
+            if step not in self.failed_commits and self.storage.size(paths.join(iter_dir, paths.COMMON)) is not None:
+                self.complete_below.add(step)
+                return
+            self.storage.remove_tree(iter_dir)
         except Exception:
-            logger.exception("could not clear the uncommitted iterations below %d under %s", tracked, self.root)
+            logger.exception("could not clear uncommitted iteration %d under %s", step, self.root)
+            return
+        self.failed_commits.discard(step)
+        logger.info("removed iteration %d: never committed (a save, a commit or a deletion cut short)", step)
 
     def _delete_iteration(self, step: int) -> None:
         """Crash-safe: common.json goes first, so a half-deleted dir can never pass as complete.
