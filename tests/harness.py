@@ -218,6 +218,7 @@ def _if_alive(driver: Driver, call):
     try:
         return call()
     except (EOFError, OSError):
+        driver._process.join(timeout=5)  # a process killed this instant is not yet known to be dead
         if driver._process.is_alive():  # an error of the call's own
             raise
         return DEAD
