@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 # Streamed reads (verification, whole-shard loads) hold one block at a time.
 READ_BLOCK = 8 << 20
 
+TEMP_MARK = ".tmp-"  # a file written atomically is PATH + TEMP_MARK + 8 hex digits until its rename
+
 # Transient storage errors are retried: ATTEMPTS tries, waiting BACKOFF_S, 2x, 4x... between them (3 s in all).
 ATTEMPTS = 5
 BACKOFF_S = 0.2
@@ -127,7 +129,7 @@ class LocalStorage:
     def _publish(self, path: str, data: bytes, move) -> None:
         """`data` fsynced under a temp name, then `move`d (renamed or linked) to `path`, the directory fsynced."""
         local = _local(path)
-        tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp = f"{local}{TEMP_MARK}{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "wb") as f:
                 f.write(data)

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..checkpoint import paths
 from ..checkpoint.reader import read_tracker
 from ..checkpoint.lease import Lease
-from ..checkpoint.storage import Storage
+from ..checkpoint.storage import TEMP_MARK, Storage
 
 logger = logging.getLogger("ray_resume.controller")
 
@@ -81,7 +81,7 @@ class Retention:
             return
         for name in names:
             step = paths.parse_iteration_dirname(name)
-            if ended and name.startswith(paths.TRACKER + ".tmp-"):  # a crash cut a tracker write short before its rename
+            if ended and name.startswith(paths.TRACKER + TEMP_MARK):  # a crash cut a tracker write short before its rename
                 try:
                     self.storage.remove(paths.join(self.root, name))
                 except Exception:
