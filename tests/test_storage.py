@@ -233,8 +233,13 @@ def test_clearing_what_was_never_committed_spares_what_it_cannot_look_at(tmp_pat
     common_8 = str(root / paths.iteration_dirname(8) / paths.COMMON)
     controller.storage = StatFails(controller.storage, common_8)
     (root / paths.iteration_dirname(8) / paths.COMMON).unlink()  # 8 looks uncommitted too, but cannot be looked at
+    stray = root / (paths.TRACKER + ".tmp-0badf00d")  # a tracker write a crash cut short before its rename
+    stray.write_text("12")
     controller._clear_uncommitted(12, attempt=0)
     assert iterations(root) == [8, 12]  # 4 cleared; 8 spared by the error
+    assert stray.exists()  # while the job runs it may be its own commit's
+    controller._clear_uncommitted(12, attempt=0, ended=True)
+    assert not stray.exists() and iterations(root) == [8, 12]
     controller._clear_uncommitted(12, attempt=1)  # asked by an earlier attempt than the current one: nothing
     controller.attempt = 1
     controller.lease.release()
