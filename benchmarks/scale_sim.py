@@ -66,6 +66,7 @@ from ray_resume.checkpoint import names, paths
 from ray_resume.checkpoint.commit import commit_iteration
 from ray_resume.checkpoint.digest import block_bounds
 from ray_resume.checkpoint.loader import balanced_owners
+from ray_resume.checkpoint.manifest import Manifest, WrittenFile
 from ray_resume.checkpoint.plan import SavePlan, TensorSpec, dim0_chunk, needed_range, overlaps
 from ray_resume.checkpoint.reader import consecutive_runs, open_iteration
 from ray_resume.checkpoint.schema import SAFETENSORS_ORDER, Iteration, dumps
@@ -220,7 +221,7 @@ def chunk_count(plan: SavePlan) -> int:
     return count
 
 
-def manifests_for(plan: SavePlan, sizes, block_size: int = CHECKSUM_BLOCK) -> list[dict]:
+def manifests_for(plan: SavePlan, sizes, block_size: int = CHECKSUM_BLOCK) -> list[Manifest]:
     """Every rank's manifest, as `writer.write_shards` returns it (a fake xxh3-128 digest per checksum
     block, the rank's chunks; rank 0 carries the specs)."""
     world = plan.world_size
@@ -229,13 +230,13 @@ def manifests_for(plan: SavePlan, sizes, block_size: int = CHECKSUM_BLOCK) -> li
         for name, spec in specs.items():
             if name in plan._placed[kind]:
                 for rank, piece in plan._placed[kind][name]:
-                    held[rank][kind].append([name, piece.start // spec.row_numel if spec.shape else 0,
-                                             piece.numel // spec.row_numel if spec.shape else 1])
+                    held[rank][kind].append((name, piece.start // spec.row_numel if spec.shape else 0,
+                                             piece.numel // spec.row_numel if spec.shape else 1))
             else:
                 for rank in range(world):
                     first, rows = dim0_chunk(spec.rows, world, rank)
                     if rows or (rank == 0 and not spec.rows):
-                        held[rank][kind].append([name, first, rows])
+                        held[rank][kind].append((name, first, rows))
     out = []
     for rank in range(world):
         files = {}
@@ -243,19 +244,19 @@ def manifests_for(plan: SavePlan, sizes, block_size: int = CHECKSUM_BLOCK) -> li
             name = paths.shard_filename(PREFIX, kind, rank, world)
             size, start = int(sizes[kind]["size"][rank]), int(sizes[kind]["header"][rank])
             digests = [xxhash.xxh3_128(f"{name}/{i}".encode()).hexdigest() for i in range(len(block_bounds(size, start, block_size)))]
-            files[name] = {"size": size, "data_start": start, "checksum": "xxh3-128", "digests": digests}
-        specs = {kind: [[s.name, s.dtype, list(s.shape)] for s in plan.specs[kind].values()] for kind in KINDS} if rank == 0 else {}
-        out.append({"rank": rank, "world_size": world, "block_size": block_size, "files": files, "chunks": held[rank], "specs": specs})
+            files[name] = WrittenFile(size, start, "xxh3-128", digests)
+        specs = {kind: [(s.name, s.dtype, list(s.shape)) for s in plan.specs[kind].values()] for kind in KINDS} if rank == 0 else {}
+        out.append(Manifest(rank, world, block_size, files, held[rank], specs))
     return out
 
 
-def make_sparse_files(iter_dir: str, manifests: list[dict]) -> None:
+def make_sparse_files(iter_dir: str, manifests: list[Manifest]) -> None:
     """The shard files with their reported sizes and no data blocks (the commit only stats them)."""
     os.makedirs(iter_dir, exist_ok=True)
     for manifest in manifests:
-        for name, info in manifest["files"].items():
+        for name, info in manifest.files.items():
             with open(os.path.join(iter_dir, name), "wb") as f:
-                f.truncate(info["size"])
+                f.truncate(info.size)
 
 
 class CountingStorage:
@@ -529,7 +530,7 @@ def check_small(tmp: str) -> dict:
             for kind in KINDS:
                 assert it.specs(kind) == {s.name: TensorSpec(s.name, s.dtype, s.shape, s.itemsize) for s in specs[kind]}, \
                     "metadata.json does not round-trip the tensor specs"
-                assert sum(len(t.pieces) for t in it.tensors[kind].values()) == sum(len(m["chunks"][kind]) for m in manifests)
+                assert sum(len(t.pieces) for t in it.tensors[kind].values()) == sum(len(m.chunks[kind]) for m in manifests)
             assert chunk_count(plan) == sum(len(t.pieces) for kind in KINDS for t in it.tensors[kind].values())
             assert LocalStorage().read_bytes(paths.tracker_path(root)) == f"{ITERATION}\n".encode()
             checked["commits"] += 1

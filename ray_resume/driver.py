@@ -34,11 +34,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from . import forkserver
 from .checkpoint import paths
 from .checkpoint.memory import MemoryKeeper
-from .checkpoint.root import ResumeSource, root_for
+from .checkpoint.root import ResumePlan, ResumeSource, root_for
 from .checkpoint.schema import Iteration
 from .checkpoint.storage import s3_filesystem
 from .config import Config, ScalingConfig
 from .controller import JobController
+from .controller.job import JobOutcome
 from .errors import USER_ERRORS, CommitError, ConfigError
 from .metrics import read_metrics
 from .preflight import resolve_source
@@ -94,36 +95,37 @@ def launch(cfg: Config, train_func: Callable[[dict], None], loop_config: dict, *
         source, it = resolve_source(cfg)
         cfg = check(cfg, source, it)
         clock["checked"] = time.time()
-        outcome = backend.run(cfg, job_id, {INTERNAL: {"train_func": train_func, "source": source, "job_id": job_id, "clock": clock},
-                                            USER: loop_config})
+        plan = ResumePlan.first(source, cfg.checkpoint.no_load_optim)  # the first start's; the controller decides the restarts'
+        outcome = backend.run(cfg, job_id, plan, {INTERNAL: {"train_func": train_func, "job_id": job_id, "clock": clock},
+                                                  USER: loop_config})
     finally:
         if lease:
             lease.release()
     if summary:
-        say_summary(cfg, job_id, outcome["attempts"], outcome["wall_s"])
-    committed = outcome["committed"]
+        say_summary(cfg, job_id, outcome.attempts, outcome.wall_s)
+    committed = outcome.committed
     path = paths.iteration_dir(ckpt.save_path, committed) if committed is not None else None
-    error = outcome["failure"]
-    if outcome["user_error"]:  # what Ray Train's error wraps, in our words and of its class (it was not retried)
-        kind = {cls.__name__: cls for cls in USER_ERRORS}.get(outcome.get("user_error_kind"), ConfigError)
-        error = kind(outcome["user_error"])
-    elif outcome["error"]:  # a commit failed
-        error = TrainingFailed(f"training failed: {outcome['error']}")
-        error.__cause__ = CommitError(outcome["error"])
+    error = outcome.failure
+    if outcome.user_error:  # what Ray Train's error wraps, in our words and of its class (it was not retried)
+        kind = {cls.__name__: cls for cls in USER_ERRORS}.get(outcome.user_error_kind, ConfigError)
+        error = kind(outcome.user_error)
+    elif outcome.commit_error:
+        error = TrainingFailed(f"training failed: {outcome.commit_error}")
+        error.__cause__ = CommitError(outcome.commit_error)
     elif error is not None:
         reason = next((line for line in str(error).splitlines()[1:] + str(error).splitlines() if line.strip()), type(error).__name__)
         failed = TrainingFailed(f"training failed: {reason.strip()}")
         failed.__cause__ = error
         error = failed
-    if error is None and outcome["metrics"].get("stopped"):
+    if error is None and outcome.metrics.get("stopped"):
         logger.warning("[%s] stopped at step %s on request: committed iteration %s; run again with "
-                       "checkpoint.load_path=%s to continue", cfg.name, outcome["metrics"]["step"], committed, ckpt.save_path)
+                       "checkpoint.load_path=%s to continue", cfg.name, outcome.metrics["step"], committed, ckpt.save_path)
     elif error is None:
         logger.info("[%s] finished: last committed iteration %s%s", cfg.name, committed, f" at {path}" if path else "")
     if path and summary:
         logger.info("[%s] to continue it: --set checkpoint.load_path=%s; to export its weights: ray-resume export %s OUT_DIR",
                     cfg.name, ckpt.save_path, ckpt.save_path)
-    return Result(metrics=outcome["metrics"], checkpoint=ray_checkpoint(path, ckpt.storage) if path else None, error=error,
+    return Result(metrics=outcome.metrics, checkpoint=ray_checkpoint(path, ckpt.storage) if path else None, error=error,
                   path=ckpt.save_path, committed_iteration=committed)
 
 
@@ -151,9 +153,8 @@ class RayTrain:
                  run_config: ray.train.RunConfig | None = None, verbose: bool = False):
         self.address, self.scaling_config, self.run_config, self.verbose = address, scaling_config, run_config, verbose
 
-    def run(self, cfg: Config, job_id: str, loop_config: dict) -> dict:
-        """The job to its end: the controller's account (committed, metrics, attempts, error, user_error),
-        the failure `fit()` raised (`failure`), and the wall time."""
+    def run(self, cfg: Config, job_id: str, plan: ResumePlan, loop_config: dict) -> JobOutcome:
+        """The job to its end: the controller's account, the failure `fit()` raised, and the wall time."""
         init_ray(self.address, cfg)
         ranks_env = (self.run_config or ray.train.RunConfig()).worker_runtime_env
         scaling = self.scaling_config or scaling_config(cfg.scaling)
@@ -169,7 +170,7 @@ class RayTrain:
         # On the driver's node: the commit must run where the driver does (it dies with it).
         keepers = start_keepers() if cfg.checkpoint.memory_interleaved_steps else {}
         controller = JobControllerActor.options(scheduling_strategy=here, name=f"{CONTROLLER_NAME}{job_id}").remote(
-            cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers
+            cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers, plan
         )
         ring = list(keepers.values())
         ray.get([keeper.attach.remote(controller, ring[(i + 1) % len(ring)] if len(ring) > 1 else None)
@@ -193,7 +194,7 @@ class RayTrain:
         ray.get(controller.release.remote())
         for keeper in keepers.values():  # the job's snapshots go with it
             ray.kill(keeper)
-        return {**outcome, "failure": failure, "wall_s": wall_s}
+        return dataclasses.replace(outcome, failure=failure, wall_s=wall_s)
 
     def _run_config(self, cfg: Config, job_id: str, controller, ranks_env: dict | None) -> ray.train.RunConfig:
         yours = self.run_config or ray.train.RunConfig()

@@ -116,8 +116,8 @@ def _load_source(ckpt, built_in: bool) -> tuple[ResumeSource | None, Iteration |
                 "set checkpoint.no_load_optim: true to start from its weights"
             )
         return WeightsExport(ckpt.load_path), None
-    step = root.select(fallback=ckpt.fallback)
-    if step is None:
+    it = root.select(fallback=ckpt.fallback)
+    if it is None:
         if resuming_own_root:
             logger.info("nothing to resume in %s yet: starting from step 0", ckpt.load_path)
             return nothing_yet
@@ -125,13 +125,12 @@ def _load_source(ckpt, built_in: bool) -> tuple[ResumeSource | None, Iteration |
             f"checkpoint.load_path {ckpt.load_path!r} holds neither {paths.TRACKER} nor model.safetensors; "
             "point it at a checkpoint root written by ray_resume or at a safetensors export"
         )
-    it = root.iteration(step)
     if not ckpt.no_load_optim and not it.has_optimizer:
         raise CheckpointError(
-            f"{it.path}: iteration {step} was saved without optimizer state (checkpoint.no_save_optim: true); "
+            f"{it.path}: iteration {it.step} was saved without optimizer state (checkpoint.no_save_optim: true); "
             "set checkpoint.no_load_optim: true to start from its weights"
         )
-    return CommittedIteration(ckpt.load_path, step), it
+    return CommittedIteration(ckpt.load_path, it.step), it
 
 
 def with_lanes(cfg: Config, it: Iteration | None) -> Config:

@@ -9,6 +9,7 @@ from `get_checkpointer()`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -17,12 +18,13 @@ from typing import Any, Callable
 
 import torch
 
-from . import collectives, forked, forkserver
+from . import forked, forkserver
 from .calls import call
 from .checkpoint.checkpointer import Checkpointer, Start
-from .checkpoint.root import CommittedIteration, DcpCheckpoint, ResumeSource
 from .checkpoint.state import class_path
+from .collectives import decided_by_rank0
 from .config import Config
+from .controller.job import AttemptStart
 from .errors import USER_ERRORS, ConfigError
 from .extra_state import MAX_EXTRA, OptimizerState, dump_extra, load_extra
 from .faults import FaultInjector
@@ -49,11 +51,18 @@ class RankJob:
     rank: int
     world: int
     job_id: str
-    attempt: int  # worker-group starts before this one
-    resume_step: int | None  # this job's newest commit, on a restart
-    memory_step: int | None  # a newer step the memory tier holds for every rank, on a restart
-    ended: dict  # how the previous attempt ended (rank 0 only): failed_after, lost, clock
+    start: AttemptStart  # the attempt, and what it resumes (the same on every rank)
     faults: FaultInjector
+
+    @property
+    def attempt(self) -> int:
+        return self.start.attempt
+
+    @property
+    def ended(self) -> dict:
+        """How the previous attempt ended and what this start took, for rank 0's account of it."""
+        s = self.start
+        return {"failed_after": s.failed_after, "lost": s.lost, "clock": s.clock} if self.rank == 0 else {}
 
 
 def rank_entry(loop_config: dict) -> None:
@@ -67,24 +76,24 @@ def rank_entry(loop_config: dict) -> None:
     ctx = ray.train.get_context()
     off = ours.get("fork_server_off")
     run_rank(cfg, controller, ctx.get_world_rank(), ctx.get_world_size(), ours["train_func"], loop_config[USER],
-             source=ours["source"], job_id=ours["job_id"], driver_clock=ours["clock"],
+             job_id=ours["job_id"], driver_clock=ours["clock"],
              processes=forkserver.started_how() if off is None else f"off ({off})")
 
 
 def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callable[[dict], None], config: dict, *,
-             source: ResumeSource | None, job_id: str, driver_clock: dict | None = None, processes: str | None = None) -> None:
+             job_id: str, driver_clock: dict | None = None, processes: str | None = None) -> None:
     """One rank of a job in an initialised process group: `train_func(config)` with this rank's
     RankCheckpointer, for this worker-group start. A user's mistake is said once and never retried:
     its rank reports it, and the group Ray Train restarts for it returns at once (JobController.user_failed).
     `processes`: how this rank's process was started (the fork server's "forked", or why not)."""
     global _current
-    attempt, resume_step, memory_step, ended = _agree_on_attempt(controller, rank, world, driver_clock)
-    if processes and ended.get("clock") is not None:  # rank 0's, in the start's record
-        ended["clock"] = {**ended["clock"], "fork_server": processes}
-    if ended.pop("user_error"):
+    start = decided_by_rank0(lambda: _start_attempt(controller, world, driver_clock, processes).to_json(), rank,
+                             "start the attempt")
+    start = AttemptStart.from_json(start)
+    if start.user_error is not None:
         return
     faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
-    _current = RankCheckpointer(RankJob(cfg, controller, rank, world, job_id, attempt, resume_step, memory_step, ended, faults), source)
+    _current = RankCheckpointer(RankJob(cfg, controller, rank, world, job_id, start, faults))
     try:
         train_func(config)
         _current.finish()
@@ -95,21 +104,16 @@ def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callabl
         _current = None
 
 
-def _agree_on_attempt(controller, rank: int, world: int, driver_clock: dict | None) -> tuple[int, int | None, int | None, dict]:
-    """Rank 0 asks the driver; every rank gets the same attempt, step to resume (None: none), memory
-    snapshot step to resume (None: none) and `user_error` (a rank found a mistake of the user's: the
-    job is over). Rank 0 also learns how the previous attempt ended: `failed_after` (its last
-    finished step) and `lost` (rank -> why); and `clock`, what this start took so far."""
-    facts, ended = [-1, -1, -1, 0], {}
-    if rank == 0:
-        started = process_started()
-        reply = call(controller, "start_attempt", world, started)
-        clock = start_clock(driver_clock, started, time.time()) if reply["attempt"] == 0 and driver_clock else reply["clock"]
-        ended = {"failed_after": reply["failed_after"], "lost": reply["lost"], "clock": clock}
-        steps = [-1 if reply[k] is None else reply[k] for k in ("resume_step", "memory_step")]
-        facts = [reply["attempt"], *steps, int(reply["user_error"] is not None)]
-    attempt, step, memory_step, user_error = collectives.from_rank0(facts)
-    return attempt, None if step < 0 else step, None if memory_step < 0 else memory_step, {**ended, "user_error": bool(user_error)}
+def _start_attempt(controller, world: int, driver_clock: dict | None, processes: str | None) -> AttemptStart:
+    """Rank 0's: the controller's new attempt and what it resumes, with what this start took so far
+    (`clock`; the first start's from the driver's stamps and this process's start) and how rank 0's
+    process started (`processes`)."""
+    started = process_started()
+    start = call(controller, "start_attempt", world, started)
+    clock = start_clock(driver_clock, started, time.time()) if start.attempt == 0 and driver_clock else start.clock
+    if processes and clock is not None:
+        clock = {**clock, "fork_server": processes}
+    return dataclasses.replace(start, clock=clock)
 
 
 def process_started() -> float | None:
@@ -127,13 +131,10 @@ class RankCheckpointer:
     """`restore` once, then `maybe_save` every step; `finish` commits the last step given and waits
     for the save in flight (`fit` calls it when your train_func returns)."""
 
-    def __init__(self, job: RankJob, source: ResumeSource | None):
+    def __init__(self, job: RankJob):
         self.job = job
         cfg = self._cfg = job.cfg
         self._checkpointer = Checkpointer(cfg.checkpoint, job.controller, job.rank, job.world, job.attempt, job.faults)
-        # A restart within this job resumes its own newest commit; the first start, checkpoint.load_path.
-        self._source = CommittedIteration(cfg.checkpoint.save_path, job.resume_step) if job.resume_step is not None else source
-        self._full = job.resume_step is not None or not cfg.checkpoint.no_load_optim  # its own commit: always all of it
         self._model = self._optimizer = None
         self._extra: dict[str, Any] = {}
         self._global_batch_size: int | None = None  # the loop's, once it says
@@ -163,12 +164,11 @@ class RankCheckpointer:
             if not (isinstance(obj, torch.Generator) or (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))):
                 raise ConfigError(f"extra[{key!r}]: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
                                   "pass objects that have them, or torch.Generators")
-        restored = None
-        if self.job.memory_step is not None:  # newer than the last commit, held for every rank of this world size
-            restored = self._checkpointer.restore_snapshot(model, optimizer, self.job.memory_step)
+        plan, restored = self.job.start.plan, None
+        if plan.memory_step is not None:  # newer than the last commit, held for every rank of this world size
+            restored = self._checkpointer.restore_snapshot(model, optimizer, plan.memory_step)
         if restored is None:
-            full = self._full and isinstance(self._source, (CommittedIteration, DcpCheckpoint))  # an export holds weights only
-            restored = self._checkpointer.restore(model, optimizer, self._source, full=full, global_batch_size=global_batch_size,
+            restored = self._checkpointer.restore(model, optimizer, plan.source, full=plan.full, global_batch_size=global_batch_size,
                                                   rank0_extras=isinstance(optimizer, OptimizerState) or bool(self._extra), step=step)
         start, extras = restored
         if "param_groups" in extras and isinstance(optimizer, OptimizerState):

@@ -70,7 +70,7 @@ class LocalController:
         self.root, self.config = root, config
         self.committed = 0
 
-    def report(self, attempt: int, step: int, manifest: dict, common: dict) -> bool:
+    def report(self, attempt: int, step: int, manifest, common: dict) -> bool:
         commit_iteration(LocalStorage(), self.root, step, [manifest], common, prefix="ckpt", config=self.config, job_id="gpu-check")
         self.committed = step
         return True

@@ -98,7 +98,7 @@ def tiny_config(tmp: Path, name: str = "tiny", **sections) -> dict:
     return cfg
 
 
-def commit_by_hand(root, step: int, manifests: list[dict], **common) -> dict:
+def commit_by_hand(root, step: int, manifests: list, **common) -> dict:
     """The driver's part of a save, for tests that write every rank's shards from one process: the
     real commit (metadata.json, config.yaml, common.json, then the tracker); its metadata."""
     from ray_resume.checkpoint.commit import commit_iteration
@@ -171,11 +171,11 @@ def run_job(cfg: dict):
 class Checked:
     """A backend that runs nothing: what the driver decided once its lease was taken and its checks passed."""
 
-    def run(self, cfg, job_id: str, loop_config: dict) -> dict:
-        from ray_resume.rank import INTERNAL
+    def run(self, cfg, job_id: str, plan, loop_config: dict) -> dict:
+        self.cfg, self.source = cfg, plan.source
+        from ray_resume.controller.job import JobOutcome
 
-        self.cfg, self.source = cfg, loop_config[INTERNAL]["source"]
-        return {"committed": None, "metrics": {}, "error": None, "attempts": [], "user_error": None, "failure": None, "wall_s": 0.0}
+        return JobOutcome()
 
 
 def driver_checks(cfg: dict, **plugins):

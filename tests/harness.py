@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from multiprocessing.managers import BaseManager
@@ -45,6 +46,7 @@ from ray_resume import controller as controller_module
 from ray_resume.checkpoint.lease import LEASE_DIR
 from ray_resume.checkpoint.memory import MemoryKeeper
 from ray_resume.config import Config
+from ray_resume.controller.job import JobOutcome
 from ray_resume.data import ReadUnit, SampleStream
 from ray_resume.data.stream import _read_unit_batch
 from ray_resume.driver import TrainingFailed, stop_on_sigterm
@@ -81,9 +83,9 @@ class DriverSide(controller_module.JobController, MemoryKeeper):
     process: the job's driver as far as the ranks and the commits are concerned.
     """
 
-    def __init__(self, save_path: str, job_id: str, config: dict, storage_faults=None, setup=None):
+    def __init__(self, save_path: str, job_id: str, config: dict, plan=None, storage_faults=None, setup=None):
         _prepare(storage_faults, setup)
-        controller_module.JobController.__init__(self, save_path, job_id, config, driver_pid=os.getpid())
+        controller_module.JobController.__init__(self, save_path, job_id, config, driver_pid=os.getpid(), first_plan=plan)
         MemoryKeeper.__init__(self)
 
     def claim_fault(self) -> bool:
@@ -126,7 +128,7 @@ class StolenLease(DriverSide):
     """Another job takes the writer lease over as this job starts committing iteration 8 (as after
     this job stalled past its ttl): the commit must write nothing and the run must end with it."""
 
-    def _commit(self, iteration: int, manifests: list[dict], common: dict) -> None:
+    def _commit(self, iteration: int, manifests: list, common: dict) -> None:
         if iteration == 8:
             thief = {"job_id": "thief", "host": "elsewhere", "pid": 1, "expires_at": time.time() + 3600}
             lease_dir = Path(self.root) / LEASE_DIR
@@ -169,7 +171,7 @@ def _prepare(storage_faults, setup) -> None:
         setup[0](*setup[1:])
 
 
-def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, train_func, config: dict, source, job_id: str, preempted,
+def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, train_func, config: dict, job_id: str, preempted,
           storage_faults, setup) -> None:
     _prepare(storage_faults, setup)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -177,7 +179,7 @@ def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, train_fu
         def train_func(config):
             train_worker(get_checkpointer(), torch.device("cpu"), config["plugins"], stream=LocalStream, preempted=preempted,
                          units=[ReadUnit(*u) for u in config["units"]])
-    run_rank(Config.from_dict(cfg_dict), controller, rank, world, train_func, config, source=source, job_id=job_id)
+    run_rank(Config.from_dict(cfg_dict), controller, rank, world, train_func, config, job_id=job_id)
     dist.barrier()
     os._exit(0)  # not a teardown of the group under live DDP objects: that sometimes hangs at exit
 
@@ -246,16 +248,16 @@ class LocalBackend:
         self.outcome: Outcome | None = None  # once the job has run
         self.driver_pid: int | None = None  # the controller's process, once started
 
-    def run(self, cfg: Config, job_id: str, loop_config: dict) -> dict:
+    def run(self, cfg: Config, job_id: str, plan, loop_config: dict) -> dict:
         started = time.monotonic()
         driver = Driver(ctx=CTX)
         driver.start()
         self.driver_pid = driver._process.pid
         try:
-            controller = getattr(driver, self.controller)(cfg.checkpoint.save_path, job_id, cfg.to_dict(), self.storage_faults,
+            controller = getattr(driver, self.controller)(cfg.checkpoint.save_path, job_id, cfg.to_dict(), plan, self.storage_faults,
                                                           self.setup)
             ours = loop_config[INTERNAL]
-            args = (cfg.to_dict(), controller, ours["train_func"], loop_config[USER], ours["source"], job_id, self.preempted,
+            args = (cfg.to_dict(), controller, ours["train_func"], loop_config[USER], job_id, self.preempted,
                     self.storage_faults, self.setup)
             attempts, error, result = 0, None, None
             with stop_on_sigterm(functools.partial(_if_alive, driver, controller.request_stop), cfg.name):
@@ -271,10 +273,9 @@ class LocalBackend:
                     error = "driver died"
             if error == "driver died":
                 self.outcome = Outcome(None, attempts, True, error)
-                return {"committed": None, "metrics": {}, "error": None, "attempts": [], "user_error": None,
-                        "failure": RuntimeError(error), "wall_s": time.monotonic() - started}
-            self.outcome = Outcome(result["committed"], attempts, False, result["user_error"] or error or result["error"], result["attempts"])
-            return {**result, "failure": RuntimeError(error) if error else None, "wall_s": time.monotonic() - started}
+                return JobOutcome(failure=RuntimeError(error), wall_s=time.monotonic() - started)
+            self.outcome = Outcome(result.committed, attempts, False, result.user_error or error or result.commit_error, result.attempts)
+            return dataclasses.replace(result, failure=RuntimeError(error) if error else None, wall_s=time.monotonic() - started)
         finally:
             driver.shutdown()
 

@@ -160,13 +160,14 @@ def test_bad_keys_are_refused_before_ray_starts_and_the_checkpointer_lives_only_
 @pytest.mark.invariant(6, 13)
 def test_extra_state_with_no_save_optim_is_refused_before_anything_loads(tmp_path):
     """It rides in the optimizer shards: with no_save_optim it would vanish at the first restart, silently."""
+    from ray_resume.checkpoint.root import ResumePlan
+    from ray_resume.controller.job import AttemptStart
     from ray_resume.rank import RankCheckpointer, RankJob
     from ray_resume.config import Config
     from ray_resume.errors import ConfigError
 
     cfg = Config.from_dict({"name": "x", "checkpoint": {"save_path": str(tmp_path), "no_save_optim": True}})
-    ck = RankCheckpointer(RankJob(cfg, controller=None, rank=0, world=1, job_id="j", attempt=0, resume_step=None, memory_step=None, ended={},
-                                  faults=None), source=None)
+    ck = RankCheckpointer(RankJob(cfg, controller=None, rank=0, world=1, job_id="j", start=AttemptStart(0, ResumePlan()), faults=None))
     model = torch.nn.Linear(2, 2)
     sched = torch.optim.lr_scheduler.StepLR(opt := torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
     with pytest.raises(ConfigError, match="extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out"):

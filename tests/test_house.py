@@ -23,7 +23,7 @@ PACKAGE = REPO / "ray_resume"
 LAYERS = [
     ["errors", "calls", "faults", "model", "summary", "text_table", "collectives", "wire", "forked", "forkserver", "checkpoint", "checkpoint.paths", "checkpoint.names",
      "checkpoint.plan", "checkpoint.digest", "checkpoint.storage", "checkpoint.shard_file", "checkpoint.writer_process",
-     "checkpoint.async_save"],
+     "checkpoint.async_save", "checkpoint.manifest"],
     ["checkpoint.schema", "checkpoint.parse", "checkpoint.state", "checkpoint.writer", "checkpoint.reader", "checkpoint.loader", "checkpoint.commit",
      "checkpoint.lease", "checkpoint.fallback", "checkpoint.memory", "checkpoint.root", "checkpoint.checkpointer", "checkpoint.dcp"],
     ["config", "data", "metrics", "optim", "parallel", "plugins", "extra_state", "plot"],
@@ -179,3 +179,41 @@ def test_each_process_builds_a_roots_storage_once(tmp_path, local_reference, mon
     assert sum(not writer for _, writer in by_process) == 5, by_process
     assert sum(writer for _, writer in by_process) == 4, by_process
     assert os.getpid() not in {pid for pid, _ in by_process}  # the driver is counted above
+
+
+def count_parses(record: str, patch=setattr) -> None:
+    """Every name in ray_resume bound to `parse_iteration` (each parse of an iteration's JSON) made
+    to append this process's pid and the step to `record` first."""
+    import sys
+
+    from ray_resume.checkpoint import parse
+
+    real = parse.parse_iteration
+
+    def counted(raw, root, step):
+        with open(record, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "step": step}) + "\n")
+        return real(raw, root, step)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("ray_resume"):
+            for attr, value in list(vars(module).items()):
+                if value is real:
+                    patch(module, attr, counted)
+
+
+def test_each_process_parses_the_iteration_it_resumes_once(tmp_path, local_reference, monkeypatch):
+    """A job that resumes iteration 8 of another run: the driver (its checks, its fallback's) and every
+    rank (rank 0 reads and broadcasts it) each parse its JSON once; the controller not at all."""
+    first = tiny_config(tmp_path, training={"train_steps": 8})
+    first["data"]["path"] = local_reference["data"]
+    run_on_harness(first)
+    record = str(tmp_path / "parses.jsonl")
+    count_parses(record, monkeypatch.setattr)
+    cfg = tiny_config(tmp_path, checkpoint={"load_path": first["checkpoint"]["save_path"], "save_path": str(tmp_path / "again")})
+    cfg["data"]["path"] = local_reference["data"]
+    run_on_harness(cfg, setup=(count_parses, record))
+    with open(record) as f:
+        parses = Counter(r["pid"] for r in map(json.loads, f) if r["step"] == 8)
+    assert parses.pop(os.getpid()) == 1  # the driver
+    assert list(parses.values()) == [1, 1], parses  # rank 0 and rank 1

@@ -48,7 +48,7 @@ def flip_byte(path: Path) -> None:
 
 
 def test_intact_tracker_iteration_is_used(root):
-    assert select_iteration(LocalStorage(), str(root), fallback=True) == 10
+    assert select_iteration(LocalStorage(), str(root), fallback=True).step == 10
 
 
 def restore(root: Path, step: int, **checkpoint):
@@ -144,7 +144,7 @@ def test_an_iteration_that_disagrees_with_itself_is_damage_and_falls_back(root, 
     common_file = root / "iteration_00000010" / "common.json"
     common_file.write_text(json.dumps({**json.loads(common_file.read_text()), "global_step": 5}))
     with caplog.at_level(logging.WARNING):
-        assert select_iteration(LocalStorage(), str(root), fallback=True) == 5
+        assert select_iteration(LocalStorage(), str(root), fallback=True).step == 5
     assert "global_step 5 is not this directory's iteration 10" in caplog.text
 
 
@@ -165,7 +165,7 @@ def test_missing_or_garbled_tracker_with_valid_iterations(root, tracker):
         (root / paths.TRACKER).unlink()
     else:
         (root / paths.TRACKER).write_text(tracker)
-    assert select_iteration(LocalStorage(), str(root), fallback=True) == 10
+    assert select_iteration(LocalStorage(), str(root), fallback=True).step == 10
     with pytest.raises(CheckpointError, match=r"Iterations that check out: \[10, 5\]"):
         select_iteration(LocalStorage(), str(root), fallback=False)
 

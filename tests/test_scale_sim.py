@@ -114,9 +114,9 @@ def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
     manifests = scale_sim.manifests_for(plan, sizes)
     iter_dir = paths.iteration_dir(root, scale_sim.ITERATION)
     for manifest in manifests:
-        for name, info in manifest["files"].items():
-            storage.write_atomic(paths.join(iter_dir, name), b"\0" * info["size"])
-    names = [n for m in manifests for n in m["files"]]
+        for name, info in manifest.files.items():
+            storage.write_atomic(paths.join(iter_dir, name), b"\0" * info.size)
+    names = [n for m in manifests for n in m.files]
     calls = count_storage_calls(storage.backend)
     assert storage.sizes(iter_dir, names + ["absent"]) == {**{n: sizes[n.split("-")[1]]["size"][int(n.split("-")[2])] for n in names}, "absent": None}
     # One listing for all 6 files; only the name it lacks is asked for by itself.
@@ -129,7 +129,7 @@ def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
                          config=scale_sim.SIM_CONFIG, job_id="t")
     assert storage.size(paths.tracker_path(root)) is None
 
-    storage.write_atomic(paths.join(iter_dir, short), b"\0" * manifests[1]["files"][short]["size"])
+    storage.write_atomic(paths.join(iter_dir, short), b"\0" * manifests[1].files[short].size)
     calls.update(listings=0, sizes=[])
     meta = commit_iteration(storage, root, scale_sim.ITERATION, manifests, scale_sim.common_json(world), prefix="ckpt",
                             config=scale_sim.SIM_CONFIG, job_id="t")

@@ -2,11 +2,13 @@
 snapshot it into the memory tier.
 
 Whether a step is saved is decided above (`rank.RankCheckpointer`); what
-to load comes from the driver, so all ranks of a group agree on it.
+to load is the group's `ResumePlan` (decided by the driver or the controller),
+so all ranks of a group agree on it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -89,7 +91,7 @@ class Checkpointer:
         except DamagedShards as exc:  # every rank gets here (the loader agrees), with the same step
             logger.warning("rank %d: %s", self.rank, exc)
             damage = str(exc)
-            older = decided_by_rank0(lambda: fall_back(storage, source.root, source.step, damage, fallback=self.ckpt.fallback),
+            older = decided_by_rank0(lambda: fall_back(storage, source.root, source.step, damage, fallback=self.ckpt.fallback).step,
                                      self.rank, f"fall back from the damaged iteration {source.step}")
             return self.restore(model, optimizer, CommittedIteration(source.root, older), full=full,
                                 global_batch_size=global_batch_size, rank0_extras=rank0_extras)
@@ -333,7 +335,7 @@ class Checkpointer:
             return
         self.faults.maybe_kill("before_report", step)
         if self.rank == 0:
-            manifest["model"] = self.export_facts
+            manifest = dataclasses.replace(manifest, model=self.export_facts)
         call(self.controller, "report", self.attempt, step, manifest, common)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import yaml
 
 from . import paths
+from .manifest import Manifest
 from .parse import parse_iteration
 from .schema import build_metadata, dumps, split_common
 
@@ -24,7 +25,7 @@ def commit_iteration(
     storage,
     root: str,
     iteration: int,
-    manifests: list[dict],
+    manifests: list[Manifest],
     common: dict,
     *,
     prefix: str,
@@ -47,10 +48,10 @@ def commit_iteration(
     """
     world = len(manifests)
     for rank, manifest in enumerate(manifests):
-        if manifest["rank"] != rank or manifest["world_size"] != world:
-            raise RuntimeError(f"manifest {rank} is from rank {manifest['rank']} of {manifest['world_size']}, expected rank {rank} of {world}")
+        if manifest.rank != rank or manifest.world_size != world:
+            raise RuntimeError(f"manifest {rank} is from rank {manifest.rank} of {manifest.world_size}, expected rank {rank} of {world}")
     iter_dir = paths.iteration_dir(root, iteration)
-    reported = {name: (manifest["rank"], info["size"]) for manifest in manifests for name, info in manifest["files"].items()}
+    reported = {name: (manifest.rank, info.size) for manifest in manifests for name, info in manifest.files.items()}
     on_storage = storage.sizes(iter_dir, list(reported))
     for name, (rank, size) in reported.items():
         if on_storage[name] != size:

@@ -23,65 +23,71 @@ import time
 
 from . import paths
 from .reader import check_no_extra_shards, find_committed, iteration_steps, open_iteration
-from .schema import AbnormalIteration
+from .schema import AbnormalIteration, Iteration
 from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 
-def check_metadata(storage, root: str, step: int) -> CheckpointError | None:
-    """None if iteration `step`'s JSON, listing and shard sizes are intact, else what is wrong with it."""
-    try:
-        it = open_iteration(storage, root, step)
-        check_no_extra_shards(storage, it)
-        sizes = storage.sizes(it.path, sorted(it.files))
-        for name, actual in sizes.items():
-            listed = it.files[name].size
-            if actual != listed:
-                path = paths.join(it.path, name)
-                return CheckpointError(f"{path}: shard listed in metadata.json is missing" if actual is None else
-                                       f"{path}: size is {actual} bytes, metadata.json says {listed}; the shard is truncated or replaced")
-    except CheckpointError as exc:
-        return exc
-    return None
+def checked_iteration(storage, root: str, step: int) -> Iteration:
+    """Iteration `step`, its JSON parsed, its listing and shard sizes checked against it: what the
+    job resumes, parsed once (a CheckpointError says what is wrong with it)."""
+    it = open_iteration(storage, root, step)
+    check_no_extra_shards(storage, it)
+    for name, actual in storage.sizes(it.path, sorted(it.files)).items():
+        listed = it.files[name].size
+        if actual != listed:
+            path = paths.join(it.path, name)
+            raise CheckpointError(f"{path}: shard listed in metadata.json is missing" if actual is None else
+                                  f"{path}: size is {actual} bytes, metadata.json says {listed}; the shard is truncated or replaced")
+    return it
 
 
 def newest_first(storage, root: str) -> list[int]:
     return iteration_steps(storage, root)[::-1]
 
 
-def select_iteration(storage, root: str, *, fallback: bool) -> int | None:
-    """The iteration under `root` to load, or None when nothing was ever committed there."""
+def select_iteration(storage, root: str, *, fallback: bool) -> Iteration | None:
+    """The iteration under `root` to load, parsed and checked, or None when nothing was ever committed there."""
     try:
         tracked = find_committed(storage, root)
-        failure = None if tracked is None else check_metadata(storage, root, tracked)
-        if tracked is not None and failure is None:
-            return tracked
         if tracked is None:
             present = newest_first(storage, root)
             if not present:
                 return None
             failure = f"{paths.tracker_path(root)}: missing, but iterations {sorted(present)} are present"
+        else:
+            try:
+                return checked_iteration(storage, root, tracked)
+            except CheckpointError as exc:
+                failure = exc
     except CheckpointError as exc:  # a garbled tracker, or one naming a missing iteration
         tracked, failure = None, exc
     return fall_back(storage, root, tracked, failure, fallback=fallback)
 
 
-def fall_back(storage, root: str, damaged: int | None, failure: CheckpointError | str, *, fallback: bool) -> int:
+def fall_back(storage, root: str, damaged: int | None, failure: CheckpointError | str, *, fallback: bool) -> Iteration:
     """Iteration `damaged` (None: the tracker) cannot be used because of `failure`: the newest older
     iteration that checks out, with `damaged` set aside (never an abnormal one: not damage); or,
     without `fallback`, an error listing them."""
-    candidates = [s for s in newest_first(storage, root) if damaged is None or s < damaged]
-    valid = [s for s in candidates if check_metadata(storage, root, s) is None]
+    valid = []
+    for step in newest_first(storage, root):
+        if damaged is None or step < damaged:
+            try:
+                valid.append(checked_iteration(storage, root, step))
+            except CheckpointError:
+                continue
+            if fallback:  # the newest is the one
+                break
     if not fallback:
         raise CheckpointError(
-            f"{failure}. Iterations that check out: {valid or 'none'}; set checkpoint.fallback: true to resume from the "
-            "newest of them, or repair the damaged one"
+            f"{failure}. Iterations that check out: {[it.step for it in valid] or 'none'}; set checkpoint.fallback: true to "
+            "resume from the newest of them, or repair the damaged one"
         )
     if not valid:
         raise CheckpointError(f"{failure}; and no older iteration under {root} checks out, so there is nothing safe to resume")
     chosen = valid[0]
-    logger.warning("CHECKPOINT FALLBACK: %s. Resuming from iteration %d instead, the newest older one that checks out.", failure, chosen)
+    logger.warning("CHECKPOINT FALLBACK: %s. Resuming from iteration %d instead, the newest older one that checks out.", failure, chosen.step)
     if damaged is not None and not isinstance(failure, AbnormalIteration):
         set_aside(storage, root, damaged)
     return chosen

@@ -46,12 +46,15 @@ def open_shared(storage, root: str, step: int, rank: int, world_size: int) -> It
     Every rank needs metadata.json, but at 12,288 ranks on S3 each fetching
     its 6.6 MB would be 81 GB of GETs (and 12,288 listings) per load.
     """
-    def read() -> dict:
-        it = open_iteration(storage, root, step)
-        check_no_extra_shards(storage, it)
-        return it.raw
+    parsed = []  # rank 0's own parse, kept: the iteration is parsed once in each process
 
-    return parse_iteration(decided_by_rank0(read, rank, f"read iteration {step} under {root}"), root, step)
+    def read() -> dict:
+        parsed.append(open_iteration(storage, root, step))
+        check_no_extra_shards(storage, parsed[0])
+        return parsed[0].raw
+
+    raw = decided_by_rank0(read, rank, f"read iteration {step} under {root}")
+    return parsed[0] if parsed else parse_iteration(raw, root, step)
 
 
 def balanced_owners(it: Iteration, kinds, world_size: int) -> dict[tuple[str, int], int]:

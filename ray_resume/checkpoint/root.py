@@ -8,6 +8,7 @@ in that process that reads or writes the root.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from dataclasses import dataclass
@@ -49,6 +50,43 @@ class DcpCheckpoint:
 
 
 ResumeSource = CommittedIteration | WeightsExport | DcpCheckpoint
+_SOURCES = {"committed": CommittedIteration, "export": WeightsExport, "dcp": DcpCheckpoint}
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What one worker-group start resumes, decided once for all its ranks, which carry it out: the
+    driver decides the first start's (`checkpoint.load_path`, checked under the writer lease), the
+    controller every restart's (`JobController.start_attempt`: this job's newest commit, else the
+    first start's source; and a newer memory snapshot). Only damage found in shard bytes while they
+    load changes it, and rank 0 decides that for every rank (`Checkpointer.restore`)."""
+
+    source: ResumeSource | None = None  # None: from scratch, at step 0
+    full: bool = False  # the optimizer, RNG streams, step and data cursor too; else the weights only
+    memory_step: int | None = None  # a newer step every rank holds in memory: tried first, `source` where it is gone
+
+    @classmethod
+    def first(cls, source: ResumeSource | None, no_load_optim: bool) -> "ResumePlan":
+        """The first start's: `source` whole, unless no_load_optim (an export holds weights only)."""
+        return cls(source, full=isinstance(source, (CommittedIteration, DcpCheckpoint)) and not no_load_optim)
+
+    def restart(self, save_path: str, committed: int | None, memory_step: int | None) -> "ResumePlan":
+        """A restart's, after this (the first start's) plan: the job's own newest commit, always whole."""
+        if committed is not None:
+            return ResumePlan(CommittedIteration(save_path, committed), full=True, memory_step=memory_step)
+        return ResumePlan(self.source, self.full, memory_step)
+
+    def to_json(self) -> dict:
+        kind = next((k for k, cls in _SOURCES.items() if isinstance(self.source, cls)), None)
+        source = None if kind is None else {"kind": kind, **dataclasses.asdict(self.source)}
+        return {"source": source, "full": self.full, "memory_step": self.memory_step}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ResumePlan":
+        source = data["source"]
+        if source is not None:
+            source = _SOURCES[source["kind"]](**{k: v for k, v in source.items() if k != "kind"})
+        return cls(source, bool(data["full"]), data["memory_step"])
 
 
 class CheckpointRoot:
@@ -63,9 +101,9 @@ class CheckpointRoot:
         """The step the tracker names (checked to exist), None when nothing was committed."""
         return find_committed(self.storage, self.uri)
 
-    def select(self, *, fallback: bool) -> int | None:
-        """The iteration to resume: the tracker's if it checks out, else the newest older one that
-        does (the damaged one set aside, unless `fallback` is off); None when nothing was committed."""
+    def select(self, *, fallback: bool) -> Iteration | None:
+        """The iteration to resume, parsed: the tracker's if it checks out, else the newest older one
+        that does (the damaged one set aside, unless `fallback` is off); None when nothing was committed."""
         return select_iteration(self.storage, self.uri, fallback=fallback)
 
     def iteration(self, step: int) -> Iteration:

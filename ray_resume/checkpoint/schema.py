@@ -27,6 +27,7 @@ from typing import Any
 from . import names, paths
 from ..errors import CheckpointError
 from .digest import CHECKSUMS, block_bounds
+from .manifest import Manifest
 from .plan import Piece, TensorSpec, rows_piece
 
 # MindFormers' CommonInfo, field by field, with the JSON types it holds (mindformers 2.1).
@@ -373,20 +374,20 @@ def _check_export_facts(facts: Any, where: str) -> None:
         raise CheckpointError(f"{where}.transformers must hold 'prefix' and a 'config' with an 'architectures' list")
 
 
-def build_metadata(iteration: int, prefix: str, manifests: list[dict], facts: dict) -> dict:
+def build_metadata(iteration: int, prefix: str, manifests: list[Manifest], facts: dict) -> dict:
     """metadata.json from every rank's manifest (ordered by rank): MindFormers' schema for every tensor
     and chunk, and ours (the files and their digests, `facts`) under `ray_resume`."""
     world = len(manifests)
     files, chunks = {}, {}
     for manifest in manifests:
-        for name, info in manifest["files"].items():
-            files[name] = {k: info[k] for k in FILE_FIELDS}
-        for kind, held in manifest["chunks"].items():
-            file = paths.shard_filename(prefix, kind, manifest["rank"], world)
+        for name, info in manifest.files.items():
+            files[name] = {k: getattr(info, k) for k in FILE_FIELDS}
+        for kind, held in manifest.chunks.items():
+            file = paths.shard_filename(prefix, kind, manifest.rank, world)
             for name, first, rows in held:
-                chunks.setdefault(name, []).append((first, rows, manifest["rank"], file))
+                chunks.setdefault(name, []).append((first, rows, manifest.rank, file))
     state, storage = {}, {}
-    for kind, specs in manifests[0]["specs"].items():
+    for kind, specs in manifests[0].specs.items():
         for name, dtype, shape in specs:
             parts = sorted(chunks.get(name, []))
             cut = len(parts) > 1 and len({rows for _, rows, _, _ in parts}) == 1
@@ -404,10 +405,10 @@ def build_metadata(iteration: int, prefix: str, manifests: list[dict], facts: di
                 offset = [first] + [0] * (len(shape) - 1) if shape else []
                 state[name]["chunk"].append({"global_offset": offset, "local_shape": [rows, *shape[1:]] if shape else []})
                 storage[_shard_id(name, offset)] = [{"file_name": file, "storage_rank": rank, "rank_group": [rank]}]
-    model = {"model": manifests[0]["model"]} if manifests[0].get("model") else {}  # rank 0's state.export_facts
+    model = {"model": manifests[0].model} if manifests[0].model else {}  # rank 0's state.export_facts
     return {"state_dict_metadata": state, "storage_data": storage, "ray_resume": {
         "format_version": paths.FORMAT_VERSION, "iteration": iteration, "world_size": world, "prefix": prefix,
-        "block_size": manifests[0]["block_size"], "files": files, **model, **facts}}
+        "block_size": manifests[0].block_size, "files": files, **model, **facts}}
 
 
 def readable_by_mindformers(it: Iteration, kind: str, name: str) -> bool:

@@ -32,6 +32,7 @@ import torch
 
 from . import paths
 from .digest import DEFAULT_CHECKSUM, block_bounds
+from .manifest import Manifest, WrittenFile
 from .plan import Piece, SavePlan, TensorSpec
 from .schema import SAFETENSORS_ORDER, local_shape
 from .state import DTYPE_TAGS, DTYPES, dim0_sharded, local_tensor
@@ -252,7 +253,7 @@ def write_shards(
     block_size: int = CHECKSUM_BLOCK,
     checksum: str = DEFAULT_CHECKSUM,
     writer=None,
-) -> dict:
+) -> Manifest:
     """Write this rank's shard files of iteration `step` from their data sections; return its manifest.
 
     Runs on the training thread (sync save) or the writer thread (async); with
@@ -272,13 +273,13 @@ def write_shards(
         written = [write_file(storage, f, data, checksum, on_mid_write) for f, (_, data) in zip(files, shards)]
     else:
         written = writer.write(files, checksum, on_mid_write)
-    manifest: dict = {"rank": rank, "world_size": world_size, "block_size": block_size, "files": {}, "chunks": {}, "specs": {}}
+    manifest = Manifest(rank, world_size, block_size, files={}, chunks={}, specs={})
     for f, (shard, _), (size, digests) in zip(files, shards, written):
-        manifest["files"][f.name] = {"size": size, "data_start": len(f.head), "checksum": checksum, "digests": digests}
-        manifest["chunks"][shard.kind] = [[e.piece.name, *e.rows] for e in sorted(shard.entries, key=lambda e: e.piece.name)]
+        manifest.files[f.name] = WrittenFile(size, len(f.head), checksum, digests)
+        manifest.chunks[shard.kind] = [(e.piece.name, *e.rows) for e in sorted(shard.entries, key=lambda e: e.piece.name)]
         if rank == 0:
-            manifest["specs"][shard.kind] = [[s.name, s.dtype, list(s.shape)] for s in shard.specs]
-    logger.debug("rank %d wrote %s", rank, json.dumps(manifest["files"]))
+            manifest.specs[shard.kind] = [(s.name, s.dtype, list(s.shape)) for s in shard.specs]
+    logger.debug("rank %d wrote %s", rank, manifest.files)
     return manifest
 
 
@@ -296,7 +297,7 @@ def save_shards(
     on_mid_write: Callable[[], None] = lambda: None,
     block_size: int = CHECKSUM_BLOCK,
     checksum: str = DEFAULT_CHECKSUM,
-) -> dict:
+) -> Manifest:
     """Synchronous save: write this rank's shards straight from the live tensors; return its manifest."""
     states = {paths.MODEL_KIND: model_state, paths.OPTIM_KIND: optim_state}
     shards = [(s, live_data(s, states[s.kind])) for s in shard_layouts(states, rank, world_size)]

@@ -30,12 +30,14 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 
 from ..calls import SAVE_AND_STOP, STOP_NOW
 from ..checkpoint import paths
 from ..checkpoint.commit import commit_iteration
 from ..checkpoint.lease import LeaseLost
-from ..checkpoint.root import root_for
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.root import ResumePlan, root_for
 from ..config import redacted
 from ..summary import restart_clock
 from .retention import Retention
@@ -44,8 +46,42 @@ from .snapshots import SnapshotLedger
 logger = logging.getLogger("ray_resume.controller")
 
 
+@dataclass(frozen=True)
+class AttemptStart:
+    """What a worker group is told as it starts (rank 0 asks, `start_attempt`; every rank gets it)."""
+
+    attempt: int  # worker-group starts of this job before this one
+    plan: ResumePlan  # what it resumes
+    user_error: str | None = None  # a rank found a mistake of the user's: the job is over, this group returns at once
+    failed_after: int | None = None  # the last step the previous attempt finished (None on the first, or before a step)
+    lost: dict[str, str] = field(default_factory=dict)  # rank -> why, of the previous attempt (Ray Train's word)
+    clock: dict = field(default_factory=dict)  # what this start took so far (summary.restart_clock)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "plan": self.plan.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AttemptStart":
+        return cls(**{**data, "plan": ResumePlan.from_json(data["plan"])})
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a job ran: the controller's account (`JobController.result`), and the backend's (`failure`, `wall_s`)."""
+
+    committed: int | None = None  # the newest iteration this job committed
+    metrics: dict = field(default_factory=dict)  # rank 0's last step's
+    commit_error: str | None = None  # a commit failed: why, and where the tracker stays
+    attempts: list[dict] = field(default_factory=list)  # per worker-group start: the last step rank 0 finished, and when
+    user_error: str | None = None  # a mistake of the user's a rank found (the job ended with it)
+    user_error_kind: str | None = None  # its class's name (errors.USER_ERRORS)
+    failure: BaseException | None = None  # what the backend's run raised (Ray Train's error)
+    wall_s: float = 0.0  # the run's wall time
+
+
 class JobController(SnapshotLedger, Retention):
-    def __init__(self, save_path: str, job_id: str, config: dict, driver_pid: int, keepers: dict | None = None):
+    def __init__(self, save_path: str, job_id: str, config: dict, driver_pid: int, keepers: dict | None = None,
+                 first_plan: ResumePlan | None = None):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         self.root = save_path
         self.job_id = job_id
@@ -54,11 +90,12 @@ class JobController(SnapshotLedger, Retention):
         self.fault = config.get("fault")
         self.checkpoint_root = root_for(save_path, config["checkpoint"]["storage"]) if save_path else None
         self.storage = self.checkpoint_root.storage if save_path else None
+        self.first_plan = first_plan or ResumePlan()  # the driver's, for the first start (and restarts before a commit)
         self.attempt = -1
         self.reached: list[dict] = []  # per attempt: the last step rank 0 finished, and when
         self.lost: dict[int, str] = {}  # rank -> why, for the current attempt's failure (Ray Train tells us)
         self.noticed_at: float | None = None  # when Ray Train told us (time.time(), this process's clock)
-        self.pending: dict[int, dict[int, dict]] = {}  # iteration -> rank -> manifest
+        self.pending: dict[int, dict[int, Manifest]] = {}  # iteration -> rank -> manifest
         self.pending_common: dict[int, dict] = {}  # iteration -> rank 0's common
         self.committed_by_job: list[int] = []
         self.complete_below: set[int] = set()  # iterations retention found complete (it clears the others)
@@ -82,16 +119,16 @@ class JobController(SnapshotLedger, Retention):
         """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
         return self.config
 
-    def start_attempt(self, world: int, process_started: float | None = None) -> dict:
-        """Called once per worker-group start by rank 0: a new attempt id, and what to resume."""
+    def start_attempt(self, world: int, process_started: float | None = None) -> AttemptStart:
+        """Called once per worker-group start by rank 0: a new attempt, and what it resumes."""
         with self.lock:
             return self._start_attempt(world, process_started)
 
-    def _start_attempt(self, world: int, process_started: float | None) -> dict:
-        """`failed_after`: the last step the previous attempt finished (None on the first);
-        `memory_step`: a step newer than the last commit that memory holds for every rank of a
-        group of this `world` size (None if there is none). `process_started`: when rank 0's
-        process started (None: unknown), which splits the new group's time in two."""
+    def _start_attempt(self, world: int, process_started: float | None) -> AttemptStart:
+        """The one place a restart's resume is decided (the first start's is the driver's): this job's
+        newest commit, and a newer step the memory tier holds for every rank of a group of this
+        `world` size. `process_started`: when rank 0's process started (None: unknown), which splits
+        the new group's time in two."""
         self.attempt += 1
         self.pending.clear()
         self.pending_common.clear()
@@ -101,9 +138,9 @@ class JobController(SnapshotLedger, Retention):
         noticed, self.noticed_at = self.noticed_at, None
         clock = {} if last is None else restart_clock(last, noticed, process_started, now)
         self.reached.append({"attempt": self.attempt, "step": None, "time": None})
-        return {"attempt": self.attempt, "resume_step": self.last_committed(), "memory_step": self.memory_step(world),
-                "failed_after": failed_after,
-                "lost": {str(rank): why for rank, why in sorted(lost.items())}, "user_error": self.user_error, "clock": clock}
+        plan = self.first_plan if self.attempt == 0 else self.first_plan.restart(self.root, self.last_committed(), self.memory_step(world))
+        return AttemptStart(self.attempt, plan, self.user_error, failed_after,
+                            {str(rank): why for rank, why in sorted(lost.items())}, clock)
 
     def user_failed(self, rank: int, message: str, kind: str = "ConfigError") -> None:
         """A rank hit a mistake of the user's (a loss that is not a scalar...): running it again would
@@ -152,20 +189,19 @@ class JobController(SnapshotLedger, Retention):
         """Rank 0's last step metrics, for the driver's result."""
         self.final_metrics = metrics
 
-    def result(self) -> dict:
+    def result(self) -> JobOutcome:
         """What the job committed, rank 0's last metrics, and why the run failed if a commit did."""
         error = None
         if self.commit_error:
             last = self.last_committed()
             where = f"iteration {last}, the last good commit" if last is not None else "what it named before"
             error = f"{self.commit_error}; the tracker of {self.root} stays on {where}; run again with checkpoint.load_path={self.root} to resume from it"
-        return {"committed": self.last_committed(), "metrics": self.final_metrics, "error": error, "attempts": self.reached,
-                "user_error": self.user_error, "user_error_kind": self.user_error_kind}
+        return JobOutcome(self.last_committed(), self.final_metrics, error, self.reached, self.user_error, self.user_error_kind)
 
     def last_committed(self) -> int | None:
         return self.committed_by_job[-1] if self.committed_by_job else None
 
-    def report(self, attempt: int, iteration: int, manifest: dict, common: dict) -> bool:
+    def report(self, attempt: int, iteration: int, manifest: Manifest, common: dict) -> bool:
         """A rank's shards of `iteration` are durable. Returns True if this completed a commit.
 
         Only what the commit needs is held: each rank's manifest, and rank 0's
@@ -174,15 +210,15 @@ class JobController(SnapshotLedger, Retention):
         with self.lock:
             return self._report(attempt, iteration, manifest, common)
 
-    def _report(self, attempt: int, iteration: int, manifest: dict, common: dict) -> bool:
+    def _report(self, attempt: int, iteration: int, manifest: Manifest, common: dict) -> bool:
         if attempt != self.attempt:
             logger.info("ignoring a manifest of iteration %d from attempt %d (now %d)", iteration, attempt, self.attempt)
             return False
         got = self.pending.setdefault(iteration, {})
-        got[manifest["rank"]] = manifest
-        if manifest["rank"] == 0:
+        got[manifest.rank] = manifest
+        if manifest.rank == 0:
             self.pending_common[iteration] = common
-        if len(got) < manifest["world_size"]:
+        if len(got) < manifest.world_size:
             return False
         del self.pending[iteration]
         common = self.pending_common.pop(iteration, None)
@@ -198,7 +234,7 @@ class JobController(SnapshotLedger, Retention):
             self.lease_lost = self.lease_lost or isinstance(exc, LeaseLost)
             return False
 
-    def _commit(self, iteration: int, manifests: list[dict], common: dict) -> None:
+    def _commit(self, iteration: int, manifests: list[Manifest], common: dict) -> None:
         metadata = commit_iteration(
             self.storage, self.root, iteration, manifests, common, prefix=self.config["checkpoint"]["prefix"],
             config=redacted(self.config), job_id=self.job_id, fence=self.lease.check if self.lease else lambda: None,
