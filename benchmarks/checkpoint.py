@@ -118,10 +118,11 @@ class Rank:
     def _checkpointer(self, root: str, coordinator=None, **kw):
         from ray_resume.checkpoint.checkpointer import Checkpointer
         from ray_resume.config import Config
+        from ray_resume.controller.client import ControllerClient
         from ray_resume.faults import FaultInjector
 
         cfg = Config.from_dict(_config(root, self.size, **kw))
-        return Checkpointer(cfg.checkpoint, coordinator or self.coordinator, self.rank, self.world, 0, FaultInjector(None, self.rank, lambda: False))
+        return Checkpointer(cfg.checkpoint, ControllerClient(coordinator or self.coordinator), self.rank, self.world, 0, FaultInjector(None, self.rank, lambda: False))
 
     def _state(self) -> dict:
         from ray_resume.checkpoint import state

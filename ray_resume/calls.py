@@ -1,6 +1,7 @@
-"""How ranks reach the job's controller: its Ray actor, or the plain object itself.
+"""A call to the job's controller or a memory keeper: on its Ray actor, or on the plain object
+itself (the tests' harness), the same way. Ranks make them through `controller.client.ControllerClient`.
 
-Apart from `controller.py`, which needs Ray, so that the checkpoint core runs
+Apart from the controller, which needs Ray, so that the checkpoint core runs
 where Ray is not installed (scripts/gpu_check.py on a bare GPU machine).
 """
 

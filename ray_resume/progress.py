@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 
-from .calls import Polled
 from .checkpoint import memory
 from .metrics import Curves, MetricsWriter
 
@@ -29,7 +28,7 @@ class Progress:
         self.every_step = rank == 0 or cfg.training.log_sample_ids  # records every step (see ray_resume.metrics)
         self.last: dict = {}
         self.start_parts: dict | None = None  # this start's parts until recorded (after a restart: once the lost steps are redone)
-        self.committed = Polled(controller, "last_committed") if rank == 0 else None  # for the progress line
+        self.committed = controller.last_committed_polled() if rank == 0 else None  # for the progress line
         if cfg.checkpoint.enable_save:
             self.metrics = MetricsWriter(cfg.checkpoint.save_path, cfg.checkpoint.storage, job=job_id, attempt=attempt, rank=rank)
 

@@ -19,11 +19,11 @@ from typing import Any, Callable
 import torch
 
 from . import forked, forkserver
-from .calls import call
 from .checkpoint.checkpointer import Checkpointer, Start
 from .checkpoint.state import class_path
 from .collectives import decided_by_rank0
 from .config import Config
+from .controller.client import ControllerClient
 from .controller.job import AttemptStart
 from .errors import USER_ERRORS, ConfigError
 from .extra_state import MAX_EXTRA, OptimizerState, dump_extra, load_extra
@@ -47,7 +47,7 @@ class RankJob:
     """This rank's part of the job, for this worker-group start (the built-in loop reads it)."""
 
     cfg: Config
-    controller: Any  # the job's controller (ray_resume.controller), reached through `call`
+    controller: ControllerClient  # the job's controller
     rank: int
     world: int
     job_id: str
@@ -71,8 +71,8 @@ def rank_entry(loop_config: dict) -> None:
 
     forked.size_thread_pools()  # a fork's, now that Ray has set this rank's OMP_NUM_THREADS
     ours = loop_config[INTERNAL]
-    controller = ours["controller"]
-    cfg = Config.from_dict(call(controller, "job_config"))  # the train_loop_config Ray Train shows is redacted
+    controller = ControllerClient(ours["controller"])
+    cfg = Config.from_dict(controller.job_config())  # the train_loop_config Ray Train shows is redacted
     ctx = ray.train.get_context()
     off = ours.get("fork_server_off")
     run_rank(cfg, controller, ctx.get_world_rank(), ctx.get_world_size(), ours["train_func"], loop_config[USER],
@@ -80,7 +80,7 @@ def rank_entry(loop_config: dict) -> None:
              processes=forkserver.started_how() if off is None else f"off ({off})")
 
 
-def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callable[[dict], None], config: dict, *,
+def run_rank(cfg: Config, controller: ControllerClient, rank: int, world: int, train_func: Callable[[dict], None], config: dict, *,
              job_id: str, driver_clock: dict | None = None, processes: str | None = None) -> None:
     """One rank of a job in an initialised process group: `train_func(config)` with this rank's
     RankCheckpointer, for this worker-group start. A user's mistake is said once and never retried:
@@ -92,24 +92,24 @@ def run_rank(cfg: Config, controller, rank: int, world: int, train_func: Callabl
     start = AttemptStart.from_json(start)
     if start.user_error is not None:
         return
-    faults = FaultInjector(cfg.fault, rank, lambda: call(controller, "claim_fault"))
+    faults = FaultInjector(cfg.fault, rank, controller.claim_fault)
     _current = RankCheckpointer(RankJob(cfg, controller, rank, world, job_id, start, faults))
     try:
         train_func(config)
         _current.finish()
     except USER_ERRORS as exc:
-        call(controller, "user_failed", rank, str(exc), next(kind.__name__ for kind in USER_ERRORS if isinstance(exc, kind)))
+        controller.user_failed(rank, str(exc), next(kind.__name__ for kind in USER_ERRORS if isinstance(exc, kind)))
         raise
     finally:
         _current = None
 
 
-def _start_attempt(controller, world: int, driver_clock: dict | None, processes: str | None) -> AttemptStart:
+def _start_attempt(controller: ControllerClient, world: int, driver_clock: dict | None, processes: str | None) -> AttemptStart:
     """Rank 0's: the controller's new attempt and what it resumes, with what this start took so far
     (`clock`; the first start's from the driver's stamps and this process's start) and how rank 0's
     process started (`processes`)."""
     started = process_started()
-    start = call(controller, "start_attempt", world, started)
+    start = controller.start_attempt(world, started)
     clock = start_clock(driver_clock, started, time.time()) if start.attempt == 0 and driver_clock else start.clock
     if processes and clock is not None:
         clock = {**clock, "fork_server": processes}

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import parallel
-from .calls import STOP_NOW, Polled, call, tell
+from .calls import STOP_NOW
 from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
 from .data import DEFAULT_COLUMNS, SAMPLE_ID, ReadUnit, SampleStream, quiet_ray_data, read_eval_set
 from .errors import ConfigError
@@ -76,7 +76,7 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
     batches = iter(samples)
     accumulation = train.accumulation_steps(world)
     noticed = False  # a preemption notice was seen and saved for
-    stop_poll = Polled(controller, "should_stop", 0) if rank == 0 else None
+    stop_poll = controller.should_stop_polled() if rank == 0 else None
     stop = 0  # the controller's last should_stop answer (calls.SAVE_AND_STOP, STOP_NOW)
     for step in range(resume.step + 1, train.train_steps + 1):
         lr = learning_rate(train, samples.position)  # of the samples consumed before this step
@@ -111,7 +111,7 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
         if evaluate and (step % train.eval_every == 0 or step == train.train_steps):
             progress.evaluated(step, *evaluate(model))
         if rank == 0:
-            tell(controller, "stepped", attempt, step)
+            controller.stepped(attempt, step)
         if stop:
             progress.stopped(step)
             break
@@ -120,7 +120,7 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
     if ck.last_stall_s is not None:
         progress._record({"event": "save_wait", "step": train.train_steps, "save_stall_s": final_wait}, flush=True)
     if rank == 0:
-        call(controller, "record_final_metrics", progress.last)
+        controller.record_final_metrics(progress.last)
 
 
 def learning_rate(train, consumed: int) -> float:

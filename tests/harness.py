@@ -46,6 +46,7 @@ from ray_resume import controller as controller_module
 from ray_resume.checkpoint.lease import LEASE_DIR
 from ray_resume.checkpoint.memory import MemoryKeeper
 from ray_resume.config import Config
+from ray_resume.controller.client import ControllerClient
 from ray_resume.controller.job import JobOutcome
 from ray_resume.data import ReadUnit, SampleStream
 from ray_resume.data.stream import _read_unit_batch
@@ -179,7 +180,7 @@ def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, train_fu
         def train_func(config):
             train_worker(get_checkpointer(), torch.device("cpu"), config["plugins"], stream=LocalStream, preempted=preempted,
                          units=[ReadUnit(*u) for u in config["units"]])
-    run_rank(Config.from_dict(cfg_dict), controller, rank, world, train_func, config, job_id=job_id)
+    run_rank(Config.from_dict(cfg_dict), ControllerClient(controller), rank, world, train_func, config, job_id=job_id)
     dist.barrier()
     os._exit(0)  # not a teardown of the group under live DDP objects: that sometimes hangs at exit
 

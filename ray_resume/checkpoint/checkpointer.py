@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..calls import call
 from ..collectives import collective_device, decided_by_rank0, smallest
 from ..errors import CheckpointError
 from . import memory, names, paths, state
@@ -47,7 +46,7 @@ class Start:
 class Checkpointer:
     def __init__(self, ckpt, controller, rank: int, world_size: int, attempt: int, faults):
         self.ckpt = ckpt  # the config's checkpoint section
-        self.controller = controller  # the job's controller (ray_resume.controller), reached through `call`
+        self.controller = controller  # the job's controller, a controller.client.ControllerClient (or a stand-in)
         self.rank = rank
         self.world_size = world_size
         self.attempt = attempt
@@ -264,13 +263,13 @@ class Checkpointer:
                 "rng": state.capture_rng(), "extras": dict(extras), "common": dict(common)}
         if self.keeper is None:
             node = memory.node_id()
-            self.keeper = (call(self.controller, "keeper_for", node) or self.controller, node)
+            self.keeper = (self.controller.keeper_for(node), node)
         keeper, node = self.keeper
 
         def send():
             try:
-                call(keeper, "keep_snapshot", step, self.rank, snap)
-                call(self.controller, "snapshotted", step, self.rank, self.world_size, node)
+                self.controller.keep_snapshot(keeper, step, self.rank, snap)
+                self.controller.snapshotted(step, self.rank, self.world_size, node)
             except Exception as exc:  # the tier is a shortcut: without this snapshot a restart reads storage
                 logger.warning("rank %d: memory snapshot of step %d not kept (%s)", self.rank, step, str(exc).splitlines()[0][:160])
 
@@ -281,9 +280,9 @@ class Checkpointer:
         """This rank's state from its memory snapshot of `step`; None on every rank if any rank's
         is gone (a node lost with its keeper): then the group restores from storage."""
         snap = None
-        for i, keeper in enumerate(call(self.controller, "snapshot_keepers", step, self.rank)):
+        for i, keeper in enumerate(self.controller.snapshot_keepers(step, self.rank)):
             try:
-                snap = memory.fetch(keeper or self.controller, step, self.rank)
+                snap = memory.fetch(keeper, step, self.rank)
             except Exception as exc:  # the keeper died with its node: the replica, if there is one
                 logger.warning("rank %d: the %s of its memory snapshot of step %d is gone (%s)", self.rank,
                                "replica" if i else "copy on its node", step, str(exc).splitlines()[0][:160])
@@ -295,7 +294,7 @@ class Checkpointer:
         [everywhere] = smallest([int(snap is not None)])
         if not everywhere:
             if self.rank == 0:
-                call(self.controller, "snapshot_lost", step)
+                self.controller.snapshot_lost(step)
                 logger.warning("the memory snapshot of step %d is not complete any more: restoring from storage", step)
             return None
         assign(state.model_tensors(model), memory.unpack(snap["tensors"][paths.MODEL_KIND]))
@@ -336,7 +335,7 @@ class Checkpointer:
         self.faults.maybe_kill("before_report", step)
         if self.rank == 0:
             manifest = dataclasses.replace(manifest, model=self.export_facts)
-        call(self.controller, "report", self.attempt, step, manifest, common)
+        self.controller.report(self.attempt, step, manifest, common)
 
 
 def _sharded(spec: TensorSpec, live: torch.Tensor | None) -> bool:
