@@ -17,7 +17,7 @@ import torch
 
 from . import parallel
 from .checkpoint import names, paths, state
-from .checkpoint.checkpointer import check_optimizer_state, check_weights, refuse_foreign_slots, refuse_optimizer_change
+from .checkpoint.checks import check_optimizer_state, check_weights, refuse_foreign_slots, refuse_optimizer_change
 from .checkpoint.dcp import dcp_checkpoint, describe, full_resume_problem, optimizer_specs, weight_specs
 from .checkpoint.root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .checkpoint.schema import Iteration

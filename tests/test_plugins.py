@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from conftest import REPO, commit_by_hand, run_on_harness, shard_bytes
 from ray_resume import parallel, train
 from ray_resume.checkpoint import state
-from ray_resume.checkpoint.checkpointer import load_weights
+from ray_resume.checkpoint.loader import load_weights
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage

@@ -356,7 +356,7 @@ def test_a_restore_into_another_optimizer_class_is_refused_by_the_ranks_too(tmp_
 
 
 def test_the_prefix_hint_looks_past_names_outside_the_prefix():
-    from ray_resume.checkpoint.checkpointer import prefix_hint
+    from ray_resume.checkpoint.checks import prefix_hint
 
     saved = {"transformer.wte.weight", "transformer.h.0.attn.weight", "lm_head.weight"}  # lm_head sorts first
     assert prefix_hint({"wte.weight", "h.0.attn.weight"}, saved) == (

@@ -21,9 +21,11 @@ from . import memory, names, paths, state
 from .async_save import BackgroundSave
 from .dcp import load_dcp, optimizer_specs, weight_specs
 from .fallback import fall_back
-from .loader import StateLoader, open_shared
+from .checks import check_optimizer_state, check_weights, refuse_foreign_slots, refuse_optimizer_change
+from .loader import StateLoader, assign, from_mindformers, is_fsdp_shard, load_weights, open_shared, shaped
 from .plan import TensorSpec, needed_range
-from .reader import load_rank_extras, read_export
+from .export import read_export
+from .reader import load_rank_extras
 from .root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .schema import DamagedShards
 from .state import DTYPE_TAGS, DTYPES, class_path, optimizer_slots
@@ -126,7 +128,7 @@ class Checkpointer:
             check_optimizer_state(specs, {n: tuple(p.shape) for n, p in params.items()}, where)
             flat = self._load(loader, paths.OPTIM_KIND, specs, {n: params[names.parse_state_name(n)[0]] for n in specs},
                               into=optimizer.state_tensors())  # slots that exist already (a live optimizer) load in place
-            tensors = {n: _shaped(flat[n], specs[n]) for n in specs}
+            tensors = {n: shaped(flat[n], specs[n]) for n in specs}
             if it.origin == "mindformers":
                 tensors = from_mindformers(tensors, it, loader, optimizer)
             optimizer.load_state_tensors(tensors)
@@ -187,7 +189,7 @@ class Checkpointer:
         Where `into` has a CPU tensor that holds exactly that part in the saved
         dtype, the bytes land in it directly.
         """
-        sharded = {n for n, t in live.items() if _sharded(specs[n], t)}
+        sharded = {n for n, t in live.items() if is_fsdp_shard(specs[n], t)}
         ranges = {n: needed_range(specs[n], n in sharded, self.world_size, self.rank) for n in specs}
         targets = {n: state.local_tensor(into[n]).detach() for n in specs if torch.is_tensor(into.get(n))}
         in_place = {n: t.view(-1) for n, t in targets.items() if t.device.type == "cpu" and t.is_contiguous()
@@ -338,127 +340,3 @@ class Checkpointer:
         self.controller.report(self.attempt, step, manifest, common)
 
 
-def _sharded(spec: TensorSpec, live: torch.Tensor | None) -> bool:
-    """The live tensor is an FSDP dim-0 shard of this saved tensor (same global shape)."""
-    return live is not None and state.dim0_sharded(live) and tuple(live.shape) == spec.shape
-
-
-def load_weights(model, weights: dict[str, torch.Tensor], where: str, rank: int = 0, world_size: int = 1) -> None:
-    """Load whole tensors `weights` (an export) into `model`, this rank's shards of them under FSDP."""
-    live = state.model_tensors(model)
-    specs = {n: TensorSpec(n, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size()) for n, t in weights.items()}
-    check_weights(live, specs, state.tied_aliases(model), where)
-    assign(live, {n: _elements(weights[n], needed_range(specs[n], _sharded(specs[n], t), world_size, rank)) for n, t in live.items()})
-
-
-def check_weights(live: dict[str, torch.Tensor], saved: dict[str, TensorSpec], aliases: dict[str, str], where: str) -> None:
-    """Names, shapes and dtypes of the saved weights against the model's, naming the first misfit."""
-    for name, tensor in live.items():
-        if name not in saved:
-            raise CheckpointError(f"{where}: model tensor {name!r} is missing{prefix_hint(set(live), set(saved) - set(aliases))}; "
-                                  "the model config differs from the one that saved it")
-        got = saved[name]
-        if got.shape != tuple(tensor.shape) or got.dtype != DTYPE_TAGS.get(tensor.dtype):
-            raise CheckpointError(
-                f"{where}: tensor {name!r} is {DTYPES.get(got.dtype, got.dtype)} {list(got.shape)} there but "
-                f"{tensor.dtype} {list(tensor.shape)} in the model; the model config differs from the one that saved it"
-            )
-    extra = sorted(set(saved) - set(live) - set(aliases))
-    if extra:
-        raise CheckpointError(f"{where}: tensor {extra[0]!r} is not a tensor of the model")
-
-
-def refuse_optimizer_change(it, cls: type, ours: str, start: str, back: str, *, slots: set[str] | None) -> None:
-    """Another optimizer class cannot take the saved state (AdamW's moments are not SGD's momentum):
-    torch would load the foreign slots without a word. Refused (the driver says it for the built-in
-    job, the ranks for any), naming both classes; weights alone carry over. A checkpoint MindFormers
-    wrote names no class: its slots must be ones the optimizer keeps (`slots`, None: unknown)."""
-    saved, now = it.ours.get("optimizer"), class_path(cls)
-    if saved is not None and saved != now:  # None: written before the class was kept, or by MindFormers
-        raise CheckpointError(
-            f"{paths.join(it.path, paths.METADATA)}: iteration {it.step} holds the state of optimizer {saved}, but "
-            f"{ours.format(now=now)}; set checkpoint.no_load_optim: true to start {start.format(now=now)}, or {back}")
-    if it.origin == "mindformers" and it.has_optimizer:
-        refuse_foreign_slots(it.specs(paths.OPTIM_KIND), slots, f"{paths.join(it.path, paths.METADATA)}: iteration {it.step}",
-                             ours.format(now=now), start.format(now=now), back)
-
-
-def refuse_foreign_slots(saved, slots: set[str] | None, where: str, ours: str, start: str, back: str) -> None:
-    """A checkpoint that names no optimizer class (MindFormers', DCP's): every saved slot (`saved`,
-    names as `names.state_name` gives them) must be one the optimizer keeps (`slots`; None: unknown)."""
-    if slots is None:
-        return
-    for name in saved:
-        param, slot = names.parse_state_name(name)
-        if param is not None and slot not in slots | {names.MAIN_PARAM}:
-            raise CheckpointError(f"{where} holds optimizer state {name!r} (torch's {slot!r}), but {ours}, which keeps "
-                                  f"{sorted(slots)}; set checkpoint.no_load_optim: true to start {start}, or {back}")
-
-
-def check_optimizer_state(saved: dict[str, TensorSpec], params: dict[str, tuple[int, ...]], where: str) -> None:
-    """Every saved slot belongs to a parameter of the model: a moment or a main param of its shape (a
-    0-d step of any). Found on the driver for the built-in job, by the ranks for any."""
-    for name, spec in saved.items():
-        param, slot = names.parse_state_name(name)
-        if param not in params:
-            raise CheckpointError(f"{where}: optimizer tensor {name!r} is of parameter {param!r}, which the model lacks; "
-                                  "the model config differs from the one that saved it")
-        if spec.shape and spec.shape != params[param]:
-            raise CheckpointError(f"{where}: optimizer tensor {name!r} is {list(spec.shape)} there but parameter {param!r} is "
-                                  f"{list(params[param])} in the model; the model config differs from the one that saved it")
-
-
-def from_mindformers(tensors: dict[str, torch.Tensor], it, loader: StateLoader, optimizer) -> dict[str, torch.Tensor]:
-    """A MindFormers optimizer's state as the torch optimizer keeps it. Its Adam keeps one step count
-    for every parameter (`global_step`, else common.json's): each parameter with moments gets it as
-    torch's `step`. Without main params (saved by an fp32 model) a low-precision model's are its weights."""
-    if names.GLOBAL_STEP in it.tensors[paths.OPTIM_KIND]:
-        whole = loader.load(paths.OPTIM_KIND, {names.GLOBAL_STEP: (0, 1)}, shared={names.GLOBAL_STEP})[names.GLOBAL_STEP]
-        count = float(whole.reshape(-1)[0].item())
-    else:
-        count = float(it.common["global_step"])
-    out = dict(tensors)
-    for name in tensors:
-        param, slot = names.parse_state_name(name)
-        step = names.state_name(param, names.STEP)
-        if slot == "exp_avg" and step not in out:
-            out[step] = torch.tensor(count, dtype=torch.float32)
-    mains = [n for n, _ in optimizer.named_main() if names.state_name(n, names.MAIN_PARAM) not in out]
-    if getattr(optimizer, "mixed", False) and mains:
-        logger.warning("%s holds no fp32 main params (saved by an fp32 model): they start from the loaded weights", it.path)
-        with torch.no_grad():
-            for name, main in optimizer.named_main():
-                out[names.state_name(name, names.MAIN_PARAM)] = state.local_tensor(dict(optimizer.named)[name]).detach().float()
-    return out
-
-
-def prefix_hint(model_names: set[str], saved_names: set[str]) -> str:
-    """Where the two sets of names differ by one leading module path (`transformer.` and none, as
-    between a Hugging Face `GPT2LMHeadModel` and its `GPT2Model`), a sentence saying so."""
-    for longer, shorter, says in (
-        (saved_names, model_names, "the saved names are the model's with {p!r} in front: they are of a model that holds yours as .{m}"),
-        (model_names, saved_names, "the model's names are the saved ones with {p!r} in front: your model holds the saved one as .{m}"),
-    ):
-        for prefix in sorted({n.split(".", 1)[0] + "." for n in longer if "." in n}):  # every leading module's
-            if shorter and {n[len(prefix):] for n in longer if n.startswith(prefix)} >= shorter:
-                return " (" + says.format(p=prefix, m=prefix[:-1]) + ")"
-    return ""
-
-
-def assign(live: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
-    """Copy loaded elements into the model's tensors (this rank's shard of each, under FSDP); tied aliases follow."""
-    with torch.no_grad():
-        for name, tensor in live.items():
-            local = state.local_tensor(tensor)
-            if loaded[name].data_ptr() != local.data_ptr():  # not loaded in place
-                local.copy_(loaded[name].view(local.shape))
-
-
-def _elements(t: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
-    start, numel = r
-    return t.reshape(-1)[start : start + numel]
-
-
-def _shaped(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    """A loaded range in its tensor's shape: the whole tensor, or a dim-0 chunk of rows."""
-    return flat.reshape(spec.shape) if flat.numel() == spec.numel else flat.reshape(-1, *spec.shape[1:])

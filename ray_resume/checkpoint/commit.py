@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import yaml
 
-from . import paths
+from . import names, paths
 from .manifest import Manifest
 from .parse import parse_iteration
-from .schema import build_metadata, dumps, split_common
+from .schema import CKPT_NORMAL, COMMON_FIELDS, FILE_FIELDS, LAYOUT_ALIAS, dumps, shard_id
 
 
 def commit_iteration(
@@ -83,3 +83,51 @@ def remove_unlisted(storage, iter_dir: str, listed: set[str]) -> None:
     stale = [name for name in storage.listdir(iter_dir) if name not in listed]
     for name in sorted(stale, key=lambda name: name != paths.COMMON):
         storage.remove(paths.join(iter_dir, name))
+
+
+def split_common(reported: dict) -> tuple[dict, dict]:
+    """Rank 0's account of a save into common.json (CommonInfo's fields, ckpt_status normal) and what
+    is ours alone (for metadata.json's `ray_resume`)."""
+    common = {key: reported[key] for key in COMMON_FIELDS if key != "ckpt_status"}
+    common["loss_scale"] = float(common["loss_scale"])
+    common["ckpt_status"] = CKPT_NORMAL
+    return common, {k: v for k, v in reported.items() if k not in COMMON_FIELDS}
+
+
+
+def build_metadata(iteration: int, prefix: str, manifests: list[Manifest], facts: dict) -> dict:
+    """metadata.json from every rank's manifest (ordered by rank): MindFormers' schema for every tensor
+    and chunk, and ours (the files and their digests, `facts`) under `ray_resume`."""
+    world = len(manifests)
+    files, chunks = {}, {}
+    for manifest in manifests:
+        for name, info in manifest.files.items():
+            files[name] = {k: getattr(info, k) for k in FILE_FIELDS}
+        for kind, held in manifest.chunks.items():
+            file = paths.shard_filename(prefix, kind, manifest.rank, world)
+            for name, first, rows in held:
+                chunks.setdefault(name, []).append((first, rows, manifest.rank, file))
+    state, storage = {}, {}
+    for kind, specs in manifests[0].specs.items():
+        for name, dtype, shape in specs:
+            parts = sorted(chunks.get(name, []))
+            cut = len(parts) > 1 and len({rows for _, rows, _, _ in parts}) == 1
+            state[name] = {
+                "properties": {"dtype": names.mindspore_dtype(dtype), "replica_id": 0, "allow_shape_mismatch": False,
+                               "allow_to_save": True},
+                "global_shape": shape,
+                "axis_fragmentations": [len(parts)] + [1] * (len(shape) - 1) if shape else [],
+                "layout": {"device_matrix": [len(parts)], "tensor_map": [0] + [-1] * (len(shape) - 1),
+                           "interleaved_parallel": False, "alias_name": [LAYOUT_ALIAS],
+                           "rank_list": [rank for _, _, rank, _ in parts]} if cut else None,
+                "chunk": [],
+            }
+            for first, rows, rank, file in parts:
+                offset = [first] + [0] * (len(shape) - 1) if shape else []
+                state[name]["chunk"].append({"global_offset": offset, "local_shape": [rows, *shape[1:]] if shape else []})
+                storage[shard_id(name, offset)] = [{"file_name": file, "storage_rank": rank, "rank_group": [rank]}]
+    model = {"model": manifests[0].model} if manifests[0].model else {}  # rank 0's state.export_facts
+    return {"state_dict_metadata": state, "storage_data": storage, "ray_resume": {
+        "format_version": paths.FORMAT_VERSION, "iteration": iteration, "world_size": world, "prefix": prefix,
+        "block_size": manifests[0].block_size, "files": files, **model, **facts}}
+

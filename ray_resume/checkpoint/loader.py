@@ -28,16 +28,22 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import logging
 
 import torch
 import torch.distributed as dist
 
 from ..collectives import collective_device, decided_by_rank0, largest
+from . import names, paths, state
+from .checks import check_weights
+from .plan import TensorSpec, needed_range
 from .reader import ShardReader, check_no_extra_shards, open_iteration, plan_reads
 from .parse import parse_iteration
 from .schema import DamagedShards, Iteration
 from ..errors import CheckpointError
-from .state import DTYPES
+from .state import DTYPE_TAGS, DTYPES
+
+logger = logging.getLogger(__name__)
 
 
 def open_shared(storage, root: str, step: int, rank: int, world_size: int) -> Iteration:
@@ -283,3 +289,65 @@ def load_state(storage, it: Iteration, kind: str) -> dict[str, torch.Tensor]:
     ranges = {s.name: (0, s.numel) for s in specs}
     flat = StateLoader(storage, it).load(kind, ranges, shared=set(ranges))
     return {s.name: flat[s.name].reshape(s.shape) for s in specs}
+
+
+def is_fsdp_shard(spec: TensorSpec, live: torch.Tensor | None) -> bool:
+    """The live tensor is an FSDP dim-0 shard of this saved tensor (same global shape)."""
+    return live is not None and state.dim0_sharded(live) and tuple(live.shape) == spec.shape
+
+
+
+def load_weights(model, weights: dict[str, torch.Tensor], where: str, rank: int = 0, world_size: int = 1) -> None:
+    """Load whole tensors `weights` (an export) into `model`, this rank's shards of them under FSDP."""
+    live = state.model_tensors(model)
+    specs = {n: TensorSpec(n, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size()) for n, t in weights.items()}
+    check_weights(live, specs, state.tied_aliases(model), where)
+    assign(live, {n: _elements(weights[n], needed_range(specs[n], is_fsdp_shard(specs[n], t), world_size, rank)) for n, t in live.items()})
+
+
+
+def from_mindformers(tensors: dict[str, torch.Tensor], it, loader: StateLoader, optimizer) -> dict[str, torch.Tensor]:
+    """A MindFormers optimizer's state as the torch optimizer keeps it. Its Adam keeps one step count
+    for every parameter (`global_step`, else common.json's): each parameter with moments gets it as
+    torch's `step`. Without main params (saved by an fp32 model) a low-precision model's are its weights."""
+    if names.GLOBAL_STEP in it.tensors[paths.OPTIM_KIND]:
+        whole = loader.load(paths.OPTIM_KIND, {names.GLOBAL_STEP: (0, 1)}, shared={names.GLOBAL_STEP})[names.GLOBAL_STEP]
+        count = float(whole.reshape(-1)[0].item())
+    else:
+        count = float(it.common["global_step"])
+    out = dict(tensors)
+    for name in tensors:
+        param, slot = names.parse_state_name(name)
+        step = names.state_name(param, names.STEP)
+        if slot == "exp_avg" and step not in out:
+            out[step] = torch.tensor(count, dtype=torch.float32)
+    mains = [n for n, _ in optimizer.named_main() if names.state_name(n, names.MAIN_PARAM) not in out]
+    if getattr(optimizer, "mixed", False) and mains:
+        logger.warning("%s holds no fp32 main params (saved by an fp32 model): they start from the loaded weights", it.path)
+        with torch.no_grad():
+            for name, main in optimizer.named_main():
+                out[names.state_name(name, names.MAIN_PARAM)] = state.local_tensor(dict(optimizer.named)[name]).detach().float()
+    return out
+
+
+
+def assign(live: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
+    """Copy loaded elements into the model's tensors (this rank's shard of each, under FSDP); tied aliases follow."""
+    with torch.no_grad():
+        for name, tensor in live.items():
+            local = state.local_tensor(tensor)
+            if loaded[name].data_ptr() != local.data_ptr():  # not loaded in place
+                local.copy_(loaded[name].view(local.shape))
+
+
+
+def _elements(t: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
+    start, numel = r
+    return t.reshape(-1)[start : start + numel]
+
+
+
+def shaped(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """A loaded range in its tensor's shape: the whole tensor, or a dim-0 chunk of rows."""
+    return flat.reshape(spec.shape) if flat.numel() == spec.numel else flat.reshape(-1, *spec.shape[1:])
+

@@ -1,6 +1,6 @@
 """What a rank reports once its shards of an iteration are durable: one definition, from the writer
 (`writer.write_shards`) through the controller to the commit, which builds metadata.json from every
-rank's (`commit.commit_iteration`, `schema.build_metadata`)."""
+rank's (`commit.commit_iteration`, `commit.build_metadata`)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from . import paths
 from .fallback import select_iteration
 from .lease import Lease
-from .reader import export_specs, find_committed, is_export, open_iteration
+from .export import export_specs, is_export
+from .reader import find_committed, open_iteration
 from .schema import Iteration
 from .storage import storage_for
 

@@ -27,7 +27,6 @@ from typing import Any
 from . import names, paths
 from ..errors import CheckpointError
 from .digest import CHECKSUMS, block_bounds
-from .manifest import Manifest
 from .plan import Piece, TensorSpec, rows_piece
 
 # MindFormers' CommonInfo, field by field, with the JSON types it holds (mindformers 2.1).
@@ -253,7 +252,7 @@ def local_shape(spec: TensorSpec, piece: Piece) -> tuple[int, ...]:
     return (rows, *spec.shape[1:])
 
 
-def _shard_id(name: str, offset: list[int]) -> str:
+def shard_id(name: str, offset: list[int]) -> str:
     """MindFormers' key of a chunk in storage_data (its utils.get_sharded_tensor_shard_id)."""
     return str(tuple((name, tuple(offset))))
 
@@ -280,7 +279,7 @@ def chunks_of(meta: dict, where: str, file_of) -> dict[str, dict[str, Stored]]:
             offset, local = (c.get("global_offset"), c.get("local_shape")) if isinstance(c, dict) else (None, None)
             if not (isinstance(offset, list) and isinstance(local, list) and all(isinstance(n, int) for n in offset + local)):
                 raise CheckpointError(f"{label}: a chunk needs 'global_offset' and 'local_shape' lists of integers")
-            key = _shard_id(name, offset)
+            key = shard_id(name, offset)
             if not shape and offset == [0] and local in ([], [1]):  # a scalar, keyed as MindFormers keys a whole tensor
                 offset, local = [], []
             if len(offset) != len(shape) or len(local) != len(shape):
@@ -353,15 +352,6 @@ def parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
 # ----------------------------------------------------------------------------- what a commit writes
 
 
-def split_common(reported: dict) -> tuple[dict, dict]:
-    """Rank 0's account of a save into common.json (CommonInfo's fields, ckpt_status normal) and what
-    is ours alone (for metadata.json's `ray_resume`)."""
-    common = {key: reported[key] for key in COMMON_FIELDS if key != "ckpt_status"}
-    common["loss_scale"] = float(common["loss_scale"])
-    common["ckpt_status"] = CKPT_NORMAL
-    return common, {k: v for k, v in reported.items() if k not in COMMON_FIELDS}
-
-
 def _check_export_facts(facts: Any, where: str) -> None:
     """`ray_resume.model` (state.export_facts), where present: what an export writes from it."""
     if facts is None:
@@ -372,43 +362,6 @@ def _check_export_facts(facts: Any, where: str) -> None:
     if hf is not None and not (isinstance(hf, dict) and isinstance(hf.get("prefix"), str) and isinstance(hf.get("config"), dict)
                                and isinstance(hf["config"].get("architectures"), list)):
         raise CheckpointError(f"{where}.transformers must hold 'prefix' and a 'config' with an 'architectures' list")
-
-
-def build_metadata(iteration: int, prefix: str, manifests: list[Manifest], facts: dict) -> dict:
-    """metadata.json from every rank's manifest (ordered by rank): MindFormers' schema for every tensor
-    and chunk, and ours (the files and their digests, `facts`) under `ray_resume`."""
-    world = len(manifests)
-    files, chunks = {}, {}
-    for manifest in manifests:
-        for name, info in manifest.files.items():
-            files[name] = {k: getattr(info, k) for k in FILE_FIELDS}
-        for kind, held in manifest.chunks.items():
-            file = paths.shard_filename(prefix, kind, manifest.rank, world)
-            for name, first, rows in held:
-                chunks.setdefault(name, []).append((first, rows, manifest.rank, file))
-    state, storage = {}, {}
-    for kind, specs in manifests[0].specs.items():
-        for name, dtype, shape in specs:
-            parts = sorted(chunks.get(name, []))
-            cut = len(parts) > 1 and len({rows for _, rows, _, _ in parts}) == 1
-            state[name] = {
-                "properties": {"dtype": names.mindspore_dtype(dtype), "replica_id": 0, "allow_shape_mismatch": False,
-                               "allow_to_save": True},
-                "global_shape": shape,
-                "axis_fragmentations": [len(parts)] + [1] * (len(shape) - 1) if shape else [],
-                "layout": {"device_matrix": [len(parts)], "tensor_map": [0] + [-1] * (len(shape) - 1),
-                           "interleaved_parallel": False, "alias_name": [LAYOUT_ALIAS],
-                           "rank_list": [rank for _, _, rank, _ in parts]} if cut else None,
-                "chunk": [],
-            }
-            for first, rows, rank, file in parts:
-                offset = [first] + [0] * (len(shape) - 1) if shape else []
-                state[name]["chunk"].append({"global_offset": offset, "local_shape": [rows, *shape[1:]] if shape else []})
-                storage[_shard_id(name, offset)] = [{"file_name": file, "storage_rank": rank, "rank_group": [rank]}]
-    model = {"model": manifests[0].model} if manifests[0].model else {}  # rank 0's state.export_facts
-    return {"state_dict_metadata": state, "storage_data": storage, "ray_resume": {
-        "format_version": paths.FORMAT_VERSION, "iteration": iteration, "world_size": world, "prefix": prefix,
-        "block_size": manifests[0].block_size, "files": files, **model, **facts}}
 
 
 def readable_by_mindformers(it: Iteration, kind: str, name: str) -> bool:
