@@ -45,15 +45,42 @@ SEQ_LEN = 32
 
 # Every row the JSON has for every size (tests/test_benchmark.py checks them all).
 ROWS = [
-    "params", "checkpoint_bytes",
-    "ours_sync_save_s", "ours_sync_stall_s", "ours_sync_save_sha256_s", "ours_async_first_stall_s", "ours_async_stall_s", "ours_async_save_s",
-    "raw_write_s", "ours_save_gbps", "raw_write_gbps", "ours_vs_raw", "ours_vs_raw_paired", "ours_sha256_vs_raw",
-    "ours_load_s", "ours_load_bytes_read", "ours_load_sha256_s", "ours_load_balanced_s", "ours_load_balanced_bytes_read",
-    "dcp_save_s", "dcp_async_stall_s", "dcp_async_save_s", "dcp_load_s", "dcp_load_bytes_read",
-    "torch_save_s", "torch_load_s", "torch_load_bytes_read",
-    "async_stall_vs_sync_save", "async_stall_vs_dcp_async_stall", "ours_save_vs_dcp_save", "ours_save_vs_torch_save",
-    "ours_load_vs_dcp_load", "ours_load_sha256_vs_dcp_load", "ours_load_vs_torch_load",
-    "load_bytes_read_vs_checkpoint", "load_balanced_bytes_read_vs_checkpoint",
+    "params",
+    "checkpoint_bytes",
+    "ours_sync_save_s",
+    "ours_sync_stall_s",
+    "ours_sync_save_sha256_s",
+    "ours_async_first_stall_s",
+    "ours_async_stall_s",
+    "ours_async_save_s",
+    "raw_write_s",
+    "ours_save_gbps",
+    "raw_write_gbps",
+    "ours_vs_raw",
+    "ours_vs_raw_paired",
+    "ours_sha256_vs_raw",
+    "ours_load_s",
+    "ours_load_bytes_read",
+    "ours_load_sha256_s",
+    "ours_load_balanced_s",
+    "ours_load_balanced_bytes_read",
+    "dcp_save_s",
+    "dcp_async_stall_s",
+    "dcp_async_save_s",
+    "dcp_load_s",
+    "dcp_load_bytes_read",
+    "torch_save_s",
+    "torch_load_s",
+    "torch_load_bytes_read",
+    "async_stall_vs_sync_save",
+    "async_stall_vs_dcp_async_stall",
+    "ours_save_vs_dcp_save",
+    "ours_save_vs_torch_save",
+    "ours_load_vs_dcp_load",
+    "ours_load_sha256_vs_dcp_load",
+    "ours_load_vs_torch_load",
+    "load_bytes_read_vs_checkpoint",
+    "load_balanced_bytes_read_vs_checkpoint",
 ]
 
 
@@ -62,13 +89,25 @@ def _config(root: str, size: str, *, save_every: int = 1, **checkpoint) -> dict:
     vocab, d, layers, heads = SIZES[size]
     return {
         "name": f"bench-{size}",
-        "model": {"vocab_size": vocab, "seq_len": SEQ_LEN, "d_model": d, "n_layers": layers, "n_heads": heads,
-                  "dtype": "float32", "dropout": 0.0},
+        "model": {
+            "vocab_size": vocab,
+            "seq_len": SEQ_LEN,
+            "d_model": d,
+            "n_layers": layers,
+            "n_heads": heads,
+            "dtype": "float32",
+            "dropout": 0.0,
+        },
         "data": {"path": os.path.join(root, "unused-data")},
         "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_steps": 10**9, "lr": 1e-4, "seed": 0},
         "scaling": {"num_workers": 2},
-        "checkpoint": {"save_path": os.path.join(root, "ckpt"), "save_interleaved_steps": save_every, "save_max": 1000,
-                       "checksum": "xxh3-128", **checkpoint},
+        "checkpoint": {
+            "save_path": os.path.join(root, "ckpt"),
+            "save_interleaved_steps": save_every,
+            "save_max": 1000,
+            "checksum": "xxh3-128",
+            **checkpoint,
+        },
     }
 
 
@@ -122,7 +161,14 @@ class Rank:
         from ray_resume.faults import FaultInjector
 
         cfg = Config.from_dict(_config(root, self.size, **kw))
-        return Checkpointer(cfg.checkpoint, ControllerClient(coordinator or self.coordinator), self.rank, self.world, 0, FaultInjector(None, self.rank, lambda: False))
+        return Checkpointer(
+            cfg.checkpoint,
+            ControllerClient(coordinator or self.coordinator),
+            self.rank,
+            self.world,
+            0,
+            FaultInjector(None, self.rank, lambda: False),
+        )
 
     def _state(self) -> dict:
         from ray_resume.checkpoint import state
@@ -133,16 +179,32 @@ class Rank:
     def ours_save(self, step: int, async_save: bool, checksum: str = "xxh3-128") -> dict:
         """Save iteration `step`, timed to its commit; one Checkpointer per mode, so async snapshot buffers are reused."""
         cks = self.__dict__.setdefault("_checkpointers", {})
-        ck = cks.get((async_save, checksum)) or cks.setdefault((async_save, checksum),
-                                                               self._checkpointer(self.root, async_save=async_save, checksum=checksum))
+        ck = cks.get((async_save, checksum)) or cks.setdefault(
+            (async_save, checksum), self._checkpointer(self.root, async_save=async_save, checksum=checksum)
+        )
         self._barrier()
         start = time.perf_counter()
-        ck.save(step, self.model, self.optimizer, {"global_step": step, "global_batch_size": 4, "consumed_samples": 4 * step,
-                                                    "epoch_num": 0, "step_num": step, "loss_scale": 1.0})
+        ck.save(
+            step,
+            self.model,
+            self.optimizer,
+            {
+                "global_step": step,
+                "global_batch_size": 4,
+                "consumed_samples": 4 * step,
+                "epoch_num": 0,
+                "step_num": step,
+                "loss_scale": 1.0,
+            },
+        )
         stall = time.perf_counter() - start
         ck.close()
         total = time.perf_counter() - start
-        return {"stall": stall, "total": total, "bytes": sum(info["size"] for _, info in self._my_files(ck.ckpt.save_path, step))}
+        return {
+            "stall": stall,
+            "total": total,
+            "bytes": sum(info["size"] for _, info in self._my_files(ck.ckpt.save_path, step)),
+        }
 
     def _my_files(self, root: str, step: int) -> list[tuple[str, dict]]:
         from ray_resume.checkpoint import paths
@@ -331,7 +393,7 @@ def _rounds(repeats: int, phases: dict) -> None:
     """Run every phase once per round; each round starts one phase later than the previous one."""
     order = list(phases)
     for i in range(repeats):
-        for name in order[i % len(order):] + order[: i % len(order)]:
+        for name in order[i % len(order) :] + order[: i % len(order)]:
             phases[name]()
 
 
@@ -345,7 +407,9 @@ def bench_size(size: str, base: str, *, repeats: int = 1, pairs: int = 10) -> di
     port = _free_port()
     workers = [BenchWorker.remote() for _ in range(2)]
     try:
-        params = ray.get([w.setup.remote(r, 2, port, size, root, coordinator) for r, w in enumerate(workers)])[0]["params"]
+        params = ray.get([w.setup.remote(r, 2, port, size, root, coordinator) for r, w in enumerate(workers)])[0][
+            "params"
+        ]
         print(f"[bench] {size}: {params / 1e6:.1f}M parameters, 2 workers, {root}", flush=True)
         r: dict = {"params": params}
 
@@ -362,17 +426,22 @@ def bench_size(size: str, base: str, *, repeats: int = 1, pairs: int = 10) -> di
             nonlocal step
             _all(workers, "cleanup", "ckpt", step)  # only the newest iteration stays (raw_write rewrites it)
             step += 1
-            saves[mode].append(_all(workers, "ours_save", step, mode == "async", "sha256" if mode == "sync_sha256" else "xxh3-128"))
+            saves[mode].append(
+                _all(workers, "ours_save", step, mode == "async", "sha256" if mode == "sync_sha256" else "xxh3-128")
+            )
 
-        _rounds(repeats, {
-            "sync": lambda: ours("sync"),
-            "sync_sha256": lambda: ours("sync_sha256"),  # format 3's checksum, as an option now
-            "async": lambda: ours("async"),
-            "raw": lambda: saves["raw"].append(_all(workers, "raw_write", step)),
-            "dcp": lambda: saves["dcp"].append(_all(workers, "dcp_save", "sync")),
-            "dcp_async": lambda: saves["dcp_async"].append(_all(workers, "dcp_save", "async")),
-            "torch": lambda: saves["torch"].append(_all(workers, "torch_save")),
-        })
+        _rounds(
+            repeats,
+            {
+                "sync": lambda: ours("sync"),
+                "sync_sha256": lambda: ours("sync_sha256"),  # format 3's checksum, as an option now
+                "async": lambda: ours("async"),
+                "raw": lambda: saves["raw"].append(_all(workers, "raw_write", step)),
+                "dcp": lambda: saves["dcp"].append(_all(workers, "dcp_save", "sync")),
+                "dcp_async": lambda: saves["dcp_async"].append(_all(workers, "dcp_save", "async")),
+                "torch": lambda: saves["torch"].append(_all(workers, "torch_save")),
+            },
+        )
         # Sync save against the raw write of the same bytes as alternating pairs: each pair sees the
         # same disk, so its ratio cancels the drift that separate phases' medians do not.
         pair_ratios = []
@@ -391,7 +460,9 @@ def bench_size(size: str, base: str, *, repeats: int = 1, pairs: int = 10) -> di
         step += 2
         committed = ray.get(coordinator.last_committed.remote())
         if committed != step:  # never time saves that did not commit
-            raise RuntimeError(f"benchmark saves did not commit: last committed iteration is {committed}, expected {step}")
+            raise RuntimeError(
+                f"benchmark saves did not commit: last committed iteration is {committed}, expected {step}"
+            )
         r["ours_sync_save_s"] = _median_of_max(saves["sync"], "total")
         r["ours_sync_stall_s"] = _median_of_max(saves["sync"], "stall")
         r["ours_sync_save_sha256_s"] = _median_of_max(saves["sync_sha256"], "total")
@@ -412,13 +483,23 @@ def bench_size(size: str, base: str, *, repeats: int = 1, pairs: int = 10) -> di
 
         # Our loader and torch.load build fresh tensors of the whole state (~1.1x the checkpoint
         # per rank on top of the live state, until they are copied in): skip what cannot fit.
-        loads: dict[str, list] = {"ours_load": [], "ours_load_sha256": [], "ours_load_balanced": [], "dcp_load": [], "torch_load": []}
+        loads: dict[str, list] = {
+            "ours_load": [],
+            "ours_load_sha256": [],
+            "ours_load_balanced": [],
+            "dcp_load": [],
+            "torch_load": [],
+        }
         phases = {"dcp_load": lambda: loads["dcp_load"].append(_all(workers, "dcp_load"))}
         skipped = r.setdefault("skipped", {})
         if _fits(2 * 1.1 * r["checkpoint_bytes"]):
             phases["ours_load"] = lambda: loads["ours_load"].append(_all(workers, "ours_load", step - 1, False))
-            phases["ours_load_sha256"] = lambda: loads["ours_load_sha256"].append(_all(workers, "ours_load", step, False))
-            phases["ours_load_balanced"] = lambda: loads["ours_load_balanced"].append(_all(workers, "ours_load", step - 1, True))
+            phases["ours_load_sha256"] = lambda: loads["ours_load_sha256"].append(
+                _all(workers, "ours_load", step, False)
+            )
+            phases["ours_load_balanced"] = lambda: loads["ours_load_balanced"].append(
+                _all(workers, "ours_load", step - 1, True)
+            )
             phases["torch_load"] = lambda: loads["torch_load"].append(_all(workers, "torch_load"))
         else:
             for key in ("ours_load", "ours_load_sha256", "ours_load_balanced", "torch_load"):
@@ -440,7 +521,9 @@ def bench_size(size: str, base: str, *, repeats: int = 1, pairs: int = 10) -> di
         r["ours_load_sha256_vs_dcp_load"] = _ratio(r.get("ours_load_sha256_s"), r.get("dcp_load_s"))
         r["ours_load_vs_torch_load"] = _ratio(r.get("ours_load_s"), r.get("torch_load_s"))
         r["load_bytes_read_vs_checkpoint"] = _ratio(r.get("ours_load_bytes_read"), r.get("checkpoint_bytes"))
-        r["load_balanced_bytes_read_vs_checkpoint"] = _ratio(r.get("ours_load_balanced_bytes_read"), r.get("checkpoint_bytes"))
+        r["load_balanced_bytes_read_vs_checkpoint"] = _ratio(
+            r.get("ours_load_balanced_bytes_read"), r.get("checkpoint_bytes")
+        )
 
         return r
     finally:
@@ -479,19 +562,40 @@ def table(results: dict) -> str:
         ("ours async: save to commit", lambda r: _fmt_s(r["ours_async_save_s"])),
         ("async stall / sync save", lambda r: f"{r['async_stall_vs_sync_save']:.3f}"),
         ("raw write + fsync, same bytes", lambda r: _fmt_s(r["raw_write_s"])),
-        ("ours save GB/s  vs raw GB/s", lambda r: f"{r['ours_save_gbps']:.3f} vs {r['raw_write_gbps']:.3f} ({r['ours_vs_raw']:.2f}x)"),
-        ("ours vs raw, median of alternating pairs", lambda r: f"{r['ours_vs_raw_paired']:.2f}x ({len(r['ours_vs_raw_pairs'])} pairs)"),
+        (
+            "ours save GB/s  vs raw GB/s",
+            lambda r: f"{r['ours_save_gbps']:.3f} vs {r['raw_write_gbps']:.3f} ({r['ours_vs_raw']:.2f}x)",
+        ),
+        (
+            "ours vs raw, median of alternating pairs",
+            lambda r: f"{r['ours_vs_raw_paired']:.2f}x ({len(r['ours_vs_raw_pairs'])} pairs)",
+        ),
         ("ours with sha256 vs raw (speed ratio)", lambda r: f"{r['ours_sha256_vs_raw']:.2f}x"),
-        ("DCP save / async_save stall / async total", lambda r: f"{r['dcp_save_s']:.3f} / {r['dcp_async_stall_s']:.3f} / {r['dcp_async_save_s']:.3f} s"),
+        (
+            "DCP save / async_save stall / async total",
+            lambda r: f"{r['dcp_save_s']:.3f} / {r['dcp_async_stall_s']:.3f} / {r['dcp_async_save_s']:.3f} s",
+        ),
         ("torch.save on rank 0", lambda r: _fmt_s(r["torch_save_s"])),
         ("ours save / DCP save", lambda r: f"{r['ours_save_vs_dcp_save']:.2f}"),
         ("ours save / torch.save", lambda r: f"{r['ours_save_vs_torch_save']:.2f}"),
         ("ours async stall / DCP async stall", lambda r: f"{r['async_stall_vs_dcp_async_stall']:.2f}"),
-        ("load, direct (bytes read / ckpt)", lambda r: f"{r['ours_load_s']:.3f} s ({r['load_bytes_read_vs_checkpoint']:.2f}x)"),
+        (
+            "load, direct (bytes read / ckpt)",
+            lambda r: f"{r['ours_load_s']:.3f} s ({r['load_bytes_read_vs_checkpoint']:.2f}x)",
+        ),
         ("load, direct, sha256", lambda r: _fmt_s(r["ours_load_sha256_s"])),
-        ("load, load_balanced (bytes read / ckpt)", lambda r: f"{r['ours_load_balanced_s']:.3f} s ({r['load_balanced_bytes_read_vs_checkpoint']:.2f}x)"),
-        ("DCP load (bytes read / ckpt)", lambda r: f"{r['dcp_load_s']:.3f} s ({r['dcp_load_bytes_read'] / r['checkpoint_bytes']:.2f}x)"),
-        ("torch.load weights_only, every rank", lambda r: f"{r['torch_load_s']:.3f} s ({r['torch_load_bytes_read'] / r['checkpoint_bytes']:.2f}x)"),
+        (
+            "load, load_balanced (bytes read / ckpt)",
+            lambda r: f"{r['ours_load_balanced_s']:.3f} s ({r['load_balanced_bytes_read_vs_checkpoint']:.2f}x)",
+        ),
+        (
+            "DCP load (bytes read / ckpt)",
+            lambda r: f"{r['dcp_load_s']:.3f} s ({r['dcp_load_bytes_read'] / r['checkpoint_bytes']:.2f}x)",
+        ),
+        (
+            "torch.load weights_only, every rank",
+            lambda r: f"{r['torch_load_s']:.3f} s ({r['torch_load_bytes_read'] / r['checkpoint_bytes']:.2f}x)",
+        ),
         ("ours load / DCP load", lambda r: f"{r['ours_load_vs_dcp_load']:.2f}"),
         ("ours load with sha256 / DCP load", lambda r: f"{r['ours_load_sha256_vs_dcp_load']:.2f}"),
         ("ours load / torch.load", lambda r: f"{r['ours_load_vs_torch_load']:.2f}"),
@@ -510,9 +614,17 @@ def init_ray() -> bool:
     """A Ray of its own, or the cluster RAY_ADDRESS names (the test suite's); True when started here."""
     if ray.is_initialized():
         return False
-    own = {} if os.environ.get("RAY_ADDRESS") else {"num_cpus": 3, "object_store_memory": 200 * 1024**2, "include_dashboard": False}
-    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}}, **own)
+    own = (
+        {}
+        if os.environ.get("RAY_ADDRESS")
+        else {"num_cpus": 3, "object_store_memory": 200 * 1024**2, "include_dashboard": False}
+    )
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS", "local"),
+        log_to_driver=True,
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}},
+        **own,
+    )
     return True
 
 
@@ -522,8 +634,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=None, help="comma list of " + ", ".join(SIZES) + " (default 50m,300m)")
     ap.add_argument("--out", default="benchmarks/results.json")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
-    ap.add_argument("--repeats", type=int, default=None, help="runs per save measurement, median reported (default 3, --small 1)")
-    ap.add_argument("--pairs", type=int, default=None, help="alternating (sync save, raw write) pairs (default 10, --small 2)")
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="runs per save measurement, median reported (default 3, --small 1)"
+    )
+    ap.add_argument(
+        "--pairs", type=int, default=None, help="alternating (sync save, raw write) pairs (default 10, --small 2)"
+    )
     args = ap.parse_args(argv)
     sizes = (args.sizes or ("tiny" if args.small else "50m,300m")).split(",")
     for s in sizes:
@@ -533,12 +649,19 @@ def main(argv=None) -> int:
     base = args.dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
     started = init_ray()
-    results = {"command": "python -m benchmarks.checkpoint " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
-               "workers": 2, "backend": "gloo (plain Ray actors)", "repeats": repeats, "sizes": {}}
+    results = {
+        "command": "python -m benchmarks.checkpoint " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
+        "workers": 2,
+        "backend": "gloo (plain Ray actors)",
+        "repeats": repeats,
+        "sizes": {},
+    }
     try:
         for size in sizes:
-            results["sizes"][size] = bench_size(size, base, repeats=repeats, pairs=args.pairs or (2 if args.small else 10))
+            results["sizes"][size] = bench_size(
+                size, base, repeats=repeats, pairs=args.pairs or (2 if args.small else 10)
+            )
     finally:
         if started:
             ray.shutdown()

@@ -27,9 +27,11 @@ BLOCK = 4 << 20  # writer.CHECKSUM_BLOCK
 def _algorithms() -> dict:
     """name -> function hashing one block; None where the package is missing."""
     found = {"sha256": lambda b: hashlib.sha256(b).digest()}
-    for name, module, make in [("blake3", "blake3", lambda m: lambda b: m.blake3(b).digest()),
-                               ("xxh3-128", "xxhash", lambda m: lambda b: m.xxh3_128(b).digest()),
-                               ("crc32c", "crc32c", lambda m: m.crc32c)]:  # SSE4.2 / ARMv8 CRC instructions
+    for name, module, make in [
+        ("blake3", "blake3", lambda m: lambda b: m.blake3(b).digest()),
+        ("xxh3-128", "xxhash", lambda m: lambda b: m.xxh3_128(b).digest()),
+        ("crc32c", "crc32c", lambda m: m.crc32c),
+    ]:  # SSE4.2 / ARMv8 CRC instructions
         try:
             found[name] = make(importlib.import_module(module))
         except ImportError:
@@ -64,10 +66,16 @@ def measure(mib: int, threads: list[int], repeats: int) -> dict:
 def table(results: dict) -> str:
     threads = sorted({n for v in results["gbps"].values() if v for n in v})
     base = results["gbps"]["sha256"]
-    rows = ["| checksum | " + " | ".join(f"{n} thread{'s' * (n > 1)}, GB/s (vs sha256)" for n in threads) + " |",
-            "|---|" + "---|" * len(threads)]
+    rows = [
+        "| checksum | " + " | ".join(f"{n} thread{'s' * (n > 1)}, GB/s (vs sha256)" for n in threads) + " |",
+        "|---|" + "---|" * len(threads),
+    ]
     for name, by in results["gbps"].items():
-        cells = [f"{by[n]:.2f} ({by[n] / base[n]:.1f}x)" for n in threads] if by else ["not installed (pip install -e .[bench])"] * len(threads)
+        cells = (
+            [f"{by[n]:.2f} ({by[n] / base[n]:.1f}x)" for n in threads]
+            if by
+            else ["not installed (pip install -e .[bench])"] * len(threads)
+        )
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

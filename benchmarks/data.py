@@ -52,12 +52,22 @@ def streams(units, where: str, storage=None) -> list[dict]:
     for lanes in (1, 8):
         for world in (1, 2, 4):
             runs = [stream_run(units, lanes, r, world, storage) for r in range(world)]
-            rows.append({"storage": where, "lanes": lanes, "world": world, "read_over_consumed": sum(r[0] for r in runs) / consumed,
-                         "samples_per_s_per_rank": float(np.mean([r[1] for r in runs])),
-                         "row_groups_per_global_batch": runs[0][2] if world == 1 else None})
+            rows.append(
+                {
+                    "storage": where,
+                    "lanes": lanes,
+                    "world": world,
+                    "read_over_consumed": sum(r[0] for r in runs) / consumed,
+                    "samples_per_s_per_rank": float(np.mean([r[1] for r in runs])),
+                    "row_groups_per_global_batch": runs[0][2] if world == 1 else None,
+                }
+            )
             mixed = f" | {runs[0][2]:.1f} row groups in a global batch" if world == 1 else ""
-            print(f"{where:>5} | lanes {lanes:>2} | {world} ranks | read/consumed {rows[-1]['read_over_consumed']:.2f} | "
-                  f"{rows[-1]['samples_per_s_per_rank']:.0f} samples/s per rank{mixed}", flush=True)
+            print(
+                f"{where:>5} | lanes {lanes:>2} | {world} ranks | read/consumed {rows[-1]['read_over_consumed']:.2f} | "
+                f"{rows[-1]['samples_per_s_per_rank']:.0f} samples/s per rank{mixed}",
+                flush=True,
+            )
     return rows
 
 
@@ -73,9 +83,20 @@ def on_moto(local: Path):
         port = sock.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "region": "us-east-1", "access_key_id": "bench", "secret_access_key": "bench"}
-    fs = pafs.S3FileSystem(endpoint_override=options["endpoint_url"], scheme="http", region="us-east-1",
-                           access_key="bench", secret_key="bench", allow_bucket_creation=True)
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "region": "us-east-1",
+        "access_key_id": "bench",
+        "secret_access_key": "bench",
+    }
+    fs = pafs.S3FileSystem(
+        endpoint_override=options["endpoint_url"],
+        scheme="http",
+        region="us-east-1",
+        access_key="bench",
+        secret_key="bench",
+        allow_bucket_creation=True,
+    )
     fs.create_dir("data")
     for f in sorted(local.glob("*.parquet")):
         with fs.open_output_stream(f"data/bench/{f.name}") as out:
@@ -86,7 +107,10 @@ def on_moto(local: Path):
 def plans() -> list[dict]:
     """A 1B-sample corpus in row groups of 10,000 (100,000 of them), one lane per rank."""
     rng = np.random.default_rng(0)
-    units = [ReadUnit(f"part-{i // 100:05d}.parquet", i % 100, int(n)) for i, n in enumerate(rng.integers(9_000, 11_000, 100_000))]
+    units = [
+        ReadUnit(f"part-{i // 100:05d}.parquet", i % 100, int(n))
+        for i, n in enumerate(rng.integers(9_000, 11_000, 100_000))
+    ]
     rows = []
     for world in (1024, 4096, 16384):
         gbs = 4 * world
@@ -94,9 +118,18 @@ def plans() -> list[dict]:
         plan = plan_lane(units, 1, 0, True, world, world // 2)  # the middle rank's lane: half the order scanned
         plan_s = time.perf_counter() - started
         steps_per_epoch = dataset_size(units) // gbs
-        rows.append({"world": world, "plan_s_per_rank_epoch": plan_s, "row_groups_per_rank_per_step": len(plan) / steps_per_epoch})
-        print(f"{world:>5} ranks | plan {plan_s * 1000:.0f} ms per rank per epoch | "
-              f"{rows[-1]['row_groups_per_rank_per_step']:.4f} row groups opened per rank per step", flush=True)
+        rows.append(
+            {
+                "world": world,
+                "plan_s_per_rank_epoch": plan_s,
+                "row_groups_per_rank_per_step": len(plan) / steps_per_epoch,
+            }
+        )
+        print(
+            f"{world:>5} ranks | plan {plan_s * 1000:.0f} ms per rank per epoch | "
+            f"{rows[-1]['row_groups_per_rank_per_step']:.4f} row groups opened per rank per step",
+            flush=True,
+        )
     return rows
 
 

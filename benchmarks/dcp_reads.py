@@ -32,8 +32,10 @@ from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import save_shards
 from ray_resume.model import GPT, lm_loss
 
-SIZES = {"small": dict(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2),
-         "60m": dict(vocab_size=8192, seq_len=64, d_model=512, n_layers=4, n_heads=8)}
+SIZES = {
+    "small": dict(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2),
+    "60m": dict(vocab_size=8192, seq_len=64, d_model=512, n_layers=4, n_heads=8),
+}
 LOADS = [("ours", "plain", 1), ("ours", "fsdp", 2), ("ours", "fsdp", 3), ("ours", "ddp", 2), ("dcp", "fsdp", 3)]
 
 
@@ -52,16 +54,33 @@ def _build(rank: int, world: int, init: str, strategy: str, dims: dict):
 
 def _save(rank: int, world: int, init: str, out: str, dims: dict) -> None:
     model, optimizer = _build(rank, world, init, "fsdp", dims)
-    manifest = save_shards(LocalStorage(), f"{out}/ours", 1, prefix="ckpt", rank=rank, world_size=world,
-                           model_state=state.model_tensors(model), rank_extras=state.capture_rng(),
-                           optim_state=state.optim_tensors(list(state.unwrap(model).named_parameters()), optimizer))
+    manifest = save_shards(
+        LocalStorage(),
+        f"{out}/ours",
+        1,
+        prefix="ckpt",
+        rank=rank,
+        world_size=world,
+        model_state=state.model_tensors(model),
+        rank_extras=state.capture_rng(),
+        optim_state=state.optim_tensors(list(state.unwrap(model).named_parameters()), optimizer),
+    )
     manifests = [None] * world
     dist.all_gather_object(manifests, manifest)
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/dcp")
     if rank == 0:
-        common = {"global_step": 1, "global_batch_size": 4, "step_num": 1, "epoch_num": 0, "loss_scale": 1.0, "consumed_samples": 4}
-        commit_iteration(LocalStorage(), f"{out}/ours", 1, manifests, common, prefix="ckpt", config={"name": "bench"}, job_id="bench")
+        common = {
+            "global_step": 1,
+            "global_batch_size": 4,
+            "step_num": 1,
+            "epoch_num": 0,
+            "loss_scale": 1.0,
+            "consumed_samples": 4,
+        }
+        commit_iteration(
+            LocalStorage(), f"{out}/ours", 1, manifests, common, prefix="ckpt", config={"name": "bench"}, job_id="bench"
+        )
     dist.barrier()
     os._exit(0)
 
@@ -87,15 +106,26 @@ def _spawn(fn, world: int, *args) -> None:
 def run(size: str, out: str) -> dict:
     dims = SIZES[size]
     _spawn(_save, 2, out, dims)
-    sizes = {"ours": sum(p.stat().st_size for p in Path(paths.iteration_dir(f"{out}/ours", 1)).iterdir()
-                         if paths.parse_shard_filename(p.name)),
-             "dcp": sum(p.stat().st_size for p in Path(out, "dcp").iterdir() if p.suffix == ".distcp")}
+    sizes = {
+        "ours": sum(
+            p.stat().st_size
+            for p in Path(paths.iteration_dir(f"{out}/ours", 1)).iterdir()
+            if paths.parse_shard_filename(p.name)
+        ),
+        "dcp": sum(p.stat().st_size for p in Path(out, "dcp").iterdir() if p.suffix == ".distcp"),
+    }
     rows = []
     for source, strategy, world in LOADS:
         _spawn(_load, world, out, dims, source, strategy)
         reads = json.loads(Path(out, f"{source}-{strategy}-{world}.json").read_text())
-        rows.append({"checkpoint": source, "loaded as": f"{strategy}, {world} rank{'s' * (world > 1)}", "bytes read": reads,
-                     "ratio": round(sum(reads) / sizes[source], 3)})
+        rows.append(
+            {
+                "checkpoint": source,
+                "loaded as": f"{strategy}, {world} rank{'s' * (world > 1)}",
+                "bytes read": reads,
+                "ratio": round(sum(reads) / sizes[source], 3),
+            }
+        )
     return {"size": size, "checkpoint_bytes": sizes, "saved_by": "fsdp, 2 ranks", "loads": rows}
 
 
@@ -107,8 +137,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = run(args.size, tmp)
     for row in results["loads"]:
-        print(f"{row['checkpoint']:>4} loaded as {row['loaded as']:<16} read {sum(row['bytes read']):>11} of "
-              f"{results['checkpoint_bytes'][row['checkpoint']]} bytes: {row['ratio']:.2f}x")
+        print(
+            f"{row['checkpoint']:>4} loaded as {row['loaded as']:<16} read {sum(row['bytes read']):>11} of "
+            f"{results['checkpoint_bytes'][row['checkpoint']]} bytes: {row['ratio']:.2f}x"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 

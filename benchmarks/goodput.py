@@ -55,8 +55,11 @@ SETTLE = 200  # steps of each group's start left out of the steady step time (se
 
 
 def live_workers() -> list[int]:
-    return sorted(a["Pid"] for a in ray._private.state.actors(actor_state_name="ALIVE").values()
-                  if a["ActorClassName"] == "RayTrainWorker" and a["Pid"])
+    return sorted(
+        a["Pid"]
+        for a in ray._private.state.actors(actor_state_name="ALIVE").values()
+        if a["ActorClassName"] == "RayTrainWorker" and a["Pid"]
+    )
 
 
 class Killer(threading.Thread):
@@ -80,8 +83,15 @@ class Killer(threading.Thread):
                 self.kills.append(time.time())
 
 
-def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float | None, data: str,
-         fork_server: bool | str = "auto") -> dict:
+def ours(
+    tmp: Path,
+    steps: int,
+    save_every: int,
+    memory_every: int,
+    every: float | None,
+    data: str,
+    fork_server: bool | str = "auto",
+) -> dict:
     import ray.train
 
     from ray_resume.api import train
@@ -90,26 +100,53 @@ def ours(tmp: Path, steps: int, save_every: int, memory_every: int, every: float
     from ray_resume.metrics import read_metrics
 
     root = tmp / f"ours-{memory_every}"
-    cfg = Config.from_dict({
-        "name": f"goodput-{memory_every}", "model": QUICKSTART,
-        "data": {"path": data, "synthetic": {"samples": 4096, "files": 4, "row_groups_per_file": 4}},
-        "training": {"global_batch_size": BATCH, "micro_batch_size": BATCH // 2, "train_steps": steps, "log_every": 50},
-        "scaling": {"num_workers": 2}, "failure": {"max_failures": -1, "fork_server": fork_server},
-        "checkpoint": {"save_path": str(root), "save_interleaved_steps": save_every, "memory_interleaved_steps": memory_every},
-    })
+    cfg = Config.from_dict(
+        {
+            "name": f"goodput-{memory_every}",
+            "model": QUICKSTART,
+            "data": {"path": data, "synthetic": {"samples": 4096, "files": 4, "row_groups_per_file": 4}},
+            "training": {
+                "global_batch_size": BATCH,
+                "micro_batch_size": BATCH // 2,
+                "train_steps": steps,
+                "log_every": 50,
+            },
+            "scaling": {"num_workers": 2},
+            "failure": {"max_failures": -1, "fork_server": fork_server},
+            "checkpoint": {
+                "save_path": str(root),
+                "save_interleaved_steps": save_every,
+                "memory_interleaved_steps": memory_every,
+            },
+        }
+    )
     killer = Killer(every, lambda: any(root.parent.glob(f"{root.name}-metrics/*.jsonl")))
     began = time.time()
     # Every run in a runtime env of its own: it starts its own fork server, as a new job does (this
     # driver's runs are one Ray job, whose server would otherwise serve them all from the first).
-    train(cfg, backend=RayTrain(run_config=ray.train.RunConfig(worker_runtime_env={"env_vars": {"GOODPUT_RUN": str(root)}})))
+    train(
+        cfg,
+        backend=RayTrain(run_config=ray.train.RunConfig(worker_runtime_env={"env_vars": {"GOODPUT_RUN": str(root)}})),
+    )
     killer.done.set()
     records = read_metrics(str(root))
     steps_run = [r for r in records if r.get("rank") == 0 and "loss" in r]
     restarts = [r for r in records if r.get("event") == "restart"]
-    return _measured(began, time.time(), steps_run, killer.kills, [
-        {"restart": sum(r.get(k, 0) for k in ("detect_s", "new_group_s", "spawn_s", "setup_s")), "setup": r.get("setup_s"),
-         "reload": r["restore_s"], "redone": r["caught_up"] - r["step"]}
-        for r in restarts])
+    return _measured(
+        began,
+        time.time(),
+        steps_run,
+        killer.kills,
+        [
+            {
+                "restart": sum(r.get(k, 0) for k in ("detect_s", "new_group_s", "spawn_s", "setup_s")),
+                "setup": r.get("setup_s"),
+                "reload": r["restore_s"],
+                "redone": r["caught_up"] - r["step"],
+            }
+            for r in restarts
+        ],
+    )
 
 
 def plain_train_func(config: dict) -> None:
@@ -152,8 +189,13 @@ def plain_train_func(config: dict) -> None:
         if step % config["save_every"] == 0 or step == config["steps"]:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
-                    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, os.path.join(d, "state.pt"))
-                ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+                    torch.save(
+                        {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},
+                        os.path.join(d, "state.pt"),
+                    )
+                ray.train.report(
+                    {"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None
+                )
         if rank == 0:
             log.write(json.dumps({"step": step, "time": time.time()}) + "\n")
             log.flush()
@@ -164,10 +206,16 @@ def plain(tmp: Path, steps: int, save_every: int, every: float | None, data: str
 
     log = tmp / "plain.jsonl"
     killer = Killer(every, lambda: log.exists() and log.stat().st_size > 0)
-    trainer = TorchTrainer(plain_train_func, train_loop_config={"steps": steps, "save_every": save_every, "log": str(log), "data": data},
-                           scaling_config=ray.train.ScalingConfig(num_workers=2),
-                           run_config=ray.train.RunConfig(name=f"plain-{time.time_ns()}", storage_path=str(tmp / "plain"),
-                                                          failure_config=ray.train.FailureConfig(max_failures=-1)))
+    trainer = TorchTrainer(
+        plain_train_func,
+        train_loop_config={"steps": steps, "save_every": save_every, "log": str(log), "data": data},
+        scaling_config=ray.train.ScalingConfig(num_workers=2),
+        run_config=ray.train.RunConfig(
+            name=f"plain-{time.time_ns()}",
+            storage_path=str(tmp / "plain"),
+            failure_config=ray.train.FailureConfig(max_failures=-1),
+        ),
+    )
     began = time.time()
     trainer.fit()
     killer.done.set()
@@ -177,8 +225,14 @@ def plain(tmp: Path, steps: int, save_every: int, every: float | None, data: str
         if r.get("event") == "start":
             attempt += 1
             if reached:
-                losses.append({"restart": r["entered"] - max([k for k in killer.kills if k < r["entered"]], default=r["entered"]),
-                               "reload": r["loaded"] - r["entered"], "redone": reached - r["step"]})
+                losses.append(
+                    {
+                        "restart": r["entered"]
+                        - max([k for k in killer.kills if k < r["entered"]], default=r["entered"]),
+                        "reload": r["loaded"] - r["entered"],
+                        "redone": reached - r["step"],
+                    }
+                )
         else:
             steps_run.append({**r, "attempt": attempt})
             reached = r["step"]
@@ -197,14 +251,24 @@ def _measured(began: float, ended: float, steps_run: list[dict], kills: list[flo
     gaps: dict[int, list[float]] = {}
     for settle in (SETTLE, 0):  # a run whose groups all ran fewer than SETTLE steps: every step
         for a, b in zip(steps_run, steps_run[1:]):
-            if b["step"] == a["step"] + 1 and b["attempt"] == a["attempt"] and a["step"] - first[a["attempt"]] >= settle:
+            if (
+                b["step"] == a["step"] + 1
+                and b["attempt"] == a["attempt"]
+                and a["step"] - first[a["attempt"]] >= settle
+            ):
                 gaps.setdefault(a["attempt"], []).append(b["time"] - a["time"])
         if gaps:
             break
-    return {"began": began, "wall_s": ended - began, "startup_s": steps_run[0]["time"] - began,
-            "step_s": statistics.mean(g for group in gaps.values() for g in group),
-            "attempt_step_s": [round(statistics.mean(group), 4) for _, group in sorted(gaps.items())],
-            "kills": len(kills), "losses": losses, "back_in": _back_in(steps_run, kills)}
+    return {
+        "began": began,
+        "wall_s": ended - began,
+        "startup_s": steps_run[0]["time"] - began,
+        "step_s": statistics.mean(g for group in gaps.values() for g in group),
+        "attempt_step_s": [round(statistics.mean(group), 4) for _, group in sorted(gaps.items())],
+        "kills": len(kills),
+        "losses": losses,
+        "back_in": _back_in(steps_run, kills),
+    }
 
 
 def _back_in(steps_run: list[dict], kills: list[float]) -> list[float]:
@@ -226,24 +290,41 @@ def _row(steps: int, run: dict, clean: dict) -> dict:
     step_s, losses = run["step_s"], run["losses"]
     part = lambda key: statistics.mean([x[key] for x in losses if x.get(key) is not None] or [0.0])
     lost, back = run["wall_s"] - run["startup_s"] - steps * step_s, run["back_in"] or [0.0]
-    return {"steps": steps, "wall_s": round(run["wall_s"], 1), "kills": run["kills"], "failures": len(losses),
-            "back_in_s": round(statistics.mean(back), 1), "back_in_min_s": round(min(back), 1), "back_in_max_s": round(max(back), 1),
-            "setup_s": round(part("setup"), 1) if any(x.get("setup") is not None for x in losses) else None,
-            "startup_s": round(run["startup_s"], 1), "step_s": round(step_s, 4), "clean_step_s": round(clean["step_s"], 4),
-            "attempt_step_s": run["attempt_step_s"], "ettr": round(steps * step_s / run["wall_s"], 3),
-            "lost_per_failure_s": round(lost / max(1, len(losses)), 1), "restart_s": round(part("restart"), 1),
-            "reload_s": round(part("reload"), 2), "redone_s": round(part("redone") * step_s, 1)}
+    return {
+        "steps": steps,
+        "wall_s": round(run["wall_s"], 1),
+        "kills": run["kills"],
+        "failures": len(losses),
+        "back_in_s": round(statistics.mean(back), 1),
+        "back_in_min_s": round(min(back), 1),
+        "back_in_max_s": round(max(back), 1),
+        "setup_s": round(part("setup"), 1) if any(x.get("setup") is not None for x in losses) else None,
+        "startup_s": round(run["startup_s"], 1),
+        "step_s": round(step_s, 4),
+        "clean_step_s": round(clean["step_s"], 4),
+        "attempt_step_s": run["attempt_step_s"],
+        "ettr": round(steps * step_s / run["wall_s"], 3),
+        "lost_per_failure_s": round(lost / max(1, len(losses)), 1),
+        "restart_s": round(part("restart"), 1),
+        "reload_s": round(part("reload"), 2),
+        "redone_s": round(part("redone") * step_s, 1),
+    }
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=float, nargs="+", default=[30, 120], help="seconds between kills")
     parser.add_argument("--kills", type=int, default=3, help="kills per run")
-    parser.add_argument("--steps", type=int, default=0, help="steps per run with kills (default: enough for --kills + 1/2 intervals)")
+    parser.add_argument(
+        "--steps", type=int, default=0, help="steps per run with kills (default: enough for --kills + 1/2 intervals)"
+    )
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--memory-every", type=int, default=20)
-    parser.add_argument("--without-fork-server", action="store_true",
-                        help="a fourth contender: the memory tier with failure.fork_server false (restarted ranks in new processes)")
+    parser.add_argument(
+        "--without-fork-server",
+        action="store_true",
+        help="a fourth contender: the memory tier with failure.fork_server false (restarted ranks in new processes)",
+    )
     parser.add_argument("--out", default="benchmarks/goodput_results.json")
     args = parser.parse_args(argv)
     from ray_resume.config import SyntheticDataConfig
@@ -253,24 +334,38 @@ def main(argv=None) -> None:
     from benchmarks.restart_floor import CASES, timed
 
     floor = statistics.median(timed(CASES["imports"], 2) for _ in range(3))
-    print(f"restart floor: {floor:.2f} s for 2 fresh interpreters importing a rank's modules at once (median of 3)", flush=True)
+    print(
+        f"restart floor: {floor:.2f} s for 2 fresh interpreters importing a rank's modules at once (median of 3)",
+        flush=True,
+    )
     Killer.times = args.kills
     init_local_ray(num_cpus=4)
     results = {"restart_floor_s": round(floor, 2)}
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
         # Written once, before any run is timed (the first would count it as its startup).
-        ensure_dataset(data, SyntheticDataConfig(samples=4096, files=4, row_groups_per_file=4), QUICKSTART["seq_len"],
-                       QUICKSTART["vocab_size"])
-        contenders = {"ours, memory tier": lambda t, n, every: ours(t, n, args.save_every, args.memory_every, every, data),
-                      "ours, durable only": lambda t, n, every: ours(t, n, args.save_every, 0, every, data),
-                      "Ray Train + torch.save": lambda t, n, every: plain(t, n, args.save_every, every, data)}
+        ensure_dataset(
+            data,
+            SyntheticDataConfig(samples=4096, files=4, row_groups_per_file=4),
+            QUICKSTART["seq_len"],
+            QUICKSTART["vocab_size"],
+        )
+        contenders = {
+            "ours, memory tier": lambda t, n, every: ours(t, n, args.save_every, args.memory_every, every, data),
+            "ours, durable only": lambda t, n, every: ours(t, n, args.save_every, 0, every, data),
+            "Ray Train + torch.save": lambda t, n, every: plain(t, n, args.save_every, every, data),
+        }
         if args.without_fork_server:
-            contenders["ours, memory tier, no fork server"] = lambda t, n, every: ours(t, n, args.save_every, args.memory_every, every, data, False)
+            contenders["ours, memory tier, no fork server"] = lambda t, n, every: ours(
+                t, n, args.save_every, args.memory_every, every, data, False
+            )
         clean = {}
         for name, runner in contenders.items():
             clean[name] = runner(Path(tempfile.mkdtemp(dir=tmp)), CLEAN_STEPS, None)
-            print(f"no kills | {name}: startup {clean[name]['startup_s']:.1f} s, {clean[name]['step_s']:.4f} s per step", flush=True)
+            print(
+                f"no kills | {name}: startup {clean[name]['startup_s']:.1f} s, {clean[name]['step_s']:.4f} s per step",
+                flush=True,
+            )
         for every in args.every:
             steps = args.steps or math.ceil((args.kills + 0.5) * every / min(c["step_s"] for c in clean.values()))
             for name, runner in contenders.items():
@@ -279,16 +374,20 @@ def main(argv=None) -> None:
                 print(f"kill every {every:g} s | {name}: {row}", flush=True)
     print()
     print(f"restart floor: {floor:.2f} s")
-    print("| kill every | contender | steady step | ETTR | lost per failure | back in: mean (min-max) | restart | of it imports and setup | reload | redone | kills |")
+    print(
+        "| kill every | contender | steady step | ETTR | lost per failure | back in: mean (min-max) | restart | of it imports and setup | reload | redone | kills |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for key, r in results.items():
         if not key.startswith("every "):
             continue
         every, name = key.split(": ", 1)
         setup = "-" if r["setup_s"] is None else f"{r['setup_s']:.1f} s"
-        print(f"| {every.removeprefix('every ')} | {name} | {r['step_s']:.4f} s | {r['ettr']:.2f} | {r['lost_per_failure_s']:.1f} s | "
-              f"{r['back_in_s']:.1f} s ({r['back_in_min_s']:.1f}-{r['back_in_max_s']:.1f}) | {r['restart_s']:.1f} s | {setup} | "
-              f"{r['reload_s']:.2f} s | {r['redone_s']:.1f} s | {r['kills']} |")
+        print(
+            f"| {every.removeprefix('every ')} | {name} | {r['step_s']:.4f} s | {r['ettr']:.2f} | {r['lost_per_failure_s']:.1f} s | "
+            f"{r['back_in_s']:.1f} s ({r['back_in_min_s']:.1f}-{r['back_in_max_s']:.1f}) | {r['restart_s']:.1f} s | {setup} | "
+            f"{r['reload_s']:.2f} s | {r['redone_s']:.1f} s | {r['kills']} |"
+        )
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
 

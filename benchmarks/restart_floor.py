@@ -19,8 +19,15 @@ import subprocess
 import sys
 import time
 
-WORKER_IMPORTS = ("ray.train.v2._internal.execution.worker_group.worker", "ray.train.torch", "torch",
-                  "torch._dynamo", "ray_resume.api", "ray_resume.train_loop", "ray_resume.controller")
+WORKER_IMPORTS = (
+    "ray.train.v2._internal.execution.worker_group.worker",
+    "ray.train.torch",
+    "torch",
+    "torch._dynamo",
+    "ray_resume.api",
+    "ray_resume.train_loop",
+    "ray_resume.controller",
+)
 CASES = {"interpreter": "pass", "imports": "import " + ", ".join(WORKER_IMPORTS)}
 
 
@@ -42,7 +49,11 @@ def main(argv: list[str] | None = None) -> dict:
     for at_once in (1, 2):
         for name, code in CASES.items():
             runs = [timed(code, at_once) for _ in range(args.rounds)]
-            rows[f"{name}, {at_once} at once"] = {"median_s": statistics.median(runs), "min_s": min(runs), "max_s": max(runs)}
+            rows[f"{name}, {at_once} at once"] = {
+                "median_s": statistics.median(runs),
+                "min_s": min(runs),
+                "max_s": max(runs),
+            }
     print("| fresh processes | median s | min-max s |\n|---|---|---|")
     for name, row in rows.items():
         print(f"| {name} | {row['median_s']:.2f} | {row['min_s']:.2f}-{row['max_s']:.2f} |")

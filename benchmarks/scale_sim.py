@@ -98,11 +98,15 @@ class Decoder:
         for i in range(self.layers):
             p = f"model.layers.{i}."
             out += [
-                (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
-                (p + "mlp.gate_proj.weight", (self.mlp, h)), (p + "mlp.up_proj.weight", (self.mlp, h)),
+                (p + "self_attn.q_proj.weight", (h, h)),
+                (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)),
+                (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "mlp.gate_proj.weight", (self.mlp, h)),
+                (p + "mlp.up_proj.weight", (self.mlp, h)),
                 (p + "mlp.down_proj.weight", (h, self.mlp)),
-                (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,)),
             ]
         return out + [("model.norm.weight", (h,)), ("lm_head.weight", (self.vocab, h))]
 
@@ -117,10 +121,13 @@ def state_specs(model: Decoder, fsdp: bool) -> dict[str, list[TensorSpec]]:
     """Every tensor of both kinds, named and ordered as `ray_resume.optim` produces them."""
     params = model.params()
     opt = []
-    for name, shape in params:  # state.optim_tensors: each param's slots (AdamW: step, then its moments), then the main params
-        opt += [TensorSpec(names.state_name(name, "step"), "F32", (), 4),
-                TensorSpec(names.state_name(name, "exp_avg"), "F32", shape, 4, fsdp),
-                TensorSpec(names.state_name(name, "exp_avg_sq"), "F32", shape, 4, fsdp)]
+    # state.optim_tensors: each param's slots (AdamW: step, then its moments), then the main params
+    for name, shape in params:
+        opt += [
+            TensorSpec(names.state_name(name, "step"), "F32", (), 4),
+            TensorSpec(names.state_name(name, "exp_avg"), "F32", shape, 4, fsdp),
+            TensorSpec(names.state_name(name, "exp_avg_sq"), "F32", shape, 4, fsdp),
+        ]
     opt += [TensorSpec(names.state_name(name, names.MAIN_PARAM), "F32", shape, 4, fsdp) for name, shape in params]
     return {paths.MODEL_KIND: [TensorSpec(n, "BF16", s, 2, fsdp) for n, s in params], paths.OPTIM_KIND: opt}
 
@@ -167,8 +174,15 @@ def rank_shards(plan: SavePlan, rank: int) -> list[RankShard]:
         specs = plan.specs[kind]
         order = sorted(plan.share(kind, rank), key=lambda p: (-SAFETENSORS_ORDER[specs[p.name].dtype], p.name.encode()))
         data = sum(p.numel * specs[p.name].itemsize for p in order)
-        out.append(RankShard(paths.shard_filename(PREFIX, kind, rank, plan.world_size), kind, order, data,
-                             header_bytes(sum(entry_bytes(p.name) for p in order), kind)))
+        out.append(
+            RankShard(
+                paths.shard_filename(PREFIX, kind, rank, plan.world_size),
+                kind,
+                order,
+                data,
+                header_bytes(sum(entry_bytes(p.name) for p in order), kind),
+            )
+        )
     return out
 
 
@@ -188,7 +202,8 @@ def shard_sizes(plan: SavePlan) -> dict[str, dict[str, np.ndarray]]:
     out = {}
     for kind in KINDS:
         data, entries, pieces = (np.zeros(world, np.int64) for _ in range(3))
-        groups: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])  # (rows, row bytes) -> [count, entry bytes]
+        # (rows, row bytes) -> [count, entry bytes]
+        groups: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
         for name, spec in plan.specs[kind].items():
             placed = plan._placed[kind].get(name)
             if placed is None:
@@ -230,8 +245,13 @@ def manifests_for(plan: SavePlan, sizes, block_size: int = CHECKSUM_BLOCK) -> li
         for name, spec in specs.items():
             if name in plan._placed[kind]:
                 for rank, piece in plan._placed[kind][name]:
-                    held[rank][kind].append((name, piece.start // spec.row_numel if spec.shape else 0,
-                                             piece.numel // spec.row_numel if spec.shape else 1))
+                    held[rank][kind].append(
+                        (
+                            name,
+                            piece.start // spec.row_numel if spec.shape else 0,
+                            piece.numel // spec.row_numel if spec.shape else 1,
+                        )
+                    )
             else:
                 for rank in range(world):
                     first, rows = dim0_chunk(spec.rows, world, rank)
@@ -243,9 +263,16 @@ def manifests_for(plan: SavePlan, sizes, block_size: int = CHECKSUM_BLOCK) -> li
         for kind in KINDS:
             name = paths.shard_filename(PREFIX, kind, rank, world)
             size, start = int(sizes[kind]["size"][rank]), int(sizes[kind]["header"][rank])
-            digests = [xxhash.xxh3_128(f"{name}/{i}".encode()).hexdigest() for i in range(len(block_bounds(size, start, block_size)))]
+            digests = [
+                xxhash.xxh3_128(f"{name}/{i}".encode()).hexdigest()
+                for i in range(len(block_bounds(size, start, block_size)))
+            ]
             files[name] = WrittenFile(size, start, "xxh3-128", digests)
-        specs = {kind: [(s.name, s.dtype, list(s.shape)) for s in plan.specs[kind].values()] for kind in KINDS} if rank == 0 else {}
+        specs = (
+            {kind: [(s.name, s.dtype, list(s.shape)) for s in plan.specs[kind].values()] for kind in KINDS}
+            if rank == 0
+            else {}
+        )
         out.append(Manifest(rank, world, block_size, files, held[rank], specs))
     return out
 
@@ -280,8 +307,14 @@ class CountingStorage:
 
 
 def common_json(world: int) -> dict:
-    return {"global_step": ITERATION, "global_batch_size": 4 * world, "step_num": ITERATION, "epoch_num": 0,
-            "consumed_samples": ITERATION * 4 * world, "loss_scale": 1.0}
+    return {
+        "global_step": ITERATION,
+        "global_batch_size": 4 * world,
+        "step_num": ITERATION,
+        "epoch_num": 0,
+        "consumed_samples": ITERATION * 4 * world,
+        "loss_scale": 1.0,
+    }
 
 
 SIM_CONFIG = {"checkpoint": {"prefix": PREFIX, "save_path": "<sim>", "save_max": 5}, "note": "scale simulation"}
@@ -292,8 +325,16 @@ def commit(plan: SavePlan, root: str, block_size: int = CHECKSUM_BLOCK) -> tuple
     manifests = manifests_for(plan, shard_sizes(plan), block_size)
     make_sparse_files(paths.iteration_dir(root, ITERATION), manifests)
     storage = CountingStorage(LocalStorage())
-    meta = commit_iteration(storage, root, ITERATION, manifests, common_json(plan.world_size), prefix=PREFIX,
-                            config=SIM_CONFIG, job_id="sim")
+    meta = commit_iteration(
+        storage,
+        root,
+        ITERATION,
+        manifests,
+        common_json(plan.world_size),
+        prefix=PREFIX,
+        config=SIM_CONFIG,
+        job_id="sim",
+    )
     return meta, manifests, storage
 
 
@@ -323,8 +364,10 @@ class LoadPlan:
     received: list[str] = field(default_factory=list)
     takes: list[tuple[str, str, int, int]] = field(default_factory=list)  # (file, tensor, lo, hi)
     ranged: dict[str, int] = field(default_factory=dict)  # file -> number of range reads (one per piece)
-    pooled: list[tuple[str, str, int, int]] = field(default_factory=list)  # (file, tensor, lo, hi) copied into the all-reduce
-    allreduced: dict[str, int] = field(default_factory=dict)  # tensor -> its bytes in the packed buffer (8-byte aligned)
+    # (file, tensor, lo, hi) copied into the all-reduce
+    pooled: list[tuple[str, str, int, int]] = field(default_factory=list)
+    # tensor -> its bytes in the packed buffer (8-byte aligned)
+    allreduced: dict[str, int] = field(default_factory=dict)
     bytes_read: int = 0
     requests: int = 0
 
@@ -355,8 +398,15 @@ def load_roles(specs: dict[str, TensorSpec], new_world: int, *, fsdp: bool) -> t
     return replicated, (set() if replicated or new_world == 1 else shared)
 
 
-def load_plan(it: Iteration, new_world: int, rank: int, *, fsdp: bool, balanced: bool,
-              owners: dict[tuple[str, int], int] | None = None) -> LoadPlan:
+def load_plan(
+    it: Iteration,
+    new_world: int,
+    rank: int,
+    *,
+    fsdp: bool,
+    balanced: bool,
+    owners: dict[tuple[str, int], int] | None = None,
+) -> LoadPlan:
     """Rank `rank` of `new_world` loading iteration `it`: each tensor's `needed_range` (its dim-0 chunk
     of a sharded tensor under FSDP, else all of it), from the pieces `plan.overlaps` finds. `owners`
     (load_balanced: (file, block) -> dealing rank) may be passed in when timing many ranks."""
@@ -412,7 +462,9 @@ def load_plan(it: Iteration, new_world: int, rank: int, *, fsdp: bool, balanced:
 def _assert_tiles(intervals: list[tuple[int, int]], start: int, end: int, what: str) -> None:
     pos = start
     for lo, hi in intervals:
-        assert lo == pos and hi > lo, f"{what}: element {pos} is {'covered twice' if lo < pos else 'missing'} ({lo}, {hi})"
+        assert lo == pos and hi > lo, (
+            f"{what}: element {pos} is {'covered twice' if lo < pos else 'missing'} ({lo}, {hi})"
+        )
         pos = hi
     assert pos == end, f"{what}: covers [{start}, {pos}) of [{start}, {end})"
 
@@ -425,7 +477,9 @@ def check_save_coverage(plan: SavePlan) -> None:
             for p in plan.share(kind, rank):
                 spec = specs[p.name]
                 assert p.numel > 0 or not spec.numel, f"empty piece {p} in rank {rank}'s share"
-                assert not spec.shape or (p.start % spec.row_numel == 0 and p.numel % spec.row_numel == 0), f"{p} is not whole rows"
+                assert not spec.shape or (p.start % spec.row_numel == 0 and p.numel % spec.row_numel == 0), (
+                    f"{p} is not whole rows"
+                )
                 if p.numel:
                     pieces[p.name].append((p.start, p.start + p.numel))
         for name, spec in specs.items():
@@ -442,8 +496,9 @@ def check_load_plan(it: Iteration, plan: LoadPlan, new_world: int, *, fsdp: bool
 
     def assert_held(file: str, name: str, lo: int, hi: int) -> None:
         holds = [p for f, p in it.tensors[kinds[name]][name].pieces if f == file]
-        assert len(holds) == 1 and holds[0].start <= lo < hi <= holds[0].start + holds[0].numel, \
+        assert len(holds) == 1 and holds[0].start <= lo < hi <= holds[0].start + holds[0].numel, (
             f"rank {plan.rank}: {file} holds no piece of {name} with elements [{lo}, {hi})"
+        )
 
     available = set(plan.checked) | set(plan.ranged) | set(plan.received)
     got = defaultdict(list)
@@ -453,19 +508,25 @@ def check_load_plan(it: Iteration, plan: LoadPlan, new_world: int, *, fsdp: bool
         assert_held(file, name, lo, hi)
         got[name].append((lo, hi))
     for file, name, lo, hi in plan.pooled:
-        assert file in plan.checked and file not in plan.ranged, f"rank {plan.rank}: copies {name} out of {file}, which it does not verify"
+        assert file in plan.checked and file not in plan.ranged, (
+            f"rank {plan.rank}: copies {name} out of {file}, which it does not verify"
+        )
         assert name in plan.allreduced
         assert_held(file, name, lo, hi)
     for kind in it.tensors:
         specs = it.specs(kind)
         _, pooled = load_roles(specs, new_world, fsdp=fsdp)
-        assert pooled == {n for n in plan.allreduced if n in specs}, f"rank {plan.rank}: pools {sorted(plan.allreduced)}"
+        assert pooled == {n for n in plan.allreduced if n in specs}, (
+            f"rank {plan.rank}: pools {sorted(plan.allreduced)}"
+        )
         for name, spec in specs.items():
             start, numel = needed_range(spec, fsdp and bool(spec.shape), new_world, plan.rank)
             if name in pooled:
                 assert (start, numel) == (0, spec.numel), f"{name} is pooled but rank {plan.rank} needs only part of it"
                 continue
-            _assert_tiles(sorted(got.get(name, [])), start, start + numel, f"load plan rank {plan.rank}/{new_world}: {name}")
+            _assert_tiles(
+                sorted(got.get(name, [])), start, start + numel, f"load plan rank {plan.rank}/{new_world}: {name}"
+            )
     if balanced and not fsdp:
         assert set(plan.checked) | set(plan.received) == set(it.files) and not plan.ranged
 
@@ -478,20 +539,30 @@ def check_pooled(it: Iteration, plans: list[LoadPlan], new_world: int, *, fsdp: 
     layouts = {tuple(p.allreduced.items()) for p in plans}
     assert len(layouts) == 1, "ranks pack different all-reduce buffers"
     specs = {n: s for kind in it.tensors for n, s in it.specs(kind).items()}
-    expected = {n: pool_bytes(specs[n]) for kind in it.tensors for n in sorted(load_roles(it.specs(kind), new_world, fsdp=fsdp)[1])}
+    expected = {
+        n: pool_bytes(specs[n])
+        for kind in it.tensors
+        for n in sorted(load_roles(it.specs(kind), new_world, fsdp=fsdp)[1])
+    }
     assert plans[0].allreduced == expected, "the all-reduce buffer is not the pooled tensors, 8-byte aligned"
     copies = Counter(c for p in plans for c in p.pooled)
     twice = [c for c, n in copies.items() if n > 1]
     assert not twice, f"pooled pieces copied by more than one rank: {twice[:3]}"
     for file, _, _, _ in copies:
         owner = it.files[file].rank % new_world
-        assert any(c[0] == file for c in plans[owner].pooled), f"{file}'s pooled pieces are not copied by its verifier {owner}"
+        assert any(c[0] == file for c in plans[owner].pooled), (
+            f"{file}'s pooled pieces are not copied by its verifier {owner}"
+        )
     by_tensor = defaultdict(list)
     for file, name, lo, hi in copies:
         by_tensor[name].append((lo, hi))
     for name in expected:
-        _assert_tiles(sorted(by_tensor.get(name, [])), 0, specs[name].numel,
-                      f"all-reduce over {new_world} ranks (from {it.world_size}): {name}")
+        _assert_tiles(
+            sorted(by_tensor.get(name, [])),
+            0,
+            specs[name].numel,
+            f"all-reduce over {new_world} ranks (from {it.world_size}): {name}",
+        )
     return sum(expected.values())
 
 
@@ -500,8 +571,11 @@ def check_shard_sizes(plan: SavePlan, sizes) -> None:
     for rank in range(plan.world_size):
         for shard in rank_shards(plan, rank):
             s = sizes[shard.kind]
-            assert (shard.data, shard.header, len(shard.pieces)) == (s["data"][rank], s["header"][rank], s["pieces"][rank]), \
-                f"closed-form write totals differ from SavePlan.share at rank {rank} of {plan.world_size} ({shard.kind})"
+            assert (shard.data, shard.header, len(shard.pieces)) == (
+                s["data"][rank],
+                s["header"][rank],
+                s["pieces"][rank],
+            ), f"closed-form write totals differ from SavePlan.share at rank {rank} of {plan.world_size} ({shard.kind})"
 
 
 # Small mode's checksum block: the tiny decoder's files hold 1 to ~500 blocks each, and
@@ -528,9 +602,12 @@ def check_small(tmp: str) -> dict:
             assert storage.calls["size"] == 2 * world and storage.calls["write_atomic"] == 4
             it = open_iteration(LocalStorage(), root, ITERATION)
             for kind in KINDS:
-                assert it.specs(kind) == {s.name: TensorSpec(s.name, s.dtype, s.shape, s.itemsize) for s in specs[kind]}, \
-                    "metadata.json does not round-trip the tensor specs"
-                assert sum(len(t.pieces) for t in it.tensors[kind].values()) == sum(len(m.chunks[kind]) for m in manifests)
+                assert it.specs(kind) == {
+                    s.name: TensorSpec(s.name, s.dtype, s.shape, s.itemsize) for s in specs[kind]
+                }, "metadata.json does not round-trip the tensor specs"
+                assert sum(len(t.pieces) for t in it.tensors[kind].values()) == sum(
+                    len(m.chunks[kind]) for m in manifests
+                )
             assert chunk_count(plan) == sum(len(t.pieces) for kind in KINDS for t in it.tensors[kind].values())
             assert LocalStorage().read_bytes(paths.tracker_path(root)) == f"{ITERATION}\n".encode()
             checked["commits"] += 1
@@ -542,7 +619,9 @@ def check_small(tmp: str) -> dict:
                     check_load_plan(it, plans[-1], new_world, fsdp=fsdp, balanced=balanced)
                     checked["load plans"] += 1
                 packed = check_pooled(it, plans, new_world, fsdp=fsdp)
-                assert (packed > 0) == (fsdp and new_world > 1), f"all-reduce of {packed} bytes ({world}->{new_world}, fsdp={fsdp})"
+                assert (packed > 0) == (fsdp and new_world > 1), (
+                    f"all-reduce of {packed} bytes ({world}->{new_world}, fsdp={fsdp})"
+                )
                 if packed:
                     steps = [s for s in specs[paths.OPTIM_KIND] if not s.shape]
                     assert sorted(plans[0].allreduced) == sorted(s.name for s in steps) and packed == 8 * len(steps)
@@ -555,11 +634,15 @@ def check_small(tmp: str) -> dict:
     make_sparse_files(paths.iteration_dir(root, ITERATION), manifests)
     os.truncate(os.path.join(paths.iteration_dir(root, ITERATION), paths.shard_filename(PREFIX, "opt", 2, 4)), 10)
     try:
-        commit_iteration(LocalStorage(), root, ITERATION, manifests, common_json(4), prefix=PREFIX, config=SIM_CONFIG, job_id="sim")
+        commit_iteration(
+            LocalStorage(), root, ITERATION, manifests, common_json(4), prefix=PREFIX, config=SIM_CONFIG, job_id="sim"
+        )
         raise AssertionError("a commit with a truncated shard went through")
     except RuntimeError as exc:
         assert "ckpt-opt-0000002-0000004.safetensors" in str(exc), exc
-    assert not os.path.exists(paths.tracker_path(root)) and not os.path.exists(paths.join(paths.iteration_dir(root, ITERATION), paths.METADATA))
+    assert not os.path.exists(paths.tracker_path(root)) and not os.path.exists(
+        paths.join(paths.iteration_dir(root, ITERATION), paths.METADATA)
+    )
     return {"checked": dict(checked), "cases": cases, "seconds": round(time.perf_counter() - started, 2)}
 
 
@@ -613,8 +696,10 @@ def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, max_chunks: 
     r["write_mean_rank_bytes"] = float(written.mean())
     r["ranks_writing_no_data"] = int(((sizes["model"]["data"] + sizes["opt"]["data"]) == 0).sum())
     r["chunks"] = chunk_count(plan)
-    log(f"save plan {r['save_plan_build_s']:.2f} s, one rank's share {r['save_plan_rank_s']:.3f} s, write balance "
-        f"{r['write_balance']}, {r['chunks']:,} chunks")
+    log(
+        f"save plan {r['save_plan_build_s']:.2f} s, one rank's share {r['save_plan_rank_s']:.3f} s, write balance "
+        f"{r['write_balance']}, {r['chunks']:,} chunks"
+    )
     if r["chunks"] > max_chunks:
         r["not_committed"] = f"{r['chunks']:,} chunks: metadata.json not simulated (over --max-chunks {max_chunks:,})"
         log(r["not_committed"])
@@ -628,8 +713,17 @@ def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, max_chunks: 
     iter_dir = paths.iteration_dir(root, ITERATION)
     make_sparse_files(iter_dir, manifests)
     storage = CountingStorage(LocalStorage())
-    meta, r["commit_s"], r["commit_s_runs"] = best(commit_iteration, storage, root, ITERATION, manifests, common_json(world),
-                                                   prefix=PREFIX, config=SIM_CONFIG, job_id="sim")
+    meta, r["commit_s"], r["commit_s_runs"] = best(
+        commit_iteration,
+        storage,
+        root,
+        ITERATION,
+        manifests,
+        common_json(world),
+        prefix=PREFIX,
+        config=SIM_CONFIG,
+        job_id="sim",
+    )
     r["commit_storage_calls"] = {k: v // REPEATS for k, v in storage.calls.items()}
     path = paths.join(iter_dir, paths.METADATA)
     blob, r["metadata_serialize_s"], _ = best(dumps, meta)
@@ -647,14 +741,20 @@ def measure(world: int, fsdp: bool, tmp: str, *, sample_ranks: int, max_chunks: 
         if balanced and fsdp:
             continue  # load_balanced applies to replicated targets only: under FSDP it changes nothing
         owners, r[f"load_deal_s_{key}"] = timed(balanced_owners, it, KINDS, new_world) if balanced else (None, 0.0)
-        r[f"load_plan_rank_s_{key}"] = max(best(load_plan, it, new_world, rank, fsdp=fsdp, balanced=balanced, owners=owners)[1]
-                                           for rank in load_probe)
+        r[f"load_plan_rank_s_{key}"] = max(
+            best(load_plan, it, new_world, rank, fsdp=fsdp, balanced=balanced, owners=owners)[1] for rank in load_probe
+        )
         plans = [load_plan(it, new_world, rank, fsdp=fsdp, balanced=balanced, owners=owners) for rank in sample]
-        for name, values in (("bytes", [p.bytes_read for p in plans]), ("requests", [p.requests for p in plans]),
-                             ("files", [p.files_touched for p in plans])):
+        for name, values in (
+            ("bytes", [p.bytes_read for p in plans]),
+            ("requests", [p.requests for p in plans]),
+            ("files", [p.files_touched for p in plans]),
+        ):
             r[f"read_{name}_{key}"] = {"max": max(values), "mean": round(float(np.mean(values)), 1)}
-        log(f"load {key}: one rank's plan {r[f'load_plan_rank_s_{key}']:.3f} s, sampled ranks read at most "
-            f"{r[f'read_bytes_{key}']['max'] / 1e9:.1f} GB in {r[f'read_requests_{key}']['max']:,} requests")
+        log(
+            f"load {key}: one rank's plan {r[f'load_plan_rank_s_{key}']:.3f} s, sampled ranks read at most "
+            f"{r[f'read_bytes_{key}']['max'] / 1e9:.1f} GB in {r[f'read_requests_{key}']['max']:,} requests"
+        )
     pool = load_plan(it, new_world, 0, fsdp=fsdp, balanced=False).allreduced
     r["allreduce"] = {"tensors": len(pool), "bytes_per_rank": sum(pool.values()), "calls": int(bool(pool))}
     shutil.rmtree(root)
@@ -681,39 +781,78 @@ def table(results: dict) -> str:
     def both(key: str, fmt) -> callable:
         return lambda w: " / ".join(fmt(cell(w, tag)[key]) if key in cell(w, tag) else "-" for tag in ("ddp", "fsdp"))
 
-    return "\n".join([
-        "| saving ranks → loading ranks | " + " | ".join(f"{int(w):,} → {cell(w, 'ddp')['load_world']:,}" for w in worlds) + " |",
-        "|---|" + "---|" * len(worlds),
-        row("save plan, built once, s (DDP / FSDP)", both("save_plan_build_s", lambda v: f"{v:.3f}")),
-        row("one rank's share in file order, s (DDP / FSDP)", both("save_plan_rank_s", lambda v: f"{v:.3f}")),
-        row("write balance max/mean (DDP / FSDP)", both("write_balance", lambda v: f"{v:.3f}")),
-        row("chunks metadata.json lists (DDP / FSDP)", both("chunks", lambda v: f"{v:,}")),
-        row("metadata.json size (DDP / FSDP)", both("metadata_bytes", fmt_bytes)),
-        row("driver commit, s (DDP / FSDP)", both("commit_s", lambda v: f"{v:.2f}")),
-        row("metadata.json read + parse + check, s (DDP / FSDP)", both("metadata_open_s", lambda v: f"{v:.2f}")),
-        row("driver storage calls per commit (DDP)", lambda w: f"{cell(w, 'ddp')['commit_storage_calls'].get('size', 0):,} stat + "
-                                                              f"{cell(w, 'ddp')['commit_storage_calls'].get('write_atomic', 0)} atomic writes"
-                                                              if "commit_storage_calls" in cell(w, "ddp") else "-"),
-        row("one rank's load plan, s: DDP direct / DDP load_balanced / FSDP",
-            lambda w: " / ".join(f"{cell(w, t).get(k, float('nan')):.3f}" for t, k in
-                                 (("ddp", "load_plan_rank_s_direct"), ("ddp", "load_plan_rank_s_lb"), ("fsdp", "load_plan_rank_s_direct")))),
-        row("largest read of a sampled rank: DDP direct / load_balanced / FSDP",
-            lambda w: " / ".join(fmt_bytes(cell(w, t)[k]["max"]) if k in cell(w, t) else "-" for t, k in
-                                 (("ddp", "read_bytes_direct"), ("ddp", "read_bytes_lb"), ("fsdp", "read_bytes_direct")))),
-        row("most requests of a sampled rank: DDP direct / load_balanced / FSDP",
-            lambda w: " / ".join(f"{cell(w, t)[k]['max']:,}" if k in cell(w, t) else "-" for t, k in
-                                 (("ddp", "read_requests_direct"), ("ddp", "read_requests_lb"), ("fsdp", "read_requests_direct")))),
-    ])
+    return "\n".join(
+        [
+            "| saving ranks → loading ranks | "
+            + " | ".join(f"{int(w):,} → {cell(w, 'ddp')['load_world']:,}" for w in worlds)
+            + " |",
+            "|---|" + "---|" * len(worlds),
+            row("save plan, built once, s (DDP / FSDP)", both("save_plan_build_s", lambda v: f"{v:.3f}")),
+            row("one rank's share in file order, s (DDP / FSDP)", both("save_plan_rank_s", lambda v: f"{v:.3f}")),
+            row("write balance max/mean (DDP / FSDP)", both("write_balance", lambda v: f"{v:.3f}")),
+            row("chunks metadata.json lists (DDP / FSDP)", both("chunks", lambda v: f"{v:,}")),
+            row("metadata.json size (DDP / FSDP)", both("metadata_bytes", fmt_bytes)),
+            row("driver commit, s (DDP / FSDP)", both("commit_s", lambda v: f"{v:.2f}")),
+            row("metadata.json read + parse + check, s (DDP / FSDP)", both("metadata_open_s", lambda v: f"{v:.2f}")),
+            row(
+                "driver storage calls per commit (DDP)",
+                lambda w: (
+                    f"{cell(w, 'ddp')['commit_storage_calls'].get('size', 0):,} stat + "
+                    f"{cell(w, 'ddp')['commit_storage_calls'].get('write_atomic', 0)} atomic writes"
+                    if "commit_storage_calls" in cell(w, "ddp")
+                    else "-"
+                ),
+            ),
+            row(
+                "one rank's load plan, s: DDP direct / DDP load_balanced / FSDP",
+                lambda w: " / ".join(
+                    f"{cell(w, t).get(k, float('nan')):.3f}"
+                    for t, k in (
+                        ("ddp", "load_plan_rank_s_direct"),
+                        ("ddp", "load_plan_rank_s_lb"),
+                        ("fsdp", "load_plan_rank_s_direct"),
+                    )
+                ),
+            ),
+            row(
+                "largest read of a sampled rank: DDP direct / load_balanced / FSDP",
+                lambda w: " / ".join(
+                    fmt_bytes(cell(w, t)[k]["max"]) if k in cell(w, t) else "-"
+                    for t, k in (("ddp", "read_bytes_direct"), ("ddp", "read_bytes_lb"), ("fsdp", "read_bytes_direct"))
+                ),
+            ),
+            row(
+                "most requests of a sampled rank: DDP direct / load_balanced / FSDP",
+                lambda w: " / ".join(
+                    f"{cell(w, t)[k]['max']:,}" if k in cell(w, t) else "-"
+                    for t, k in (
+                        ("ddp", "read_requests_direct"),
+                        ("ddp", "read_requests_lb"),
+                        ("fsdp", "read_requests_direct"),
+                    )
+                ),
+            ),
+        ]
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny decoder, small worlds, correctness only (CI, seconds)")
     ap.add_argument("--worlds", default="1024,4096,16384", help="comma list of saving world sizes (full mode)")
-    ap.add_argument("--out", default=None, help="result JSON (default benchmarks/scale_results.json; none with --small)")
+    ap.add_argument(
+        "--out", default=None, help="result JSON (default benchmarks/scale_results.json; none with --small)"
+    )
     ap.add_argument("--dir", default=None, help="where the sparse shard files go (default: a temp dir)")
-    ap.add_argument("--sample-ranks", type=int, default=24, help="loading ranks whose plans are computed besides the probes")
-    ap.add_argument("--max-chunks", type=int, default=MAX_CHUNKS, help="simulate the commit and the load only up to this many chunks")
+    ap.add_argument(
+        "--sample-ranks", type=int, default=24, help="loading ranks whose plans are computed besides the probes"
+    )
+    ap.add_argument(
+        "--max-chunks",
+        type=int,
+        default=MAX_CHUNKS,
+        help="simulate the commit and the load only up to this many chunks",
+    )
     args = ap.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="scale-sim-", dir=args.dir)
     try:
@@ -727,16 +866,26 @@ def main(argv=None) -> int:
         specs = state_specs(LLAMA_70B, False)
         results = {
             "command": "python -m benchmarks.scale_sim " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                        "load_average_at_start": os.getloadavg()},
-            "model": {"params": sum(s.numel for s in specs["model"]), "tensors": {k: len(v) for k, v in specs.items()},
-                      "checkpoint_data_bytes": sum(s.nbytes for k in KINDS for s in specs[k])},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+                "load_average_at_start": os.getloadavg(),
+            },
+            "model": {
+                "params": sum(s.numel for s in specs["model"]),
+                "tensors": {k: len(v) for k, v in specs.items()},
+                "checkpoint_data_bytes": sum(s.nbytes for k in KINDS for s in specs[k]),
+            },
             "worlds": {},
         }
         for world in (int(w) for w in args.worlds.split(",")):
             results["worlds"][str(world)] = {
-                "fsdp" if fsdp else "ddp": measure(world, fsdp, tmp, sample_ranks=args.sample_ranks, max_chunks=args.max_chunks)
-                for fsdp in (False, True)}
+                "fsdp" if fsdp else "ddp": measure(
+                    world, fsdp, tmp, sample_ranks=args.sample_ranks, max_chunks=args.max_chunks
+                )
+                for fsdp in (False, True)
+            }
         results["machine"]["load_average_at_end"] = os.getloadavg()
         out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_results.json")
         with open(out, "w") as f:

@@ -81,9 +81,14 @@ KINDS = {
     "disk_full": "ENOSPC on a checkpoint write: that save fails",
     "second_job": "a second job started on the same root: refused, changing nothing",
 }
-PHASES = {"rank_killed_after_step": "after_optimizer_step", "rank_killed_mid_write": "mid_shard_write",
-          "rank_killed_before_report": "before_report", "driver_killed_mid_commit": "commit_before_tracker",
-          "driver_killed_mid_retention": "retention_delete", "commit_failed": "commit_fails"}
+PHASES = {
+    "rank_killed_after_step": "after_optimizer_step",
+    "rank_killed_mid_write": "mid_shard_write",
+    "rank_killed_before_report": "before_report",
+    "driver_killed_mid_commit": "commit_before_tracker",
+    "driver_killed_mid_retention": "retention_delete",
+    "commit_failed": "commit_fails",
+}
 TIMED = ("rank_killed", "driver_killed", "sigterm", "power_cut", "second_job")
 ENDS_SUBMISSION = ("driver_killed", "sigterm", "power_cut")
 STORAGE = ("storage_error", "torn_write", "storage_delay", "disk_full")
@@ -95,7 +100,7 @@ INVARIANTS = {
     "losses": "every step run, before or after any fault, has the reference's loss and samples",
     "final_samples": "the last run of every step consumed exactly the reference's samples",
     "save_max": "save_max holds: the root keeps at most save_max iterations of each job (the spec's rule; one more of a job "
-                "whose driver died, as the deletion due at its last commit may not have run), the last step's among them",
+    "whose driver died, as the deletion due at its last commit may not have run), the last step's among them",
     "leftovers": "no temporary file, uncommitted iteration or held lease is left at the end",
     "second_job": "a second job on the same root is refused, naming the job that holds it",
 }
@@ -112,18 +117,44 @@ class SoakFailure(Exception):
     """A check failed: what, where."""
 
 
-def job_config(root: CheckpointRoot, data: str, options: dict | None, save_every: int = SAVE_EVERY, save_max: int = SAVE_MAX) -> dict:
+def job_config(
+    root: CheckpointRoot, data: str, options: dict | None, save_every: int = SAVE_EVERY, save_max: int = SAVE_MAX
+) -> dict:
     """A job small enough for a fault every few seconds on 2 cores; it crosses an epoch boundary (step 10)."""
     return {
         "name": "soak",
-        "model": {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layers": 1, "n_heads": 2, "dtype": "float32", "dropout": 0.1},
-        "data": {"path": data, "shuffle": True, "seed": 7, "synthetic": {"samples": 160, "files": 2, "row_groups_per_file": 3, "seed": 3}},
-        "training": {"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 4, "train_steps": STEPS, "lr": 1e-3, "seed": 42,
-                     "log_every": 1, "log_sample_ids": True},
+        "model": {
+            "vocab_size": 64,
+            "seq_len": 16,
+            "d_model": 32,
+            "n_layers": 1,
+            "n_heads": 2,
+            "dtype": "float32",
+            "dropout": 0.1,
+        },
+        "data": {
+            "path": data,
+            "shuffle": True,
+            "seed": 7,
+            "synthetic": {"samples": 160, "files": 2, "row_groups_per_file": 3, "seed": 3},
+        },
+        "training": {
+            "global_batch_size": GLOBAL_BATCH,
+            "micro_batch_size": 4,
+            "train_steps": STEPS,
+            "lr": 1e-3,
+            "seed": 42,
+            "log_every": 1,
+            "log_sample_ids": True,
+        },
         "scaling": {"num_workers": 2},
         "failure": {"max_failures": 100},
-        "checkpoint": {"save_path": root.uri, "save_interleaved_steps": save_every, "save_max": save_max,
-                       **({"storage": options} if options else {})},
+        "checkpoint": {
+            "save_path": root.uri,
+            "save_interleaved_steps": save_every,
+            "save_max": save_max,
+            **({"storage": options} if options else {}),
+        },
     }
 
 
@@ -131,9 +162,14 @@ def committed_state(root: CheckpointRoot, step: int) -> dict:
     """What a load of iteration `step` sees: its shards' bytes and its progress fields."""
     directory = root.iteration_dir(step)
     common = {k: root.iteration(step).common[k] for k in ("global_step", "consumed_samples", "epoch_num", "step_num")}
-    return {"shards": {name: root.storage.read_bytes(paths.join(directory, name))
-                       for name in sorted(root.storage.listdir(directory)) if paths.parse_shard_filename(name)},
-            "common": common}
+    return {
+        "shards": {
+            name: root.storage.read_bytes(paths.join(directory, name))
+            for name in sorted(root.storage.listdir(directory))
+            if paths.parse_shard_filename(name)
+        },
+        "common": common,
+    }
 
 
 def step_runs(records: list[dict]) -> dict[int, list[dict]]:
@@ -141,7 +177,9 @@ def step_runs(records: list[dict]) -> dict[int, list[dict]]:
     runs: dict[int, dict[tuple, dict]] = {}
     for r in sorted(records, key=lambda r: r["time"]):
         if "loss" in r:
-            run = runs.setdefault(r["step"], {}).setdefault((r["job"], r["attempt"]), {"loss": r["loss"], "ids": [], "time": r["time"]})
+            run = runs.setdefault(r["step"], {}).setdefault(
+                (r["job"], r["attempt"]), {"loss": r["loss"], "ids": [], "time": r["time"]}
+            )
             run["ids"] = sorted(run["ids"] + r["sample_ids"])
             if r["rank"] == 0:
                 run["loss"], run["time"] = r["loss"], r["time"]
@@ -197,7 +235,8 @@ class Soak:
         self.s3: dict | None = None  # the S3 server's checkpoint.storage options, if every other round is on it
         self.options: dict | None = None  # this round's checkpoint.storage
         self.s3_rounds = 0
-        self.killed_jobs: set[str] = set()  # jobs whose driver died: the deletion due at their last commit may not have run
+        # jobs whose driver died: the deletion due at their last commit may not have run
+        self.killed_jobs: set[str] = set()
 
     def on_sigterm(self, signum, frame) -> None:
         """Outside a job's run (whose driver takes SIGTERM as a stop request): the soak's own SIGTERM, come
@@ -252,21 +291,39 @@ class Soak:
         if kind == "rank_killed_after_step":
             return list(ahead)
         saves = [s for s in ahead if s % SAVE_EVERY == 0]
-        if kind == "driver_killed_mid_retention":  # the fault is at the deletion of its step: all but a job's last save_max
+        # the fault is at the deletion of its step: all but a job's last save_max
+        if kind == "driver_killed_mid_retention":
             return saves[:-SAVE_MAX]
         return saves
 
     def storage_fault(self, kind: str) -> dict:
-        once = str(self.work / f"claim-{self.rng.getrandbits(64):016x}")  # fires once in all the job's processes; names it
+        # fires once in all the job's processes; names it
+        once = str(self.work / f"claim-{self.rng.getrandbits(64):016x}")
         if kind == "storage_error":
             op = self.rng.choice(["write", "write", "read", "list", "stat"])
-            return {"op": op, "nth": self.rng.randint(1, 12), "error": self.rng.choice(["EIO", "timeout", "reset"]), "once": once}
+            return {
+                "op": op,
+                "nth": self.rng.randint(1, 12),
+                "error": self.rng.choice(["EIO", "timeout", "reset"]),
+                "once": once,
+            }
         if kind == "torn_write":
             return {"op": "write", "nth": self.rng.randint(1, 8), "path_contains": ".safetensors", "once": once}
         if kind == "disk_full":
-            return {"op": "write", "nth": self.rng.randint(1, 6), "error": "ENOSPC", "path_contains": "iteration_", "once": once}
-        return {"op": self.rng.choice(["write", "read", "list"]), "nth": 1, "times": 0,  # slowed, never failed
-                "delay_s": round(self.rng.uniform(0.02, 0.2), 3), "once": once}
+            return {
+                "op": "write",
+                "nth": self.rng.randint(1, 6),
+                "error": "ENOSPC",
+                "path_contains": "iteration_",
+                "once": once,
+            }
+        return {
+            "op": self.rng.choice(["write", "read", "list"]),
+            "nth": 1,
+            "times": 0,  # slowed, never failed
+            "delay_s": round(self.rng.uniform(0.02, 0.2), 3),
+            "once": once,
+        }
 
     # ------------------------------------------------------------------------- one submission
 
@@ -280,12 +337,18 @@ class Soak:
             cfg["checkpoint"]["load_path"] = root.uri  # as a resubmission of the job would
         cfg["fault"] = plan.phase
         remaining = (STEPS - (committed or 0)) * self.step_s
-        notice = soak_faults.NoticeAt(str(marks) + ".notice-at", str(marks) + ".notice") if plan.notice_at is not None else None
+        notice = (
+            soak_faults.NoticeAt(str(marks) + ".notice-at", str(marks) + ".notice")
+            if plan.notice_at is not None
+            else None
+        )
         fired: dict = {}
         backend = harness.LocalBackend(
             storage_faults=([f for _, f in plan.storage], record) if plan.storage else None,
-            setup=(soak_faults.prepare, self.journal, self.job_log, self.mutations), preempted=notice or harness.never,
-            inspect=lambda controller: fired.update(phase_at=controller.fault_fired()))
+            setup=(soak_faults.prepare, self.journal, self.job_log, self.mutations),
+            preempted=notice or harness.never,
+            inspect=lambda controller: fired.update(phase_at=controller.fault_fired()),
+        )
         log_at = os.path.getsize(self.job_log) if os.path.exists(self.job_log) else 0
         done = threading.Event()
         timed = threading.Thread(target=self.fire_timed, args=(plan, backend, marks, root, remaining, done, cfg))
@@ -343,8 +406,9 @@ class Soak:
         except BaseException as exc:  # raised in the main thread once the submission has ended
             self.timed_error = exc
 
-    def _fire_timed(self, plan: Plan, backend, marks: Path, root: CheckpointRoot, remaining: float, done: threading.Event,
-                    cfg: dict) -> None:
+    def _fire_timed(
+        self, plan: Plan, backend, marks: Path, root: CheckpointRoot, remaining: float, done: threading.Event, cfg: dict
+    ) -> None:
         while not self.training(marks, 0):
             if done.wait(0.01):
                 return
@@ -457,8 +521,11 @@ class Soak:
     def check_tracker(self, root: CheckpointRoot, committed_before: int | None, when: str) -> None:
         tracker = read_tracker(root.storage, root.uri)
         if committed_before is not None:
-            self.check("no_commit_lost", tracker is not None and tracker >= committed_before,
-                       f"{when}, the tracker names {tracker}; iteration {committed_before} was committed before")
+            self.check(
+                "no_commit_lost",
+                tracker is not None and tracker >= committed_before,
+                f"{when}, the tracker names {tracker}; iteration {committed_before} was committed before",
+            )
         if tracker is None:
             return
         self.check_iteration(root, tracker, when)
@@ -481,12 +548,19 @@ class Soak:
         for step, step_runs_ in runs.items():
             expected = self.reference_steps[step]
             for run in step_runs_:
-                self.check("losses", run["loss"] == expected["loss"] and set(run["ids"]) <= set(expected["ids"]),
-                           f"step {step}: loss {run['loss']} and samples {run['ids']}, the reference's {expected['loss']} "
-                           f"and {expected['ids']}")
-            if step > last_start:  # run by the group that finished the job (a killed rank's last records may be missing)
-                self.check("final_samples", step_runs_[-1]["ids"] == expected["ids"],
-                           f"step {step}: its last run consumed {step_runs_[-1]['ids']}, the reference {expected['ids']}")
+                self.check(
+                    "losses",
+                    run["loss"] == expected["loss"] and set(run["ids"]) <= set(expected["ids"]),
+                    f"step {step}: loss {run['loss']} and samples {run['ids']}, the reference's {expected['loss']} "
+                    f"and {expected['ids']}",
+                )
+            # run by the group that finished the job (a killed rank's last records may be missing)
+            if step > last_start:
+                self.check(
+                    "final_samples",
+                    step_runs_[-1]["ids"] == expected["ids"],
+                    f"step {step}: its last run consumed {step_runs_[-1]['ids']}, the reference {expected['ids']}",
+                )
             self.timeline += [(self.rounds, run["time"], step) for run in step_runs_]
         by_job: dict[str, list[int]] = {}
         for step in iteration_steps(root.storage, root.uri):
@@ -498,8 +572,11 @@ class Soak:
             self.check_iteration(root, step, "at the end")
         newest = max(max(steps) for steps in by_job.values())
         allowed = {job: SAVE_MAX + (job in self.killed_jobs) for job in by_job}
-        self.check("save_max", newest == STEPS and all(len(steps) <= allowed[job] for job, steps in by_job.items()),
-                   f"the root keeps iterations {by_job} by job; each may keep {allowed}")
+        self.check(
+            "save_max",
+            newest == STEPS and all(len(steps) <= allowed[job] for job, steps in by_job.items()),
+            f"the root keeps iterations {by_job} by job; each may keep {allowed}",
+        )
         if self.options is None:  # object storage has no temporary names: a PUT is whole or absent
             temporary = [str(p.relative_to(root.uri)) for p in Path(root.uri).rglob("*") if ".tmp" in p.name]
             self.check("leftovers", not temporary, f"temporary files left: {temporary}")
@@ -513,8 +590,10 @@ class Soak:
         on_s3 = self.s3 is not None and self.rounds % 2 == 0  # every other round, if there is an S3 server
         self.options = self.s3 if on_s3 else None
         self.s3_rounds += on_s3
-        root = root_for(f"s3://ckpts/round-{self.rounds}/ckpt" if on_s3 else str(self.work / f"round-{self.rounds}" / "ckpt"),
-                        self.options)
+        root = root_for(
+            f"s3://ckpts/round-{self.rounds}/ckpt" if on_s3 else str(self.work / f"round-{self.rounds}" / "ckpt"),
+            self.options,
+        )
         for _ in range(MAX_SUBMISSIONS):
             committed = read_tracker(root.storage, root.uri)
             plan = self.draw(committed or 0, pending)
@@ -556,10 +635,20 @@ def start_s3() -> tuple[object, dict]:
         port = sock.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "region": "us-east-1", "access_key_id": "testing",
-               "secret_access_key": "testing"}
-    pafs.S3FileSystem(endpoint_override=options["endpoint_url"], scheme="http", region="us-east-1", access_key="testing",
-                      secret_key="testing", allow_bucket_creation=True).create_dir("ckpts")
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "region": "us-east-1",
+        "access_key_id": "testing",
+        "secret_access_key": "testing",
+    }
+    pafs.S3FileSystem(
+        endpoint_override=options["endpoint_url"],
+        scheme="http",
+        region="us-east-1",
+        access_key="testing",
+        secret_key="testing",
+        allow_bucket_creation=True,
+    ).create_dir("ckpts")
     return server, options
 
 
@@ -583,20 +672,35 @@ def summary(soak: Soak, seconds: float, failure: str | None, interrupted: bool =
         faults = [f for f in soak.faults if f.kind == kind]
         lost = [f.lost_s for f in faults if f.lost_s is not None]
         survived = len(faults) if failure is None and not interrupted else sum(f.round < soak.rounds for f in faults)
-        by_kind[kind] = {"injected": len(faults), "survived": survived,
-                         "lost_median_s": round(statistics.median(lost), 2) if lost else None,
-                         "lost_worst_s": round(max(lost), 2) if lost else None}
-    return {"seed": soak.seed, "seconds": round(seconds, 1), "rounds": soak.rounds, "rounds_on_s3": soak.s3_rounds,
-            "submissions": soak.submissions,
-            "faults": len(soak.faults), "kinds": sum(1 for k in by_kind.values() if k["injected"]), "by_kind": by_kind,
-            "checked": dict(soak.checked), "failure": failure, "interrupted": interrupted, "mutations": list(soak.mutations),
-            "injected": [asdict(f) for f in soak.faults]}
+        by_kind[kind] = {
+            "injected": len(faults),
+            "survived": survived,
+            "lost_median_s": round(statistics.median(lost), 2) if lost else None,
+            "lost_worst_s": round(max(lost), 2) if lost else None,
+        }
+    return {
+        "seed": soak.seed,
+        "seconds": round(seconds, 1),
+        "rounds": soak.rounds,
+        "rounds_on_s3": soak.s3_rounds,
+        "submissions": soak.submissions,
+        "faults": len(soak.faults),
+        "kinds": sum(1 for k in by_kind.values() if k["injected"]),
+        "by_kind": by_kind,
+        "checked": dict(soak.checked),
+        "failure": failure,
+        "interrupted": interrupted,
+        "mutations": list(soak.mutations),
+        "injected": [asdict(f) for f in soak.faults],
+    }
 
 
 def print_report(report: dict) -> None:
-    print(f"soak: seed {report['seed']}, {report['seconds'] / 60:.1f} min, {report['rounds']} rounds "
-          f"({report['rounds_on_s3']} on S3), "
-          f"{report['submissions']} submissions, {report['faults']} faults of {report['kinds']} kinds")
+    print(
+        f"soak: seed {report['seed']}, {report['seconds'] / 60:.1f} min, {report['rounds']} rounds "
+        f"({report['rounds_on_s3']} on S3), "
+        f"{report['submissions']} submissions, {report['faults']} faults of {report['kinds']} kinds"
+    )
     print("| fault | injected | survived | time lost, median | worst |")
     print("|---|---|---|---|---|")
     for kind, row in report["by_kind"].items():
@@ -644,8 +748,10 @@ def plot(soak: Soak, start: float, path: str, failure: str | None, window_s: flo
     whole.step(at, range(1, len(at) + 1), where="post", color="black", linewidth=1.6, label="all")
     whole.set_xlabel("minutes")
     whole.set_ylabel("faults injected")
-    whole.set_title(f"{len(soak.faults)} faults of {len({f.kind for f in soak.faults})} kinds in {soak.rounds} rounds, "
-                    + ("all survived" if failure is None else "FAILED: " + failure[:80]))
+    whole.set_title(
+        f"{len(soak.faults)} faults of {len({f.kind for f in soak.faults})} kinds in {soak.rounds} rounds, "
+        + ("all survived" if failure is None else "FAILED: " + failure[:80])
+    )
     whole.legend(fontsize=6, ncol=3, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -657,13 +763,18 @@ def main(argv=None) -> int:
     parser.add_argument("--cover", action="store_true", help="stop once every kind has been injected")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to inject (default: all)")
-    parser.add_argument("--mutate", default="", help=f"break the product on purpose: {', '.join(soak_faults.MUTATIONS)}")
+    parser.add_argument(
+        "--mutate", default="", help=f"break the product on purpose: {', '.join(soak_faults.MUTATIONS)}"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="stop after this many rounds")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     parser.add_argument("--plot", default=None, help="draw progress and faults into this PNG")
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
-    parser.add_argument("--local-only", action="store_true", help="no S3 rounds (by default every other round is on "
-                        "an S3 server on loopback, moto: pip install -e .[test])")
+    parser.add_argument(
+        "--local-only",
+        action="store_true",
+        help="no S3 rounds (by default every other round is on an S3 server on loopback, moto: pip install -e .[test])",
+    )
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
@@ -691,7 +802,10 @@ def main(argv=None) -> int:
             elapsed = time.time() - start
             if time.time() - said >= PROGRESS_EVERY_S:
                 said = time.time()
-                print(f"soak: {elapsed / 60:5.1f} min, round {soak.rounds}, {len(soak.faults)} faults survived", flush=True)
+                print(
+                    f"soak: {elapsed / 60:5.1f} min, round {soak.rounds}, {len(soak.faults)} faults survived",
+                    flush=True,
+                )
             if args.cover and not pending or args.rounds and soak.rounds >= args.rounds:
                 break
             if args.minutes is not None and elapsed >= args.minutes * 60:

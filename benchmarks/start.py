@@ -29,10 +29,17 @@ FIRST = 10  # steps in the first progress window
 def _parts(run: dict, steps: list[dict]) -> dict:
     """Wall time split at the first and last step; the first window's rate against the steady one."""
     times = sorted(r["time"] for r in steps)
-    return {"wall_s": run["wall_s"], "to_first_step_s": run["startup_s"], "steps_s": times[-1] - times[0] + run["step_s"],
-            "after_last_step_s": run["began"] + run["wall_s"] - times[-1], "step_s": run["step_s"],
-            "first_window_samples_per_s": FIRST * BATCH / (times[FIRST - 1] - times[0] + run["step_s"] + run["first_gap_s"]),
-            "steady_samples_per_s": BATCH / run["step_s"]}
+    return {
+        "wall_s": run["wall_s"],
+        "to_first_step_s": run["startup_s"],
+        "steps_s": times[-1] - times[0] + run["step_s"],
+        "after_last_step_s": run["began"] + run["wall_s"] - times[-1],
+        "step_s": run["step_s"],
+        "first_window_samples_per_s": FIRST
+        * BATCH
+        / (times[FIRST - 1] - times[0] + run["step_s"] + run["first_gap_s"]),
+        "steady_samples_per_s": BATCH / run["step_s"],
+    }
 
 
 def run_ours(tmp: Path, steps: int, data: str, fork_server: bool = True) -> dict:
@@ -43,7 +50,8 @@ def run_ours(tmp: Path, steps: int, data: str, fork_server: bool = True) -> dict
     [started] = [r for r in records if r.get("event") == "started" and r["rank"] == 0]
     [start] = [r for r in records if r.get("event") == "start" and r["rank"] == 0]
     steps_run = [r for r in records if r["rank"] == 0 and "loss" in r]
-    run["first_gap_s"] = min(r["time"] for r in steps_run) - run["step_s"] - start["time"]  # the window opens at the start record
+    # the window opens at the start record
+    run["first_gap_s"] = min(r["time"] for r in steps_run) - run["step_s"] - start["time"]
     row = _parts(run, steps_run)
     row["start"] = {k: v for k, v in started.items() if k.endswith("_s") and k != "redo_s"}
     return row
@@ -69,36 +77,57 @@ def main(argv=None) -> dict:
     from ray_resume.driver import init_local_ray
 
     init_local_ray(num_cpus=4)
-    contenders = {"Ray Train + torch.save": run_plain, "ours": run_ours,
-                  "ours, fork server off": lambda *a: run_ours(*a, fork_server=False)}
+    contenders = {
+        "Ray Train + torch.save": run_plain,
+        "ours": run_ours,
+        "ours, fork server off": lambda *a: run_ours(*a, fork_server=False),
+    }
     runs: dict[str, list[dict]] = {name: [] for name in contenders}
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
-        ensure_dataset(data, SyntheticDataConfig(samples=4096, files=4, row_groups_per_file=4), QUICKSTART["seq_len"],
-                       QUICKSTART["vocab_size"])
+        ensure_dataset(
+            data,
+            SyntheticDataConfig(samples=4096, files=4, row_groups_per_file=4),
+            QUICKSTART["seq_len"],
+            QUICKSTART["vocab_size"],
+        )
         for _ in range(args.rounds):
             for name, runner in contenders.items():
                 runs[name].append(runner(Path(tempfile.mkdtemp(dir=tmp)), args.steps, data))
                 print(f"{name}: {json.dumps(runs[name][-1])}", flush=True)
     rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "start"} for name, rs in runs.items()}
     for name in ("ours", "ours, fork server off"):
-        rows[name]["start"] = {k: statistics.median(r["start"].get(k, 0.0) for r in runs[name]) for k in runs[name][0]["start"]}
+        rows[name]["start"] = {
+            k: statistics.median(r["start"].get(k, 0.0) for r in runs[name]) for k in runs[name][0]["start"]
+        }
     theirs = rows["Ray Train + torch.save"]
-    print(f"\n{args.steps} steps, medians of {args.rounds} run(s) each; ours / theirs wall time: "
-          f"{rows['ours']['wall_s'] / theirs['wall_s']:.2f}x\n")
+    print(
+        f"\n{args.steps} steps, medians of {args.rounds} run(s) each; ours / theirs wall time: "
+        f"{rows['ours']['wall_s'] / theirs['wall_s']:.2f}x\n"
+    )
     print("| contender | wall | to the first step | steps | after the last step | step | first 10 steps | steady |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['wall_s']:.1f} s | {r['to_first_step_s']:.1f} s | {r['steps_s']:.1f} s | {r['after_last_step_s']:.1f} s | "
-              f"{r['step_s']:.4f} s | {r['first_window_samples_per_s']:.0f} samples/s | {r['steady_samples_per_s']:.0f} samples/s |")
+        print(
+            f"| {name} | {r['wall_s']:.1f} s | {r['to_first_step_s']:.1f} s | {r['steps_s']:.1f} s | {r['after_last_step_s']:.1f} s | "
+            f"{r['step_s']:.4f} s | {r['first_window_samples_per_s']:.0f} samples/s | {r['steady_samples_per_s']:.0f} samples/s |"
+        )
     from ray_resume.summary import START_PARTS
 
     for name in ("ours", "ours, fork server off"):
-        print(f"\n{name}, the start: " + ", ".join(f"{label} {rows[name]['start'][key]:.1f} s" for key, label in START_PARTS
-                                                 if key in rows[name]["start"]))
-    print(f"fork server on / off, to the first step: "
-          f"{rows['ours']['to_first_step_s'] / rows['ours, fork server off']['to_first_step_s']:.2f}x")
-    Path(args.out).write_text(json.dumps({"steps": args.steps, "rounds": args.rounds, "rows": rows, "runs": runs}, indent=1) + "\n")
+        print(
+            f"\n{name}, the start: "
+            + ", ".join(
+                f"{label} {rows[name]['start'][key]:.1f} s" for key, label in START_PARTS if key in rows[name]["start"]
+            )
+        )
+    print(
+        f"fork server on / off, to the first step: "
+        f"{rows['ours']['to_first_step_s'] / rows['ours, fork server off']['to_first_step_s']:.2f}x"
+    )
+    Path(args.out).write_text(
+        json.dumps({"steps": args.steps, "rounds": args.rounds, "rows": rows, "runs": runs}, indent=1) + "\n"
+    )
     return rows
 
 

@@ -34,11 +34,26 @@ import time
 import ray
 import torch
 
-from benchmarks.checkpoint import SEQ_LEN, SIZES, Rank, _all, _config, _controller, _free_port, _release, init_ray, report, teardown
+from benchmarks.checkpoint import (
+    SEQ_LEN,
+    SIZES,
+    Rank,
+    _all,
+    _config,
+    _controller,
+    _free_port,
+    _release,
+    init_ray,
+    report,
+    teardown,
+)
 
 CONTENDERS = ["sync", "async_thread", "async_process", "dcp", "dcp_async_thread", "dcp_async_process"]
-OURS = {"sync": {"async_save": False}, "async_thread": {"async_save": True, "async_writer": "thread"},
-        "async_process": {"async_save": True, "async_writer": "process"}}
+OURS = {
+    "sync": {"async_save": False},
+    "async_thread": {"async_save": True, "async_writer": "thread"},
+    "async_process": {"async_save": True, "async_writer": "process"},
+}
 
 
 class TrainingRank(Rank):
@@ -68,9 +83,19 @@ class TrainingRank(Rank):
             if mode != "never" and step % every == 0:
                 start = time.perf_counter()
                 if ck:
-                    ck.save(step, self.ddp, self.optimizer, {"global_step": step, "global_batch_size": 4,
-                                                             "consumed_samples": 4 * step, "epoch_num": 0,
-                                                             "step_num": step, "loss_scale": 1.0})
+                    ck.save(
+                        step,
+                        self.ddp,
+                        self.optimizer,
+                        {
+                            "global_step": step,
+                            "global_batch_size": 4,
+                            "consumed_samples": 4 * step,
+                            "epoch_num": 0,
+                            "step_num": step,
+                            "loss_scale": 1.0,
+                        },
+                    )
                 else:
                     if pending is not None:
                         pending.result()
@@ -78,9 +103,17 @@ class TrainingRank(Rank):
                     if mode == "dcp":
                         dcp.save(self._state(), checkpoint_id=path)
                     else:
-                        kind = AsyncCheckpointerType.PROCESS if mode == "dcp_async_process" else AsyncCheckpointerType.THREAD
-                        pending = dcp.async_save(self._state(), checkpoint_id=path, async_checkpointer_type=kind,
-                                                 process_group=self.dcp_group)
+                        kind = (
+                            AsyncCheckpointerType.PROCESS
+                            if mode == "dcp_async_process"
+                            else AsyncCheckpointerType.THREAD
+                        )
+                        pending = dcp.async_save(
+                            self._state(),
+                            checkpoint_id=path,
+                            async_checkpointer_type=kind,
+                            process_group=self.dcp_group,
+                        )
                 stalls.append(time.perf_counter() - start)
             ends[step] = time.perf_counter()
         if ck:
@@ -129,7 +162,7 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
             return rates[key][-1]
 
         for i in range(rounds):
-            for mode, k in runs[i % len(runs):] + runs[: i % len(runs)]:
+            for mode, k in runs[i % len(runs) :] + runs[: i % len(runs)]:
                 # Each contender beside a run without saves, first or second by turns: this VM's speed
                 # drifts by more than the differences measured, and a pair sees the same drift.
                 if i % 2 == 0:
@@ -150,18 +183,31 @@ def ray_resume_config(root: str, size: str, every: int):
     return Config.from_dict(_config(root, size, save_every=every))
 
 
-def summarize(params: int, rates: dict[str, list[float]], pairs: dict[str, list[tuple[float, float]]],
-              stalls: dict[str, list[float]], intervals, cycles) -> dict:
+def summarize(
+    params: int,
+    rates: dict[str, list[float]],
+    pairs: dict[str, list[tuple[float, float]]],
+    stalls: dict[str, list[float]],
+    intervals,
+    cycles,
+) -> dict:
     """Per contender and interval: steps/s (median), and its ratio to the run without saves beside it (median, spread)."""
-    out: dict = {"params": params, "intervals": intervals, "cycles": cycles,
-                 "never_steps_per_s": round(statistics.median(rates["never"]), 4), "contenders": {}}
+    out: dict = {
+        "params": params,
+        "intervals": intervals,
+        "cycles": cycles,
+        "never_steps_per_s": round(statistics.median(rates["never"]), 4),
+        "contenders": {},
+    }
     for key, runs in pairs.items():
         values = [rate / never for rate, never in runs]
-        out["contenders"][key] = {"steps_per_s": round(statistics.median(rates[key]), 4),
-                                  "beside_never_steps_per_s": round(statistics.median(never for _, never in runs), 4),
-                                  "vs_never": round(statistics.median(values), 4),
-                                  "vs_never_spread": [round(min(values), 4), round(max(values), 4)],
-                                  "stall_s": round(statistics.median(stalls[key]), 4) if stalls.get(key) else None}
+        out["contenders"][key] = {
+            "steps_per_s": round(statistics.median(rates[key]), 4),
+            "beside_never_steps_per_s": round(statistics.median(never for _, never in runs), 4),
+            "vs_never": round(statistics.median(values), 4),
+            "vs_never_spread": [round(min(values), 4), round(max(values), 4)],
+            "stall_s": round(statistics.median(stalls[key]), 4) if stalls.get(key) else None,
+        }
     return out
 
 
@@ -169,15 +215,26 @@ def table(results: dict) -> str:
     lines = []
     for size, r in results["sizes"].items():
         ks = r["intervals"]
-        lines.append(f"Training throughput, {size} ({r['params'] / 1e6:.0f}M), relative to no saves "
-                     f"({r['never_steps_per_s']:.3f} steps/s); median of {results['rounds']} rounds [lowest, highest]:")
-        lines.append("| contender |" + "".join(f" a save every {k} |" for k in ks) + "".join(f" stall @{k} |" for k in ks))
+        lines.append(
+            f"Training throughput, {size} ({r['params'] / 1e6:.0f}M), relative to no saves "
+            f"({r['never_steps_per_s']:.3f} steps/s); median of {results['rounds']} rounds [lowest, highest]:"
+        )
+        lines.append(
+            "| contender |" + "".join(f" a save every {k} |" for k in ks) + "".join(f" stall @{k} |" for k in ks)
+        )
         lines.append("|---|" + "---|" * 2 * len(ks))
         for mode in results["contenders"]:
             cells = [r["contenders"].get(f"{mode}@{k}") for k in ks]
-            lines.append(f"| {mode} |" + "".join(
-                f" {c['vs_never']:.3f}x [{c['vs_never_spread'][0]:.3f}, {c['vs_never_spread'][1]:.3f}] |" if c else " - |"
-                for c in cells) + "".join(f" {c['stall_s']:.3f} s |" if c and c["stall_s"] is not None else " - |" for c in cells))
+            lines.append(
+                f"| {mode} |"
+                + "".join(
+                    f" {c['vs_never']:.3f}x [{c['vs_never_spread'][0]:.3f}, {c['vs_never_spread'][1]:.3f}] |"
+                    if c
+                    else " - |"
+                    for c in cells
+                )
+                + "".join(f" {c['stall_s']:.3f} s |" if c and c["stall_s"] is not None else " - |" for c in cells)
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -188,7 +245,9 @@ def main(argv=None) -> int:
     ap.add_argument("--intervals", default="5,10", help="save every k steps, comma list")
     ap.add_argument("--cycles", type=int, default=3, help="save cycles timed per run (default 3)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every contender (default 3)")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list (each runs beside a run without saves)")
+    ap.add_argument(
+        "--contenders", default=",".join(CONTENDERS), help="comma list (each runs beside a run without saves)"
+    )
     ap.add_argument("--out", default="benchmarks/throughput_results.json")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -202,14 +261,20 @@ def main(argv=None) -> int:
     base = args.dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
     started = init_ray()
-    results = {"command": "python -m benchmarks.throughput " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "date": time.strftime("%Y-%m-%d"),
-               "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
-               "workers": 2, "rounds": args.rounds, "contenders": contenders, "sizes": {}}
+    results = {
+        "command": "python -m benchmarks.throughput " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
+        "workers": 2,
+        "rounds": args.rounds,
+        "contenders": contenders,
+        "sizes": {},
+    }
     try:
         for size in sizes:
-            results["sizes"][size] = bench_size(size, base, intervals=intervals, cycles=args.cycles,
-                                                rounds=args.rounds, contenders=contenders)
+            results["sizes"][size] = bench_size(
+                size, base, intervals=intervals, cycles=args.cycles, rounds=args.rounds, contenders=contenders
+            )
     finally:
         if started:
             ray.shutdown()

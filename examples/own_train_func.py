@@ -51,8 +51,9 @@ def train_func(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = ray.train.torch.prepare_model(torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 4)))
+    model = ray.train.torch.prepare_model(
+        torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 4))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=0.001)
     counter = SampleCounter()
@@ -79,12 +80,21 @@ def train_func(config: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         ck.maybe_save(step, consumed_samples=step * BATCH, global_batch_size=BATCH)
         if rank == 0 and step % 10 == 0:
-            log.info(f"[{NAME}] step %d/%d | loss %.4f | lr %.4f | rank 0 saw %d samples", step, STEPS, loss.item(), sched.get_last_lr()[0], counter.seen)
+            log.info(
+                f"[{NAME}] step %d/%d | loss %.4f | lr %.4f | rank 0 saw %d samples",
+                step,
+                STEPS,
+                loss.item(),
+                sched.get_last_lr()[0],
+                counter.seen,
+            )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--root", default="output/own_train_func", help="checkpoint root (resumes from it when it holds a commit)")
+    p.add_argument(
+        "--root", default="output/own_train_func", help="checkpoint root (resumes from it when it holds a commit)"
+    )
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL rank 1 after this step, once")
     args = p.parse_args()
     root = os.path.abspath(args.root)

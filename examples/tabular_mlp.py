@@ -24,7 +24,9 @@ def build(model_section: dict) -> nn.Module:
     """Called with the config's `model` section; our settings live in `model.args`."""
     args = model_section["args"]
     return nn.Sequential(
-        nn.Linear(args["features"], args["hidden"]), nn.ReLU(), nn.Dropout(args.get("dropout", 0.0)),
+        nn.Linear(args["features"], args["hidden"]),
+        nn.ReLU(),
+        nn.Dropout(args.get("dropout", 0.0)),
         nn.Linear(args["hidden"], 1),
     )
 
@@ -34,7 +36,9 @@ def loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return F.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
 
 
-def make_data(out: str, samples: int = 2048, features: int = 8, files: int = 2, row_groups: int = 4, seed: int = 0) -> None:
+def make_data(
+    out: str, samples: int = 2048, features: int = 8, files: int = 2, row_groups: int = 4, seed: int = 0
+) -> None:
     """Parquet files with `sample_id`, `x` (list<float32>) and `y` = a fixed noisy linear function of x."""
     rng = np.random.default_rng(seed)
     weights = rng.normal(size=features).astype(np.float32)
@@ -42,11 +46,13 @@ def make_data(out: str, samples: int = 2048, features: int = 8, files: int = 2, 
     y = (x @ weights + 0.1 * rng.normal(size=samples)).astype(np.float32)
     os.makedirs(out, exist_ok=True)
     for f, ids in enumerate(np.array_split(np.arange(samples), files)):
-        table = pa.table({
-            "sample_id": pa.array(ids, pa.int64()),
-            "x": pa.array(list(x[ids]), pa.list_(pa.float32())),
-            "y": pa.array(y[ids], pa.float32()),
-        })
+        table = pa.table(
+            {
+                "sample_id": pa.array(ids, pa.int64()),
+                "x": pa.array(list(x[ids]), pa.list_(pa.float32())),
+                "y": pa.array(y[ids], pa.float32()),
+            }
+        )
         tmp = os.path.join(out, f".part-{f:05d}.parquet.tmp")
         pq.write_table(table, tmp, row_group_size=max(1, len(ids) // row_groups))
         os.replace(tmp, os.path.join(out, f"part-{f:05d}.parquet"))

@@ -19,8 +19,16 @@ import importlib
 __version__ = "0.1.0"
 
 _WHERE = {
-    "fit": "api", "train": "api", "get_checkpointer": "api", "Result": "api", "Start": "api", "TrainingFailed": "api",
-    "CheckpointConfig": "api", "ConfigError": "errors", "CheckpointError": "errors", "DataError": "errors",
+    "fit": "api",
+    "train": "api",
+    "get_checkpointer": "api",
+    "Result": "api",
+    "Start": "api",
+    "TrainingFailed": "api",
+    "CheckpointConfig": "api",
+    "ConfigError": "errors",
+    "CheckpointError": "errors",
+    "DataError": "errors",
     "SampleStream": "data",  # the built-in job's deterministic, resumable data cursor
 }
 __all__ = sorted(_WHERE)

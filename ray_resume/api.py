@@ -66,24 +66,52 @@ from .train_loop import train_func as built_in_train_func
 __all__ = ["fit", "train", "get_checkpointer", "Result", "Start", "TrainingFailed", "CheckpointConfig"]
 
 
-def fit(train_func: Callable[[dict], None], *, checkpoint: CheckpointConfig | dict, train_loop_config: dict | None = None,
-        scaling_config: ray.train.ScalingConfig | dict | None = None, run_config: ray.train.RunConfig | None = None,
-        failure_config: ray.train.FailureConfig | dict | None = None, address: str | None = None, verbose: bool = False) -> Result:
+def fit(
+    train_func: Callable[[dict], None],
+    *,
+    checkpoint: CheckpointConfig | dict,
+    train_loop_config: dict | None = None,
+    scaling_config: ray.train.ScalingConfig | dict | None = None,
+    run_config: ray.train.RunConfig | None = None,
+    failure_config: ray.train.FailureConfig | dict | None = None,
+    address: str | None = None,
+    verbose: bool = False,
+) -> Result:
     """Run `train_func(train_loop_config)` on every rank with ray_resume's checkpointing, as
     `TorchTrainer(train_func, ...).fit()` would; the Result, or TrainingFailed (a ray.train.TrainingFailedError)
     when the run fails. Bad keys and checkpoints are refused here, before Ray starts."""
     if isinstance(failure_config, ray.train.FailureConfig):
         failure_config = {"max_failures": failure_config.max_failures}
     elif failure_config is None:
-        failure_config = {"max_failures": run_config.failure_config.max_failures} if run_config and run_config.failure_config else {}
-    cfg = absolute_paths(Config.from_dict({
-        "name": (run_config.name if run_config and run_config.name else "fit"),
-        "checkpoint": checkpoint.model_dump() if isinstance(checkpoint, CheckpointConfig) else checkpoint,
-        "scaling": _scaling_section(scaling_config), "failure": failure_config, "training": None,
-    }, source="ray_resume.fit"))
-    backend = RayTrain(address, scaling_config=scaling_config if isinstance(scaling_config, ray.train.ScalingConfig) else None,
-                       run_config=run_config, verbose=verbose)
-    result = launch(cfg, train_func, dict(train_loop_config or {}), check=lambda cfg, source, it: cfg, backend=backend, summary=False)
+        failure_config = (
+            {"max_failures": run_config.failure_config.max_failures} if run_config and run_config.failure_config else {}
+        )
+    cfg = absolute_paths(
+        Config.from_dict(
+            {
+                "name": (run_config.name if run_config and run_config.name else "fit"),
+                "checkpoint": checkpoint.model_dump() if isinstance(checkpoint, CheckpointConfig) else checkpoint,
+                "scaling": _scaling_section(scaling_config),
+                "failure": failure_config,
+                "training": None,
+            },
+            source="ray_resume.fit",
+        )
+    )
+    backend = RayTrain(
+        address,
+        scaling_config=scaling_config if isinstance(scaling_config, ray.train.ScalingConfig) else None,
+        run_config=run_config,
+        verbose=verbose,
+    )
+    result = launch(
+        cfg,
+        train_func,
+        dict(train_loop_config or {}),
+        check=lambda cfg, source, it: cfg,
+        backend=backend,
+        summary=False,
+    )
     if result.error is not None:
         raise result.error
     return result
@@ -94,14 +122,29 @@ def _scaling_section(scaling) -> dict:
     if not isinstance(scaling, ray.train.ScalingConfig):
         return dict(scaling or {})
     workers = scaling.num_workers
-    return {"num_workers": list(workers) if isinstance(workers, tuple) else workers, "use_gpu": bool(scaling.use_gpu),
-            "resources_per_worker": dict(scaling.resources_per_worker or {}),
-            **({"elastic_resize_interval_s": float(scaling.elastic_resize_monitor_interval_s)}
-               if scaling.elastic_resize_monitor_interval_s is not None else {})}
+    return {
+        "num_workers": list(workers) if isinstance(workers, tuple) else workers,
+        "use_gpu": bool(scaling.use_gpu),
+        "resources_per_worker": dict(scaling.resources_per_worker or {}),
+        **(
+            {"elastic_resize_interval_s": float(scaling.elastic_resize_monitor_interval_s)}
+            if scaling.elastic_resize_monitor_interval_s is not None
+            else {}
+        ),
+    }
 
 
-def train(config, *, build_model=None, loss=None, collate=None, address: str | None = None, overrides=(), verbose: bool = False,
-          backend=None) -> Result:
+def train(
+    config,
+    *,
+    build_model=None,
+    loss=None,
+    collate=None,
+    address: str | None = None,
+    overrides=(),
+    verbose: bool = False,
+    backend=None,
+) -> Result:
     """Run the built-in job exactly as `python -m ray_resume.run` does; its Result, or the error it failed
     with raised (TrainingFailed; ConfigError, CheckpointError or DataError for a mistake of the user's).
 
@@ -122,9 +165,19 @@ def train(config, *, build_model=None, loss=None, collate=None, address: str | N
     units = data_units(cfg, plugins)
     # Ray Train keeps train_loop_config in its run state (the dashboard shows it): credentials stay
     # out of it, and the ranks take the whole config from the controller.
-    loop_config = {"config": redacted(cfg.to_dict()), "plugins": plugins, "verbose": verbose, "units": [dataclasses.astuple(u) for u in units]}
-    result = launch(cfg, built_in_train_func, loop_config, check=lambda cfg, source, it: check_built_in(cfg, plugins, units, source, it),
-                    backend=backend or RayTrain(address, verbose=verbose))
+    loop_config = {
+        "config": redacted(cfg.to_dict()),
+        "plugins": plugins,
+        "verbose": verbose,
+        "units": [dataclasses.astuple(u) for u in units],
+    }
+    result = launch(
+        cfg,
+        built_in_train_func,
+        loop_config,
+        check=lambda cfg, source, it: check_built_in(cfg, plugins, units, source, it),
+        backend=backend or RayTrain(address, verbose=verbose),
+    )
     if result.error is not None:
         raise result.error
     return result

@@ -58,7 +58,11 @@ def broadcast_bytes(data: bytes) -> bytes:
     device = collective_device()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, src=0)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()), dtype=torch.uint8)
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(int(size.item()), dtype=torch.uint8)
+    )
     buf = buf.to(device)
     dist.broadcast(buf, src=0)
     return buf.cpu().numpy().tobytes()

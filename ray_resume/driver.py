@@ -50,7 +50,9 @@ logger = logging.getLogger("ray_resume")
 
 CONTROLLER_NAME = "ray_resume.controller."  # + the job id: each job's controller is a named actor
 # Threaded: the per-step calls of every rank are answered while a commit runs (see calls.SERIAL).
-JobControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16, concurrency_groups={"state": 1})(JobController)
+JobControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16, concurrency_groups={"state": 1})(
+    JobController
+)
 
 
 class TrainingFailed(ray.train.TrainingFailedError):
@@ -69,7 +71,9 @@ class Result(ray.train.Result):
     @property
     def checkpoint_path(self) -> str | None:
         """The committed iteration's directory as save_path names it (s3://... on object storage)."""
-        return paths.iteration_dir(self.path, self.committed_iteration) if self.committed_iteration is not None else None
+        return (
+            paths.iteration_dir(self.path, self.committed_iteration) if self.committed_iteration is not None else None
+        )
 
 
 def ray_checkpoint(uri: str, storage) -> ray.train.Checkpoint:
@@ -80,8 +84,15 @@ def ray_checkpoint(uri: str, storage) -> ray.train.Checkpoint:
     return ray.train.Checkpoint(uri.split("://", 1)[1], filesystem=s3_filesystem(storage))
 
 
-def launch(cfg: Config, train_func: Callable[[dict], None], loop_config: dict, *,
-           check: Callable[[Config, ResumeSource | None, Iteration | None], Config], backend, summary: bool = True) -> Result:
+def launch(
+    cfg: Config,
+    train_func: Callable[[dict], None],
+    loop_config: dict,
+    *,
+    check: Callable[[Config, ResumeSource | None, Iteration | None], Config],
+    backend,
+    summary: bool = True,
+) -> Result:
     """Run `train_func(loop_config)` on every rank to the end (with restarts), as described above; the
     Result, its `error` set (not raised) when the run failed."""
     job_id = uuid.uuid4().hex[:12]
@@ -95,9 +106,14 @@ def launch(cfg: Config, train_func: Callable[[dict], None], loop_config: dict, *
         source, it = resolve_source(cfg)
         cfg = check(cfg, source, it)
         clock["checked"] = time.time()
-        plan = ResumePlan.first(source, cfg.checkpoint.no_load_optim)  # the first start's; the controller decides the restarts'
-        outcome = backend.run(cfg, job_id, plan, {INTERNAL: {"train_func": train_func, "job_id": job_id, "clock": clock},
-                                                  USER: loop_config})
+        # the first start's; the controller decides the restarts'
+        plan = ResumePlan.first(source, cfg.checkpoint.no_load_optim)
+        outcome = backend.run(
+            cfg,
+            job_id,
+            plan,
+            {INTERNAL: {"train_func": train_func, "job_id": job_id, "clock": clock}, USER: loop_config},
+        )
     finally:
         if lease:
             lease.release()
@@ -113,20 +129,38 @@ def launch(cfg: Config, train_func: Callable[[dict], None], loop_config: dict, *
         error = TrainingFailed(f"training failed: {outcome.commit_error}")
         error.__cause__ = CommitError(outcome.commit_error)
     elif error is not None:
-        reason = next((line for line in str(error).splitlines()[1:] + str(error).splitlines() if line.strip()), type(error).__name__)
+        reason = next(
+            (line for line in str(error).splitlines()[1:] + str(error).splitlines() if line.strip()),
+            type(error).__name__,
+        )
         failed = TrainingFailed(f"training failed: {reason.strip()}")
         failed.__cause__ = error
         error = failed
     if error is None and outcome.metrics.get("stopped"):
-        logger.warning("[%s] stopped at step %s on request: committed iteration %s; run again with "
-                       "checkpoint.load_path=%s to continue", cfg.name, outcome.metrics["step"], committed, ckpt.save_path)
+        logger.warning(
+            "[%s] stopped at step %s on request: committed iteration %s; run again with "
+            "checkpoint.load_path=%s to continue",
+            cfg.name,
+            outcome.metrics["step"],
+            committed,
+            ckpt.save_path,
+        )
     elif error is None:
         logger.info("[%s] finished: last committed iteration %s%s", cfg.name, committed, f" at {path}" if path else "")
     if path and summary:
-        logger.info("[%s] to continue it: --set checkpoint.load_path=%s; to export its weights: ray-resume export %s OUT_DIR",
-                    cfg.name, ckpt.save_path, ckpt.save_path)
-    return Result(metrics=outcome.metrics, checkpoint=ray_checkpoint(path, ckpt.storage) if path else None, error=error,
-                  path=ckpt.save_path, committed_iteration=committed)
+        logger.info(
+            "[%s] to continue it: --set checkpoint.load_path=%s; to export its weights: ray-resume export %s OUT_DIR",
+            cfg.name,
+            ckpt.save_path,
+            ckpt.save_path,
+        )
+    return Result(
+        metrics=outcome.metrics,
+        checkpoint=ray_checkpoint(path, ckpt.storage) if path else None,
+        error=error,
+        path=ckpt.save_path,
+        committed_iteration=committed,
+    )
 
 
 def say_summary(cfg: Config, job_id: str, attempts: list[dict], wall_s: float) -> None:
@@ -138,7 +172,9 @@ def say_summary(cfg: Config, job_id: str, attempts: list[dict], wall_s: float) -
     except OSError as exc:
         logger.warning("[%s] no summary: the metrics could not be read (%s)", cfg.name, exc)
         return
-    for line in summarize(records, attempts, job_id=job_id, global_batch_size=cfg.training.global_batch_size, wall_s=wall_s):
+    for line in summarize(
+        records, attempts, job_id=job_id, global_batch_size=cfg.training.global_batch_size, wall_s=wall_s
+    ):
         logger.info("[%s] %s", cfg.name, line)
 
 
@@ -149,8 +185,14 @@ class RayTrain:
     `scaling_config` and `run_config` are Ray Train's own, as a user of `fit` gives them (else made
     from the config's sections); ours go beside theirs (our callback, our failure and logging settings)."""
 
-    def __init__(self, address: str | None = None, *, scaling_config: ray.train.ScalingConfig | None = None,
-                 run_config: ray.train.RunConfig | None = None, verbose: bool = False):
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        scaling_config: ray.train.ScalingConfig | None = None,
+        run_config: ray.train.RunConfig | None = None,
+        verbose: bool = False,
+    ):
         self.address, self.scaling_config, self.run_config, self.verbose = address, scaling_config, run_config, verbose
 
     def run(self, cfg: Config, job_id: str, plan: ResumePlan, loop_config: dict) -> JobOutcome:
@@ -158,8 +200,13 @@ class RayTrain:
         init_ray(self.address, cfg)
         ranks_env = (self.run_config or ray.train.RunConfig()).worker_runtime_env
         scaling = self.scaling_config or scaling_config(cfg.scaling)
-        fork_server_off = forkserver.why_off(cfg.failure.fork_server, ranks_env, ray.get_runtime_context().runtime_env,
-                                             ray_client=ray.util.client.ray.is_connected(), gpu=scaling.use_gpu)
+        fork_server_off = forkserver.why_off(
+            cfg.failure.fork_server,
+            ranks_env,
+            ray.get_runtime_context().runtime_env,
+            ray_client=ray.util.client.ray.is_connected(),
+            gpu=scaling.use_gpu,
+        )
         if fork_server_off is None:
             ranks_env = forkserver.rank_runtime_env(ranks_env or {}, preload=(rank_entry.__module__, __name__))
         loop_config[INTERNAL]["fork_server_off"] = fork_server_off
@@ -173,12 +220,20 @@ class RayTrain:
             cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers, plan
         )
         ring = list(keepers.values())
-        ray.get([keeper.attach.remote(controller, ring[(i + 1) % len(ring)] if len(ring) > 1 else None)
-                 for i, keeper in enumerate(ring)])
+        ray.get(
+            [
+                keeper.attach.remote(controller, ring[(i + 1) % len(ring)] if len(ring) > 1 else None)
+                for i, keeper in enumerate(ring)
+            ]
+        )
         loop_config[INTERNAL]["controller"] = controller
         clock["fit"] = time.time()
-        trainer = TorchTrainer(rank_entry, train_loop_config=loop_config, scaling_config=scaling,
-                               run_config=self._run_config(cfg, job_id, controller, ranks_env))
+        trainer = TorchTrainer(
+            rank_entry,
+            train_loop_config=loop_config,
+            scaling_config=scaling,
+            run_config=self._run_config(cfg, job_id, controller, ranks_env),
+        )
         failure = None
         started = time.monotonic()
         # Read by Ray Train when fit() starts its controller (and handed on to it): a lost worker is
@@ -201,13 +256,18 @@ class RayTrain:
         return dataclasses.replace(
             yours,
             name=yours.name or f"{cfg.name}-{job_id}",
-            failure_config=dataclasses.replace(yours.failure_config or ray.train.FailureConfig(), max_failures=cfg.failure.max_failures),
+            failure_config=dataclasses.replace(
+                yours.failure_config or ray.train.FailureConfig(), max_failures=cfg.failure.max_failures
+            ),
             # Ray Train's own lines (worker-group starts, a recovered failure's 60-line
             # tracebacks, a surviving rank's "Error in training function") to its log files
             # only: a failure that ends the run raises from fit(), and is said in one line.
             # RunConfig() always holds a LoggingConfig: only one the user changed is theirs.
-            logging_config=(yours.logging_config if yours.logging_config not in (None, ray.train.LoggingConfig())
-                            else ray.train.LoggingConfig(log_level="INFO" if self.verbose else "CRITICAL")),
+            logging_config=(
+                yours.logging_config
+                if yours.logging_config not in (None, ray.train.LoggingConfig())
+                else ray.train.LoggingConfig(log_level="INFO" if self.verbose else "CRITICAL")
+            ),
             callbacks=[*(yours.callbacks or []), FailedRanks(controller)],
             worker_runtime_env=ranks_env,
         )
@@ -217,7 +277,8 @@ def scaling_config(scaling: ScalingConfig) -> ray.train.ScalingConfig:
     """Ray Train's ScalingConfig for the `scaling:` section (a [min, max] list makes it elastic)."""
     workers = scaling.num_workers
     return ray.train.ScalingConfig(
-        num_workers=tuple(workers) if isinstance(workers, list) else workers, use_gpu=scaling.use_gpu,
+        num_workers=tuple(workers) if isinstance(workers, list) else workers,
+        use_gpu=scaling.use_gpu,
         resources_per_worker=dict(scaling.resources_per_worker) or None,
         elastic_resize_monitor_interval_s=scaling.elastic_resize_interval_s,
     )
@@ -228,9 +289,13 @@ def start_keepers() -> dict:
     the worker groups (a node that joins later sends its ranks' to another node's keeper). Each
     replicates its snapshots to the next one (attach, in RayTrain.run)."""
     actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(MemoryKeeper)
-    return {node["NodeID"]: actor.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
-        for node in ray.nodes() if node["Alive"]}
+    return {
+        node["NodeID"]: actor.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        ).remote()
+        for node in ray.nodes()
+        if node["Alive"]
+    }
 
 
 class FailedRanks(ray.train.UserCallback):
@@ -241,7 +306,10 @@ class FailedRanks(ray.train.UserCallback):
         self.controller = controller
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        why = {rank: (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160] for rank, exc in worker_exceptions.items()}
+        why = {
+            rank: (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            for rank, exc in worker_exceptions.items()
+        }
         self.controller.ranks_failed.remote(why)
 
 
@@ -309,6 +377,12 @@ def init_local_ray(**options) -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
-             runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": url}}, **options)
+    ray.init(
+        address="local",
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=port,
+        runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": url}},
+        **options,
+    )
     return url

@@ -28,8 +28,10 @@ class OptimizerState:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         unknown = [i for i, p in enumerate(params) if id(p) not in names]
         if unknown:
-            raise ConfigError(f"optimizer parameter {unknown[0]} is not a parameter of the model; build the optimizer over "
-                              "model.parameters() (after prepare_model or fully_shard)")
+            raise ConfigError(
+                f"optimizer parameter {unknown[0]} is not a parameter of the model; build the optimizer over "
+                "model.parameters() (after prepare_model or fully_shard)"
+            )
         self.optimizer = optimizer
         self.named = [(names[id(p)], p) for p in params]  # in the optimizer's order: its state is positional
 
@@ -59,10 +61,15 @@ class OptimizerState:
                     continue
                 if torch.is_tensor(value) and value.numel() == 1:
                     value = value.item()
-                if not (value is None or isinstance(value, (bool, int, float, str))
-                        or (isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value))):
-                    raise ConfigError(f"optimizer.param_groups[{i}][{key!r}] is a {type(value).__name__}; only numbers, "
-                                      "strings, bools, None and lists of them are checkpointed")
+                if not (
+                    value is None
+                    or isinstance(value, (bool, int, float, str))
+                    or (isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value))
+                ):
+                    raise ConfigError(
+                        f"optimizer.param_groups[{i}][{key!r}] is a {type(value).__name__}; only numbers, "
+                        "strings, bools, None and lists of them are checkpointed"
+                    )
                 values[key] = value
             out.append(values)
         return out
@@ -70,7 +77,9 @@ class OptimizerState:
     def load_groups(self, saved: list[dict]) -> None:
         live = self.optimizer.param_groups
         if len(saved) != len(live):
-            raise ConfigError(f"the checkpoint's optimizer has {len(saved)} param groups, this one {len(live)}; build it as it was")
+            raise ConfigError(
+                f"the checkpoint's optimizer has {len(saved)} param groups, this one {len(live)}; build it as it was"
+            )
         for group, values in zip(live, saved):
             for key, value in values.items():
                 old = group.get(key)
@@ -83,8 +92,12 @@ class OptimizerState:
 def dump_extra(extra: dict[str, Any]) -> str:
     """Each object's state (a torch.Generator's, or its state_dict()) as JSON, tensors in one safetensors blob."""
     tensors: dict[str, torch.Tensor] = {}
-    states = {key: _encode(obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict(), f"extra[{key!r}]", tensors)
-              for key, obj in extra.items()}
+    states = {
+        key: _encode(
+            obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict(), f"extra[{key!r}]", tensors
+        )
+        for key, obj in extra.items()
+    }
     blob = safetensors.torch.save(tensors) if tensors else b""
     return json.dumps({"state": states, "tensors": base64.b64encode(blob).decode()}, sort_keys=True)
 
@@ -94,7 +107,9 @@ def load_extra(extra: dict[str, Any], text: str, where: str | None) -> None:
     tensors = safetensors.torch.load(base64.b64decode(saved["tensors"])) if saved["tensors"] else {}
     missing = sorted(set(extra) - set(saved["state"]))
     if missing:
-        raise ConfigError(f"{where}: holds no extra state {missing[0]!r} (it has {sorted(saved['state'])}); pass the keys it was saved with")
+        raise ConfigError(
+            f"{where}: holds no extra state {missing[0]!r} (it has {sorted(saved['state'])}); pass the keys it was saved with"
+        )
     for key, obj in extra.items():
         state = _decode(saved["state"][key], tensors)
         obj.set_state(state) if isinstance(obj, torch.Generator) else obj.load_state_dict(state)
@@ -106,14 +121,20 @@ def _encode(value, path: str, tensors: dict[str, torch.Tensor]):
         tensors[name] = value.detach().cpu().contiguous().clone()
         return {"__tensor__": name}
     if isinstance(value, dict):
-        return {"__items__": [[_encode(k, f"{path} key", tensors), _encode(v, f"{path}[{k!r}]", tensors)] for k, v in value.items()]}
+        return {
+            "__items__": [
+                [_encode(k, f"{path} key", tensors), _encode(v, f"{path}[{k!r}]", tensors)] for k, v in value.items()
+            ]
+        }
     if isinstance(value, (list, tuple)):
         items = [_encode(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]
         return {"__tuple__": items} if isinstance(value, tuple) else items
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    raise ConfigError(f"{path} is a {type(value).__name__}; extra state may hold tensors, numbers, strings, bools, None, "
-                      "and lists, tuples and dicts of them (no pickle)")
+    raise ConfigError(
+        f"{path} is a {type(value).__name__}; extra state may hold tensors, numbers, strings, bools, None, "
+        "and lists, tuples and dicts of them (no pickle)"
+    )
 
 
 def _decode(value, tensors: dict[str, torch.Tensor]):

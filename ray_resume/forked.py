@@ -71,10 +71,14 @@ def size_thread_pools() -> None:
         return next((int(v) for v in values if v.isdigit() and int(v) > 0), None)
 
     omp = first("OMP_NUM_THREADS")
-    limits = {"openmp": omp, "mkl": first("MKL_NUM_THREADS", "OMP_NUM_THREADS"),
-              "blis": first("BLIS_NUM_THREADS", "OMP_NUM_THREADS"),
-              # loaded in the server with one (NO_THREADS_AT_LOAD): its default is every CPU
-              "openblas": first("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS") or len(os.sched_getaffinity(0))}
+    limits = {
+        "openmp": omp,
+        "mkl": first("MKL_NUM_THREADS", "OMP_NUM_THREADS"),
+        "blis": first("BLIS_NUM_THREADS", "OMP_NUM_THREADS"),
+        # loaded in the server with one (NO_THREADS_AT_LOAD): its default is every CPU
+        "openblas": first("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+        or len(os.sched_getaffinity(0)),
+    }
     threadpool_limits(limits={api: n for api, n in limits.items() if n})
     if omp:
         torch.set_num_threads(omp)

@@ -57,8 +57,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 OWN_PYTHON = ("py_executable", "pip", "uv", "conda", "image_uri", "container")
 
 
-def why_off(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any], ray_client: bool = False,
-            gpu: bool = False) -> str | None:
+def why_off(
+    setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any], ray_client: bool = False, gpu: bool = False
+) -> str | None:
     """Why the ranks do not start through the fork server (None: they do). `failure.fork_server`,
     where "auto" means `RAY_RESUME_FORK_SERVER` where set, else on, on Linux, for CPU ranks (a
     fork's parity with a fresh process is shown there, tests/test_fork_parity.py; on GPUs not yet),
@@ -68,22 +69,29 @@ def why_off(setting: Union[bool, Literal["auto"]], *runtime_envs: dict[str, Any]
     if setting == "auto" and os.environ.get(SETTING_ENV, "auto").lower() in ("true", "false"):
         setting = os.environ[SETTING_ENV].lower() == "true"
     own = next((key for env in runtime_envs for key in OWN_PYTHON if (env or {}).get(key)), None)
-    why = (f"the ranks' runtime env sets `{own}`, which runs them in a Python of its own that a fork of the server "
-           "would not be" if own else
-           "the driver is a Ray Client (ray://), and the nodes may not have its interpreter" if ray_client else
-           f"it needs Linux (abstract Unix sockets, /proc), and this is {sys.platform}"
-           if not sys.platform.startswith("linux") else None)
+    why = (
+        f"the ranks' runtime env sets `{own}`, which runs them in a Python of its own that a fork of the server "
+        "would not be"
+        if own
+        else "the driver is a Ray Client (ray://), and the nodes may not have its interpreter"
+        if ray_client
+        else f"it needs Linux (abstract Unix sockets, /proc), and this is {sys.platform}"
+        if not sys.platform.startswith("linux")
+        else None
+    )
     if setting is True and why:
         from .errors import ConfigError
 
-        raise ConfigError(f"failure.fork_server is true, but {why}; set failure.fork_server to auto (on wherever it "
-                          "can be) or false")
+        raise ConfigError(
+            f"failure.fork_server is true, but {why}; set failure.fork_server to auto (on wherever it can be) or false"
+        )
     if setting is True:
         return None
     if setting is False:
         return "failure.fork_server: false"
-    return why or ("auto, and the ranks use GPUs, where a fork's parity with a fresh process is not shown yet"
-                   if gpu else None)
+    return why or (
+        "auto, and the ranks use GPUs, where a fork's parity with a fresh process is not shown yet" if gpu else None
+    )
 
 
 def rank_runtime_env(runtime_env: dict, preload: Sequence[str] = ()) -> dict:
@@ -102,12 +110,13 @@ def _address(argv: list[str], env: dict[str, str]) -> str:
 
 # --- the client: the process Ray started ---------------------------------------------------------
 
+
 def client(argv: list[str]) -> None:
     """Run Ray's worker `argv` (`default_worker.py ...`, after our own `--preload=`) in a fork of
     this node's server, started here where there is none yet; here, as Ray would have, where no
     server of this user answers in time or it says no (and why, it tells the rank: `started_how`)."""
     preload = argv[:1] if argv[:1] and argv[0].startswith("--preload=") else []
-    argv = argv[len(preload):]
+    argv = argv[len(preload) :]
     served = _ask_for_fork(argv, preload)
     if served is None:
         os.execv(sys.executable, [sys.executable, *argv])
@@ -141,7 +150,11 @@ def _ask_for_fork(argv: list[str], preload: list[str]) -> tuple[socket.socket, i
             conn.connect("\0" + address)
         if _peer_uid(conn) != os.getuid():
             raise PermissionError(address)
-        wire.send(conn, {"fork": {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}}, [0, 1, 2])
+        wire.send(
+            conn,
+            {"fork": {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}},
+            [0, 1, 2],
+        )
         answer = wire.receive(conn, ANSWER_S)[0]
         if answer.get("wait"):  # queued while the server imports
             answer = wire.receive(conn, IMPORTS_S)[0]
@@ -207,9 +220,14 @@ def _start_server(address: str, preload: list[str], argv: list[str]) -> None:
                 log = open(os.path.join(logs, f"{address}.log"), "ab")  # raylet, job, runtime env
             except OSError:  # no session directory (a test's made-up worker)
                 log = subprocess.DEVNULL
-            subprocess.Popen([sys.executable, "-m", MODULE, "--serve", address, f"--fd={listener.fileno()}", *options],
-                             pass_fds=[listener.fileno()], start_new_session=True,
-                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            subprocess.Popen(
+                [sys.executable, "-m", MODULE, "--serve", address, f"--fd={listener.fileno()}", *options],
+                pass_fds=[listener.fileno()],
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         finally:
             os._exit(0)
     os.waitpid(middle, 0)
@@ -241,12 +259,18 @@ def _peer_uid(conn: socket.socket) -> int:
 
 # --- the server --------------------------------------------------------------------------------------
 
+
 def _log(text: str) -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ray_resume.forkserver[{os.getpid()}]: {text}", flush=True)
 
 
-def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | None = None, preload: Sequence[str] = (),
-          worker_dir: str | None = None) -> dict | None:
+def serve(
+    address: str,
+    idle_exit_s: float = IDLE_EXIT_S,
+    listener_fd: int | None = None,
+    preload: Sequence[str] = (),
+    worker_dir: str | None = None,
+) -> dict | None:
     """Import what a rank does (`preload` too), then fork a worker for each client, the ones that
     came during the imports first; end when Ray or the job has left the node. Returns in a child
     only: the request it is to run (`run_worker`)."""
@@ -258,7 +282,9 @@ def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | Non
         sys.path[0] = worker_dir
     job, raylet = os.environ.get("RAY_JOB_ID", ""), int(os.environ.get("RAY_RAYLET_PID") or 0)
     _log(f"serving job {job or '-'} at @{address}; importing {', '.join(['torch', 'Ray Train', *preload])}")
-    imports = threading.Thread(target=forked.import_rank_modules, args=(preload,), name="ray_resume-imports", daemon=True)
+    imports = threading.Thread(
+        target=forked.import_rank_modules, args=(preload,), name="ray_resume-imports", daemon=True
+    )
     imports.start()
     began = time.monotonic()
     why_not: str | None = IMPORTING  # None: it forks
@@ -290,10 +316,16 @@ def serve(address: str, idle_exit_s: float = IDLE_EXIT_S, listener_fd: int | Non
                 conn.close()
         if why_not == IMPORTING and not imports.is_alive():
             imports.join()
-            why_not = forked.cannot_fork() or (None if forked.forks_draw_distinct_ids() else
-                                         "its forks would draw the same Ray IDs (Ray's ID generator was seeded)")
+            why_not = forked.cannot_fork() or (
+                None
+                if forked.forks_draw_distinct_ids()
+                else "its forks would draw the same Ray IDs (Ray's ID generator was seeded)"
+            )
             gc.freeze()  # what is imported stays out of the forks' collections (pages they would copy)
-            _log(f"imported in {time.monotonic() - began:.1f} s; " + ("forking" if why_not is None else f"not forking: {why_not}"))
+            _log(
+                f"imported in {time.monotonic() - began:.1f} s; "
+                + ("forking" if why_not is None else f"not forking: {why_not}")
+            )
         while why_not != IMPORTING and waiting:
             conn, request, fds = waiting.pop(0)
             why_not = why_not or forked.cannot_fork()
@@ -335,7 +367,9 @@ def _refuse(conn: socket.socket, request: dict, fds: list[int], why: str, cold: 
     conn.close()
 
 
-def _fork(conn: socket.socket, request: dict, fds: list[int], others: list[socket.socket], other_fds: list[int]) -> int | dict:
+def _fork(
+    conn: socket.socket, request: dict, fds: list[int], others: list[socket.socket], other_fds: list[int]
+) -> int | dict:
     """A child for `request`, its standard streams `fds` (closed here in any case), holding none of
     the server's sockets (`others`: a client's end must close when the server's does) or other
     clients' streams: its pid here, and in the child the request to run once its client has taken
@@ -431,8 +465,13 @@ def main(argv: list[str]) -> None:
         return
     fresh = {sig: signal.getsignal(sig) for sig in signal.Signals if signal.getsignal(sig) is not None}
     options = dict(arg[2:].split("=", 1) for arg in argv[2:])
-    request = serve(argv[1], float(options.get("idle", IDLE_EXIT_S)), int(options["fd"]) if "fd" in options else None,
-                    [name for name in options.get("preload", "").split(",") if name], options.get("worker-dir"))
+    request = serve(
+        argv[1],
+        float(options.get("idle", IDLE_EXIT_S)),
+        int(options["fd"]) if "fd" in options else None,
+        [name for name in options.get("preload", "").split(",") if name],
+        options.get("worker-dir"),
+    )
     if request is not None:
         forked.run_worker(request, fresh)
 

@@ -56,8 +56,10 @@ class MetricsWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        name = (f"{int(self.pending[0]['time'] * 1000):013d}-rank{self.tag['rank']:05d}-{self.tag['job']}-{self.tag['attempt']}"
-                f"-{self.chunks:06d}.jsonl")
+        name = (
+            f"{int(self.pending[0]['time'] * 1000):013d}-rank{self.tag['rank']:05d}-{self.tag['job']}-{self.tag['attempt']}"
+            f"-{self.chunks:06d}.jsonl"
+        )
         self.chunks += 1
         data = "".join(json.dumps(r) + "\n" for r in self.pending).encode()
         self.storage.write_atomic(paths.join(self.dir, name), data)
@@ -72,7 +74,11 @@ def read_metrics(save_path: str, storage_options=None) -> list[dict]:
     records = []
     for name in storage.listdir(directory):
         if name.endswith(".jsonl"):
-            records += [json.loads(line) for line in storage.read_bytes(paths.join(directory, name)).splitlines() if line.strip()]
+            records += [
+                json.loads(line)
+                for line in storage.read_bytes(paths.join(directory, name)).splitlines()
+                if line.strip()
+            ]
     return records
 
 
@@ -95,14 +101,21 @@ class Curves:
         os.makedirs(self.local, exist_ok=True)
         self.attempt, self.part = attempt, 0
         self._open()
-        self.writer.write_event(event_pb2.Event(wall_time=time.time(), step=purge_step,
-                                                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        self.writer.write_event(
+            event_pb2.Event(
+                wall_time=time.time(),
+                step=purge_step,
+                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
+            )
+        )
 
     def _open(self) -> None:
         self.writer = EventsWriter(os.path.join(self.local, "events"), f".attempt{self.attempt}.{self.part:05d}")
 
     def add(self, step: int, values: dict[str, float]) -> None:
-        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        summary = summary_pb2.Summary(
+            value=[summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in values.items()]
+        )
         self.writer.write_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 
     def flush(self) -> None:

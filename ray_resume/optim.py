@@ -24,7 +24,9 @@ from .checkpoint.state import dim0_sharded, load_optim_tensors, local_tensor, op
 
 
 class LossScaler:
-    def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, factor: float = 2.0, min_scale: float = 1.0):
+    def __init__(
+        self, scale: float = 2.0**16, growth_interval: int = 1000, factor: float = 2.0, min_scale: float = 1.0
+    ):
         self.scale = scale
         self.growth_interval = growth_interval
         self.factor = factor
@@ -62,8 +64,16 @@ def optimizer_kwargs(cls: type, weight_decay: float, args: dict[str, Any] | None
 class MainParamsOptimizer:
     """A torch.optim optimizer (AdamW by default) over fp32 main params that shadow a (possibly) low-precision model."""
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,
-                 optimizer_class: type = torch.optim.AdamW, optimizer_args: dict[str, Any] | None = None, grad_clip: float = 0.0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        optimizer_class: type = torch.optim.AdamW,
+        optimizer_args: dict[str, Any] | None = None,
+        grad_clip: float = 0.0,
+    ):
         self.model = model
         self.named = list(unwrap(model).named_parameters())
         self.mixed = any(p.dtype != torch.float32 for _, p in self.named)
@@ -71,7 +81,9 @@ class MainParamsOptimizer:
             self.main = [p.detach().float().clone().requires_grad_(True) for _, p in self.named]
         else:
             self.main = [p for _, p in self.named]
-        self.optimizer = optimizer_class(self.main, lr=lr, **optimizer_kwargs(optimizer_class, weight_decay, optimizer_args))
+        self.optimizer = optimizer_class(
+            self.main, lr=lr, **optimizer_kwargs(optimizer_class, weight_decay, optimizer_args)
+        )
         self.grad_clip = grad_clip
         self.scaler = LossScaler() if any(p.dtype == torch.float16 for _, p in self.named) else None
         self.grad_norm = float("nan")  # of the last step's (unscaled) gradients, for the curves
@@ -156,7 +168,9 @@ def grad_norm(params) -> float:
     squares = {True: 0.0, False: 0.0}
     for g in grads:
         # One float32 reduction per tensor, no full-size copy at the step's memory peak.
-        squares[dim0_sharded(g)] += torch.linalg.vector_norm(local_tensor(g).detach(), dtype=torch.float32).double() ** 2
+        squares[dim0_sharded(g)] += (
+            torch.linalg.vector_norm(local_tensor(g).detach(), dtype=torch.float32).double() ** 2
+        )
     sharded = torch.as_tensor(squares[True], dtype=torch.float64, device=local_tensor(grads[0]).device)
     if any(dim0_sharded(g) for g in grads) and torch.distributed.is_initialized():
         torch.distributed.all_reduce(sharded)

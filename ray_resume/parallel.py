@@ -26,8 +26,10 @@ def fsdp_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
         found = {type(m).__name__ for m in model.modules()}
         missing = sorted(set(class_names) - found)
         if missing:
-            raise ConfigError(f"model.fsdp_units: the model has no module of class {missing[0]!r} "
-                              f"(its classes: {', '.join(sorted(found))})")
+            raise ConfigError(
+                f"model.fsdp_units: the model has no module of class {missing[0]!r} "
+                f"(its classes: {', '.join(sorted(found))})"
+            )
         return [m for m in model.modules() if type(m).__name__ in class_names and m is not model]
     return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 

@@ -58,12 +58,29 @@ def summarize(records_by_rank: dict[int, list[dict]]) -> dict:
             runs.setdefault(key, {})[r["step"]] = r["loss"]
             if r.get("saved"):
                 saves.add(r["step"])
-    resumes = [{"job": s.get("job"), "attempt": s.get("attempt"), "step": s["step"], "source": s["source"],
-                "world_size": s.get("world_size")} for s in starts if s.get("source")]
+    resumes = [
+        {
+            "job": s.get("job"),
+            "attempt": s.get("attempt"),
+            "step": s["step"],
+            "source": s["source"],
+            "world_size": s.get("world_size"),
+        }
+        for s in starts
+        if s.get("source")
+    ]
     # A start with nothing to load after the first one: a restart from scratch.
-    restarts = [{"job": s.get("job"), "attempt": s.get("attempt"), "step": s["step"]} for s in starts[1:] if not s.get("source")]
-    return {"rank": rank, "runs": runs, "saves": sorted(saves), "resumes": resumes, "restarts": restarts,
-            "evals": dict(sorted(evals.items()))}
+    restarts = [
+        {"job": s.get("job"), "attempt": s.get("attempt"), "step": s["step"]} for s in starts[1:] if not s.get("source")
+    ]
+    return {
+        "rank": rank,
+        "runs": runs,
+        "saves": sorted(saves),
+        "resumes": resumes,
+        "restarts": restarts,
+        "evals": dict(sorted(evals.items())),
+    }
 
 
 def _import_matplotlib():
@@ -76,7 +93,9 @@ def _import_matplotlib():
     return Figure, FigureCanvasAgg
 
 
-def plot_run(root: str, output: str, *, storage_options=None, width: float = 11.0, height: float = 5.5, dpi: int = 100) -> dict:
+def plot_run(
+    root: str, output: str, *, storage_options=None, width: float = 11.0, height: float = 5.5, dpi: int = 100
+) -> dict:
     """Write the loss plot of the run saving to `root` to `output` (PNG); return what was drawn."""
     Figure, FigureCanvasAgg = _import_matplotlib()
     info = summarize(read_records(root, storage_options))
@@ -94,23 +113,58 @@ def plot_run(root: str, output: str, *, storage_options=None, width: float = 11.
         label = f"attempt {attempt}" if len(jobs) == 1 else f"job {str(job)[:8]} attempt {attempt}"
         # Later attempts are drawn thinner and on top, so the replayed steps
         # after a resume show whether they repeat the first run exactly.
-        ax.plot(steps, [losses[s] for s in steps], marker="o", markersize=3, linewidth=2.2 - min(n, 3) * 0.5,
-                label=label, zorder=2 + n)
+        ax.plot(
+            steps,
+            [losses[s] for s in steps],
+            marker="o",
+            markersize=3,
+            linewidth=2.2 - min(n, 3) * 0.5,
+            label=label,
+            zorder=2 + n,
+        )
     if info["evals"]:
-        ax.plot(list(info["evals"]), list(info["evals"].values()), color="black", marker="s", markersize=5,
-                linestyle="--", linewidth=1.2, label="eval loss (held-out)", zorder=20)
+        ax.plot(
+            list(info["evals"]),
+            list(info["evals"].values()),
+            color="black",
+            marker="s",
+            markersize=5,
+            linestyle="--",
+            linewidth=1.2,
+            label="eval loss (held-out)",
+            zorder=20,
+        )
     for i, step in enumerate(info["saves"]):
-        ax.axvline(step, color="0.55", linestyle="--", linewidth=0.9, zorder=1, label="checkpoint saved" if i == 0 else None)
+        ax.axvline(
+            step, color="0.55", linestyle="--", linewidth=0.9, zorder=1, label="checkpoint saved" if i == 0 else None
+        )
     top = ax.get_ylim()[1]
     for i, r in enumerate(info["resumes"]):
-        ax.axvline(r["step"], color="tab:red", linestyle="-", linewidth=1.4, zorder=1, label="resumed from" if i == 0 else None)
-        ax.annotate(f"resume: {posixpath.basename(str(r['source']).rstrip('/'))} (attempt {r['attempt']})",
-                    xy=(r["step"], top), xytext=(3, -4), textcoords="offset points", rotation=90,
-                    va="top", ha="left", fontsize=8, color="tab:red",
-                    bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85}, zorder=10)
+        ax.axvline(
+            r["step"], color="tab:red", linestyle="-", linewidth=1.4, zorder=1, label="resumed from" if i == 0 else None
+        )
+        ax.annotate(
+            f"resume: {posixpath.basename(str(r['source']).rstrip('/'))} (attempt {r['attempt']})",
+            xy=(r["step"], top),
+            xytext=(3, -4),
+            textcoords="offset points",
+            rotation=90,
+            va="top",
+            ha="left",
+            fontsize=8,
+            color="tab:red",
+            bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85},
+            zorder=10,
+        )
     for i, r in enumerate(info["restarts"]):
-        ax.axvline(r["step"], color="tab:orange", linestyle=":", linewidth=1.4, zorder=1,
-                   label="restart with no checkpoint" if i == 0 else None)
+        ax.axvline(
+            r["step"],
+            color="tab:orange",
+            linestyle=":",
+            linewidth=1.4,
+            zorder=1,
+            label="restart with no checkpoint" if i == 0 else None,
+        )
     ax.set_xlabel("global step")
     ax.set_ylabel(f"loss (rank {info['rank']})")
     ax.set_title(f"loss per step, every attempt: {root}", fontsize=10)
@@ -118,5 +172,11 @@ def plot_run(root: str, output: str, *, storage_options=None, width: float = 11.
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(output, format="png")
-    return {"output": output, "runs": len(runs), "saves": info["saves"], "resumes": info["resumes"], "restarts": info["restarts"],
-            "evals": info["evals"]}
+    return {
+        "output": output,
+        "runs": len(runs),
+        "saves": info["saves"],
+        "resumes": info["resumes"],
+        "restarts": info["restarts"],
+        "evals": info["evals"],
+    }

@@ -60,7 +60,9 @@ def load_callable(key: str, path: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or any error the module raises while importing
-        raise ConfigError(f"{key}: cannot import module {module_name!r} of {path!r}: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            f"{key}: cannot import module {module_name!r} of {path!r}: {type(exc).__name__}: {exc}"
+        ) from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r} (from {path!r})")
@@ -94,7 +96,9 @@ def resolve(cfg: Config, *, build_model=None, loss=None, collate=None) -> Plugin
     data_map = load_callable("data.map", cfg.data.map) if cfg.data.map else None
     if data_map:
         check_signature("data.map", data_map, ("batch",))
-    return Plugins(chosen["model.builder"], chosen["training.loss"], chosen["data.collate"], load_optimizer(cfg.training), data_map)
+    return Plugins(
+        chosen["model.builder"], chosen["training.loss"], chosen["data.collate"], load_optimizer(cfg.training), data_map
+    )
 
 
 def load_optimizer(training) -> type:
@@ -105,10 +109,16 @@ def load_optimizer(training) -> type:
         raise ConfigError(f"training.optimizer: {path!r} is not a torch.optim.Optimizer class")
     closure = inspect.signature(cls.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
-        raise ConfigError(f"training.optimizer: {cls.__name__}.step needs a closure, and the built-in loop calls step() "
-                          "without one; use ray_resume.fit with your own loop for it")
+        raise ConfigError(
+            f"training.optimizer: {cls.__name__}.step needs a closure, and the built-in loop calls step() "
+            "without one; use ray_resume.fit with your own loop for it"
+        )
     try:
-        cls([torch.nn.Parameter(torch.zeros(1))], lr=training.lr, **optimizer_kwargs(cls, training.weight_decay, training.optimizer_args))
+        cls(
+            [torch.nn.Parameter(torch.zeros(1))],
+            lr=training.lr,
+            **optimizer_kwargs(cls, training.weight_decay, training.optimizer_args),
+        )
     except (TypeError, ValueError) as exc:  # an unknown keyword, or a value it refuses
         raise ConfigError(f"training.optimizer_args: {cls.__name__} refuses {training.optimizer_args}: {exc}") from None
     return cls

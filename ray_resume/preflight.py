@@ -23,8 +23,19 @@ from .checkpoint.root import CommittedIteration, DcpCheckpoint, ResumeSource, We
 from .checkpoint.schema import Iteration
 from .checkpoint.state import class_path, optimizer_slots
 from .config import Config
-from .data import (DEFAULT_COLUMNS, DEFAULT_LANES, ReadUnit, check_data_map, check_eval_set, check_lanes, data_fingerprint,
-                   dataset_size, ensure_dataset, fingerprint_changes, scan_units)
+from .data import (
+    DEFAULT_COLUMNS,
+    DEFAULT_LANES,
+    ReadUnit,
+    check_data_map,
+    check_eval_set,
+    check_lanes,
+    data_fingerprint,
+    dataset_size,
+    ensure_dataset,
+    fingerprint_changes,
+    scan_units,
+)
 from .errors import CheckpointError, ConfigError, DataError
 from .optim import optimizer_kwargs
 from .plugins import expected_tokens, make_model
@@ -38,7 +49,9 @@ def absolute_paths(cfg: Config) -> Config:
     def fix(path: str) -> str:
         return os.path.abspath(path) if path and "://" not in path else path
 
-    ckpt = cfg.checkpoint.model_copy(update={"save_path": fix(cfg.checkpoint.save_path), "load_path": fix(cfg.checkpoint.load_path)})
+    ckpt = cfg.checkpoint.model_copy(
+        update={"save_path": fix(cfg.checkpoint.save_path), "load_path": fix(cfg.checkpoint.load_path)}
+    )
     data = cfg.data.model_copy(update={"path": fix(cfg.data.path), "eval_path": fix(cfg.data.eval_path)})
     return cfg.model_copy(update={"data": data, "checkpoint": ckpt})
 
@@ -54,13 +67,20 @@ def data_units(cfg: Config, plugins) -> list[ReadUnit]:
     """The dataset's row groups: listed and their footers read once, here, for every rank, and
     checked against what the job takes from them (docs/data.md: what is checked where)."""
     ensure_dataset(cfg.data.path, cfg.data.synthetic, cfg.model.seq_len, cfg.model.vocab_size)
-    units = scan_units(cfg.data.path, cfg.data.columns or None, cfg.checkpoint.storage, cfg.pack_tokens(),
-                       tokens=expected_tokens(plugins, cfg))
+    units = scan_units(
+        cfg.data.path,
+        cfg.data.columns or None,
+        cfg.checkpoint.storage,
+        cfg.pack_tokens(),
+        tokens=expected_tokens(plugins, cfg),
+    )
     samples, batch = dataset_size(units), cfg.training.global_batch_size
     if samples < batch:
         what = f"{samples} windows of {cfg.pack_tokens()} tokens" if cfg.data.pack else f"{samples} samples"
-        raise DataError(f"data.path {cfg.data.path!r} holds {what}, fewer than one global batch "
-                        f"(training.global_batch_size: {batch}); add data or lower training.global_batch_size")
+        raise DataError(
+            f"data.path {cfg.data.path!r} holds {what}, fewer than one global batch "
+            f"(training.global_batch_size: {batch}); add data or lower training.global_batch_size"
+        )
     return units
 
 
@@ -106,8 +126,10 @@ def _load_source(ckpt, built_in: bool) -> tuple[ResumeSource | None, Iteration |
         if problems := describe(dcp_dir)["problems"]:
             raise CheckpointError(f"{problems[0]}; the DCP checkpoint at {dcp_dir} is damaged or incomplete")
         if not ckpt.no_load_optim and (problem := full_resume_problem(dcp_dir, step_given=not built_in)):
-            raise CheckpointError(f"{dcp_dir}: a torch.distributed.checkpoint (DCP) checkpoint that cannot be resumed whole: "
-                                  f"{problem}; set checkpoint.no_load_optim: true to start from its weights")
+            raise CheckpointError(
+                f"{dcp_dir}: a torch.distributed.checkpoint (DCP) checkpoint that cannot be resumed whole: "
+                f"{problem}; set checkpoint.no_load_optim: true to start from its weights"
+            )
         return DcpCheckpoint(dcp_dir), None
     if root.is_export():
         if not ckpt.no_load_optim:
@@ -144,15 +166,24 @@ def with_lanes(cfg: Config, it: Iteration | None) -> Config:
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"lanes": lanes})})
 
 
-def check_built_in(cfg: Config, plugins, units: list[ReadUnit], source: ResumeSource | None, it: Iteration | None) -> Config:
+def check_built_in(
+    cfg: Config, plugins, units: list[ReadUnit], source: ResumeSource | None, it: Iteration | None
+) -> Config:
     """The built-in job's checks of data, evaluation set and what it resumes against its model,
     optimizer and data; the config with its data lanes made definite."""
     cfg = with_lanes(cfg, it)
     if plugins.data_map:
-        check_data_map(units, plugins.data_map, cfg.data.columns or DEFAULT_COLUMNS, cfg.checkpoint.storage, cfg.pack_tokens())
+        check_data_map(
+            units, plugins.data_map, cfg.data.columns or DEFAULT_COLUMNS, cfg.checkpoint.storage, cfg.pack_tokens()
+        )
     if cfg.training.eval_every:
-        check_eval_set(cfg.data.eval_path, cfg.data.columns or None, cfg.scaling.max_workers * cfg.training.micro_batch_size,
-                       cfg.checkpoint.storage, cfg.pack_tokens())
+        check_eval_set(
+            cfg.data.eval_path,
+            cfg.data.columns or None,
+            cfg.scaling.max_workers * cfg.training.micro_batch_size,
+            cfg.checkpoint.storage,
+            cfg.pack_tokens(),
+        )
     if isinstance(source, WeightsExport):
         refuse_misfit_weights(cfg, plugins, root_for(source.path, cfg.checkpoint.storage).export_specs(), source.path)
         return cfg
@@ -160,28 +191,52 @@ def check_built_in(cfg: Config, plugins, units: list[ReadUnit], source: ResumeSo
         slots = None if cfg.checkpoint.no_load_optim else optimizer_specs(source.path)
         refuse_misfit_weights(cfg, plugins, weight_specs(source.path), source.path, optimizer=slots)
         if slots is not None:
-            kwargs = {"lr": cfg.training.lr, **optimizer_kwargs(plugins.optimizer, cfg.training.weight_decay, cfg.training.optimizer_args)}
+            kwargs = {
+                "lr": cfg.training.lr,
+                **optimizer_kwargs(plugins.optimizer, cfg.training.weight_decay, cfg.training.optimizer_args),
+            }
             now = class_path(plugins.optimizer)
-            refuse_foreign_slots(slots, optimizer_slots(plugins.optimizer, kwargs), source.path,
-                                 f"training.optimizer builds {now}", f"{now} from its weights", "set training.optimizer to the one that saved it")
+            refuse_foreign_slots(
+                slots,
+                optimizer_slots(plugins.optimizer, kwargs),
+                source.path,
+                f"training.optimizer builds {now}",
+                f"{now} from its weights",
+                "set training.optimizer to the one that saved it",
+            )
         return cfg
     if it is None:
         return cfg
     full = not cfg.checkpoint.no_load_optim
-    refuse_misfit_weights(cfg, plugins, it.specs(paths.MODEL_KIND), paths.join(it.path, paths.METADATA),
-                          optimizer=it.specs(paths.OPTIM_KIND) if full else None)
+    refuse_misfit_weights(
+        cfg,
+        plugins,
+        it.specs(paths.MODEL_KIND),
+        paths.join(it.path, paths.METADATA),
+        optimizer=it.specs(paths.OPTIM_KIND) if full else None,
+    )
     if cfg.checkpoint.enable_save and it.root == cfg.checkpoint.save_path:
         refuse_step_rewind(cfg, it)
     if full:
         if it.common["consumed_samples"] is None:
             raise CheckpointError(
                 f"{paths.join(it.path, paths.COMMON)}: iteration {it.step} records no consumed_samples (its loop did not count "
-                "them), so the data cursor cannot be continued; set checkpoint.no_load_optim: true to start from its weights")
+                "them), so the data cursor cannot be continued; set checkpoint.no_load_optim: true to start from its weights"
+            )
         refuse_data_change(cfg, it, units)
         check_lanes(cfg.data.lanes, cfg.training.global_batch_size, dataset_size(units), it.common["consumed_samples"])
-        kwargs = {"lr": cfg.training.lr, **optimizer_kwargs(plugins.optimizer, cfg.training.weight_decay, cfg.training.optimizer_args)}
-        refuse_optimizer_change(it, plugins.optimizer, "training.optimizer builds {now}", "{now} from its weights",
-                                "set training.optimizer back", slots=optimizer_slots(plugins.optimizer, kwargs))
+        kwargs = {
+            "lr": cfg.training.lr,
+            **optimizer_kwargs(plugins.optimizer, cfg.training.weight_decay, cfg.training.optimizer_args),
+        }
+        refuse_optimizer_change(
+            it,
+            plugins.optimizer,
+            "training.optimizer builds {now}",
+            "{now} from its weights",
+            "set training.optimizer back",
+            slots=optimizer_slots(plugins.optimizer, kwargs),
+        )
     return cfg
 
 
@@ -195,7 +250,9 @@ def refuse_misfit_weights(cfg: Config, plugins, saved: dict, where: str, optimiz
     except ConfigError:
         raise
     except Exception as exc:  # a builder that cannot build on the meta device (it reads weights, say): the ranks check
-        logger.debug("[%s] weights not checked on the driver: the model does not build on the meta device (%s)", cfg.name, exc)
+        logger.debug(
+            "[%s] weights not checked on the driver: the model does not build on the meta device (%s)", cfg.name, exc
+        )
         return
     check_weights(state.model_tensors(model), saved, state.tied_aliases(model), where)
     if optimizer:
@@ -210,13 +267,21 @@ def refuse_data_change(cfg: Config, it: Iteration, units: list[ReadUnit]) -> Non
     if saved is None:  # written before the fingerprint was kept
         return
     columns = cfg.data.columns or DEFAULT_COLUMNS
-    changes = fingerprint_changes(saved, data_fingerprint(units, cfg.data.seed, cfg.data.shuffle, columns, cfg.data.lanes, cfg.pack_tokens()))
+    changes = fingerprint_changes(
+        saved, data_fingerprint(units, cfg.data.seed, cfg.data.shuffle, columns, cfg.data.lanes, cfg.pack_tokens())
+    )
     if not changes:
         return
     what = "; ".join(changes)
     if cfg.data.allow_change:
-        logger.warning("[%s] data changed since iteration %d (%s); data.allow_change: true, so training continues "
-                       "at sample %d of the new order", cfg.name, it.step, what, it.common["consumed_samples"])
+        logger.warning(
+            "[%s] data changed since iteration %d (%s); data.allow_change: true, so training continues "
+            "at sample %d of the new order",
+            cfg.name,
+            it.step,
+            what,
+            it.common["consumed_samples"],
+        )
         return
     raise CheckpointError(
         f"{paths.join(it.path, paths.COMMON)}: iteration {it.step} was trained on other data than this config reads "

@@ -27,10 +27,13 @@ class Progress:
         self.job_id = job_id
         self.every_step = rank == 0 or cfg.training.log_sample_ids  # records every step (see ray_resume.metrics)
         self.last: dict = {}
-        self.start_parts: dict | None = None  # this start's parts until recorded (after a restart: once the lost steps are redone)
+        # this start's parts until recorded (after a restart: once the lost steps are redone)
+        self.start_parts: dict | None = None
         self.committed = controller.last_committed_polled() if rank == 0 else None  # for the progress line
         if cfg.checkpoint.enable_save:
-            self.metrics = MetricsWriter(cfg.checkpoint.save_path, cfg.checkpoint.storage, job=job_id, attempt=attempt, rank=rank)
+            self.metrics = MetricsWriter(
+                cfg.checkpoint.save_path, cfg.checkpoint.storage, job=job_id, attempt=attempt, rank=rank
+            )
 
     def _record(self, record: dict, flush: bool = False) -> None:
         if self.metrics:
@@ -46,21 +49,48 @@ class Progress:
         if self.rank == 0:
             logger.info("[%s] %s", self.cfg.name, text)
 
-    def resumed(self, resume, world: int, attempt: int, failed_after: int | None = None, lost: dict | None = None,
-                clock: dict | None = None, restore_s: float = 0.0) -> None:
+    def resumed(
+        self,
+        resume,
+        world: int,
+        attempt: int,
+        failed_after: int | None = None,
+        lost: dict | None = None,
+        clock: dict | None = None,
+        restore_s: float = 0.0,
+    ) -> None:
         from_memory = memory.is_memory_source(resume.source)
         if self.metrics and self.rank == 0:
-            self.curves = Curves(self.cfg.checkpoint.save_path, self.cfg.checkpoint.storage, job=self.job_id,
-                                 attempt=attempt, purge_step=resume.step + 1)
+            self.curves = Curves(
+                self.cfg.checkpoint.save_path,
+                self.cfg.checkpoint.storage,
+                job=self.job_id,
+                attempt=attempt,
+                purge_step=resume.step + 1,
+            )
             self.curves.add(resume.step, {"attempt": attempt})  # a restart is a step in this curve
-        self._record({"event": "start", "step": resume.step, "source": resume.source, "world_size": world,
-                      "consumed_samples": resume.consumed_samples, "bytes_read": resume.bytes_read}, flush=True)
+        self._record(
+            {
+                "event": "start",
+                "step": resume.step,
+                "source": resume.source,
+                "world_size": world,
+                "consumed_samples": resume.consumed_samples,
+                "bytes_read": resume.bytes_read,
+            },
+            flush=True,
+        )
         if attempt > 0 or clock:
             # What this start cost, part by part (summary.START_PARTS, RESTART_PARTS): recorded after the
             # first step, or after a restart once this group has redone the lost steps.
-            self.start_parts = {"event": "restart" if attempt else "started", "step": resume.step,
-                            "caught_up": (failed_after or resume.step) if attempt else resume.step,
-                            **(clock or {}), "restore_s": restore_s, "since": time.monotonic()}
+            self.start_parts = {
+                "event": "restart" if attempt else "started",
+                "step": resume.step,
+                "caught_up": (failed_after or resume.step) if attempt else resume.step,
+                **(clock or {}),
+                "restore_s": restore_s,
+                "since": time.monotonic(),
+            }
         if attempt > 0:  # a restart: the previous group was lost (Ray Train's account is in its log files)
             reached = f"after step {failed_after}" if failed_after is not None else "before its first step"
             redo = f": {failed_after - resume.step} steps to redo" if failed_after is not None else ""
@@ -72,8 +102,11 @@ class Progress:
                 self._say("checkpoints are off (checkpoint.enable_save: false): nothing will be saved")
             self._say(f"starting from step 0 (attempt {attempt}, world size {world})")
             return
-        read = ("nothing read from storage" if from_memory else
-                f"rank 0 read {resume.bytes_read} bytes from storage, load_balanced={self.cfg.checkpoint.load_balanced}")
+        read = (
+            "nothing read from storage"
+            if from_memory
+            else f"rank 0 read {resume.bytes_read} bytes from storage, load_balanced={self.cfg.checkpoint.load_balanced}"
+        )
         self._say(
             f"resumed from {resume.source} (attempt {attempt}, world size {world}): global_step {resume.step}, "
             f"consumed samples {resume.consumed_samples}; continuing at step {resume.step + 1} ({read})"
@@ -93,7 +126,9 @@ class Progress:
         r.setdefault("first_step_s", elapsed - r.get("first_batch_s", 0.0))
         if step >= r["caught_up"] or step == self.total:
             r["redo_s"] = elapsed - r["first_step_s"] - r.get("first_batch_s", 0.0)
-            self._record({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "since"}, flush=True)
+            self._record(
+                {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "since"}, flush=True
+            )
             self.start_parts = None
 
     def evaluated(self, step: int, loss: float, samples: int) -> None:
@@ -108,10 +143,27 @@ class Progress:
         self._record({"event": "stop", "step": step}, flush=True)
         self._say(f"stop requested: saved step {step} and stopping")
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float, sample_ids, saved: bool, stall: float | None = None,
-             flush: bool = False, data_bytes: int = 0) -> None:
+    def step(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        sample_ids,
+        saved: bool,
+        stall: float | None = None,
+        flush: bool = False,
+        data_bytes: int = 0,
+    ) -> None:
         """`data_bytes`: what this rank's data stream has read from storage in this attempt."""
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "saved": saved, "data_bytes_read": data_bytes}
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "saved": saved,
+            "data_bytes_read": data_bytes,
+        }
         if stall is not None:
             record["save_stall_s"] = round(stall, 6)  # how long this save blocked training
         self.last = dict(record)
@@ -129,7 +181,9 @@ class Progress:
             self._record(record, flush=saved or log_now or flush)
         elif self.metrics:  # another rank: only its save stalls, in a chunk rolled over by time
             if stall is not None:
-                self._record({"step": step, "saved": True, "save_stall_s": record["save_stall_s"], "data_bytes_read": data_bytes})
+                self._record(
+                    {"step": step, "saved": True, "save_stall_s": record["save_stall_s"], "data_bytes_read": data_bytes}
+                )
             if self.metrics.due():
                 self.metrics.flush()
 

@@ -75,20 +75,39 @@ def rank_entry(loop_config: dict) -> None:
     cfg = Config.from_dict(controller.job_config())  # the train_loop_config Ray Train shows is redacted
     ctx = ray.train.get_context()
     off = ours.get("fork_server_off")
-    run_rank(cfg, controller, ctx.get_world_rank(), ctx.get_world_size(), ours["train_func"], loop_config[USER],
-             job_id=ours["job_id"], driver_clock=ours["clock"],
-             processes=forkserver.started_how() if off is None else f"off ({off})")
+    run_rank(
+        cfg,
+        controller,
+        ctx.get_world_rank(),
+        ctx.get_world_size(),
+        ours["train_func"],
+        loop_config[USER],
+        job_id=ours["job_id"],
+        driver_clock=ours["clock"],
+        processes=forkserver.started_how() if off is None else f"off ({off})",
+    )
 
 
-def run_rank(cfg: Config, controller: ControllerClient, rank: int, world: int, train_func: Callable[[dict], None], config: dict, *,
-             job_id: str, driver_clock: dict | None = None, processes: str | None = None) -> None:
+def run_rank(
+    cfg: Config,
+    controller: ControllerClient,
+    rank: int,
+    world: int,
+    train_func: Callable[[dict], None],
+    config: dict,
+    *,
+    job_id: str,
+    driver_clock: dict | None = None,
+    processes: str | None = None,
+) -> None:
     """One rank of a job in an initialised process group: `train_func(config)` with this rank's
     RankCheckpointer, for this worker-group start. A user's mistake is said once and never retried:
     its rank reports it, and the group Ray Train restarts for it returns at once (JobController.user_failed).
     `processes`: how this rank's process was started (the fork server's "forked", or why not)."""
     global _current
-    start = decided_by_rank0(lambda: _start_attempt(controller, world, driver_clock, processes).to_json(), rank,
-                             "start the attempt")
+    start = decided_by_rank0(
+        lambda: _start_attempt(controller, world, driver_clock, processes).to_json(), rank, "start the attempt"
+    )
     start = AttemptStart.from_json(start)
     if start.user_error is not None:
         return
@@ -104,7 +123,9 @@ def run_rank(cfg: Config, controller: ControllerClient, rank: int, world: int, t
         _current = None
 
 
-def _start_attempt(controller: ControllerClient, world: int, driver_clock: dict | None, processes: str | None) -> AttemptStart:
+def _start_attempt(
+    controller: ControllerClient, world: int, driver_clock: dict | None, processes: str | None
+) -> AttemptStart:
     """Rank 0's: the controller's new attempt and what it resumes, with what this start took so far
     (`clock`; the first start's from the driver's stamps and this process's start) and how rank 0's
     process started (`processes`)."""
@@ -143,8 +164,15 @@ class RankCheckpointer:
         self._finished = False
         self.last_snapshot_step: int | None = None  # the step of the last memory snapshot
 
-    def restore(self, model: torch.nn.Module, optimizer, extra: dict[str, Any] | None = None, *,
-                global_batch_size: int | None = None, step: int | None = None) -> Start:
+    def restore(
+        self,
+        model: torch.nn.Module,
+        optimizer,
+        extra: dict[str, Any] | None = None,
+        *,
+        global_batch_size: int | None = None,
+        step: int | None = None,
+    ) -> Start:
         """Load the model, the optimizer and `extra` (in place) from what this job resumes, if anything.
 
         With `global_batch_size`, a checkpoint saved with another one resumes at step
@@ -158,18 +186,31 @@ class RankCheckpointer:
         self._model, self._optimizer, self._extra = model, optimizer, dict(extra or {})
         self._global_batch_size = global_batch_size or self._global_batch_size
         if self._extra and self._cfg.checkpoint.no_save_optim:
-            raise ConfigError("extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out; "
-                              "drop one of them")
+            raise ConfigError(
+                "extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out; "
+                "drop one of them"
+            )
         for key, obj in self._extra.items():
-            if not (isinstance(obj, torch.Generator) or (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))):
-                raise ConfigError(f"extra[{key!r}]: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
-                                  "pass objects that have them, or torch.Generators")
+            if not (
+                isinstance(obj, torch.Generator) or (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))
+            ):
+                raise ConfigError(
+                    f"extra[{key!r}]: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
+                    "pass objects that have them, or torch.Generators"
+                )
         plan, restored = self.job.start.plan, None
         if plan.memory_step is not None:  # newer than the last commit, held for every rank of this world size
             restored = self._checkpointer.restore_snapshot(model, optimizer, plan.memory_step)
         if restored is None:
-            restored = self._checkpointer.restore(model, optimizer, plan.source, full=plan.full, global_batch_size=global_batch_size,
-                                                  rank0_extras=isinstance(optimizer, OptimizerState) or bool(self._extra), step=step)
+            restored = self._checkpointer.restore(
+                model,
+                optimizer,
+                plan.source,
+                full=plan.full,
+                global_batch_size=global_batch_size,
+                rank0_extras=isinstance(optimizer, OptimizerState) or bool(self._extra),
+                step=step,
+            )
         start, extras = restored
         if "param_groups" in extras and isinstance(optimizer, OptimizerState):
             optimizer.load_groups(json.loads(extras["param_groups"]))
@@ -178,8 +219,15 @@ class RankCheckpointer:
         self._saved = start.step if start.source else None
         return start
 
-    def maybe_save(self, step: int, *, consumed_samples: int | None = None, global_batch_size: int | None = None,
-                   force: bool = False, common: dict | None = None) -> bool:
+    def maybe_save(
+        self,
+        step: int,
+        *,
+        consumed_samples: int | None = None,
+        global_batch_size: int | None = None,
+        force: bool = False,
+        common: dict | None = None,
+    ) -> bool:
         """Save at every `checkpoint.save_interleaved_steps` (or now, with `force`); True if it saved.
         Between saves, snapshot into memory every `checkpoint.memory_interleaved_steps`.
 
@@ -212,11 +260,20 @@ class RankCheckpointer:
         if self._extra:
             extras["extra"] = dump_extra(self._extra)
             if len(extras["extra"]) > MAX_EXTRA:
-                raise ConfigError(f"extra state of {len(extras['extra']) >> 20} MiB (keys {sorted(self._extra)}): it rides in "
-                                  f"a shard header, which holds {MAX_EXTRA >> 20} MiB; keep big tensors in the model or the optimizer")
-        common = {"global_step": step, "global_batch_size": self._global_batch_size, "consumed_samples": said["consumed_samples"],
-                  "epoch_num": None, "step_num": None, "optimizer": class_path(type(optimizer.optimizer)),
-                  **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}), **(said["common"] or {})}
+                raise ConfigError(
+                    f"extra state of {len(extras['extra']) >> 20} MiB (keys {sorted(self._extra)}): it rides in "
+                    f"a shard header, which holds {MAX_EXTRA >> 20} MiB; keep big tensors in the model or the optimizer"
+                )
+        common = {
+            "global_step": step,
+            "global_batch_size": self._global_batch_size,
+            "consumed_samples": said["consumed_samples"],
+            "epoch_num": None,
+            "step_num": None,
+            "optimizer": class_path(type(optimizer.optimizer)),
+            **(optimizer.scaler.state() if optimizer.scaler else {"loss_scale": 1.0}),
+            **(said["common"] or {}),
+        }
         if durable:
             self._checkpointer.save(step, self._model, optimizer, common, extras=extras)
             self._saved = step

@@ -26,8 +26,16 @@ EXIT_STOPPED = 128 + signal.SIGTERM
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ray_resume.run", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML config file")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, value parsed as YAML (repeatable)")
-    parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else start a local Ray)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key, value parsed as YAML (repeatable)",
+    )
+    parser.add_argument(
+        "--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else start a local Ray)"
+    )
     parser.add_argument("--verbose", action="store_true", help="also show Ray Train's and Ray Data's own console lines")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -14,8 +14,14 @@ import statistics
 # first call (where the process's start is known: the old group's shutdown, if any, and Ray Train's
 # new processes, then their imports and setup, process group included), model build and restore
 # (the data stream's start included), the wait for the first batch, the first step.
-GROUP_PARTS = (("new_group_s", "new group"), ("spawn_s", "new processes"), ("setup_s", "imports and setup"),
-               ("restore_s", "build and restore"), ("first_batch_s", "first batch"), ("first_step_s", "first step"))
+GROUP_PARTS = (
+    ("new_group_s", "new group"),
+    ("spawn_s", "new processes"),
+    ("setup_s", "imports and setup"),
+    ("restore_s", "build and restore"),
+    ("first_batch_s", "first batch"),
+    ("first_step_s", "first step"),
+)
 # A restart's (the "restart" record rank 0 writes once the lost steps are redone): Ray Train noticing
 # the loss, the group's parts, and the rest of the steps done again.
 RESTART_PARTS = (("detect_s", "noticed"), *GROUP_PARTS, ("redo_s", "redoing"))
@@ -58,7 +64,9 @@ def start_clock(driver: dict, process_started: float | None, now: float) -> dict
     return {**clock, **restart_clock(driver.get("fit", driver["checked"]), None, process_started, now)}
 
 
-def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_batch_size: int, wall_s: float) -> list[str]:
+def summarize(
+    records: list[dict], attempts: list[dict], *, job_id: str, global_batch_size: int, wall_s: float
+) -> list[str]:
     """The summary's lines, from this job's `records` and the controller's `attempts`."""
     mine = [r for r in records if r.get("job") == job_id]
     steps = [r for r in mine if r["rank"] == 0 and "loss" in r]
@@ -68,7 +76,9 @@ def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_
     first = starts[min(starts)]["step"] if starts else min(r["step"] for r in steps) - 1
     last = max(r["step"] for r in steps)
     done = last - first
-    lines = [f"{done} steps ({first + 1}-{last}) in {wall_s:.1f} s: {done * global_batch_size / wall_s:.0f} samples/s overall"]
+    lines = [
+        f"{done} steps ({first + 1}-{last}) in {wall_s:.1f} s: {done * global_batch_size / wall_s:.0f} samples/s overall"
+    ]
 
     started = next((r for r in mine if r["rank"] == 0 and r.get("event") == "started"), None)
     if started:
@@ -78,8 +88,10 @@ def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_
     stalls = [r["save_stall_s"] for r in mine if "save_stall_s" in r and r.get("event") is None]
     saves = sum(1 for r in steps if r.get("saved"))
     if saves:
-        lines.append(f"{saves} saves; training blocked {statistics.mean(stalls):.3f} s per save on average, "
-                     f"{max(stalls):.3f} s at most (any rank)")
+        lines.append(
+            f"{saves} saves; training blocked {statistics.mean(stalls):.3f} s per save on average, "
+            f"{max(stalls):.3f} s at most (any rank)"
+        )
 
     parts = {r["attempt"]: r for r in mine if r["rank"] == 0 and r.get("event") == "restart"}
     restarts = []
@@ -91,8 +103,13 @@ def summarize(records: list[dict], attempts: list[dict], *, job_id: str, global_
         beyond = [r["time"] for r in steps if r["attempt"] == again["attempt"] and r["step"] > lost["step"]]
         cost = f"{min(beyond) - lost['time']:.1f} s" if beyond else "the rest of the run"
         split = _split(parts.get(again["attempt"], {}), RESTART_PARTS)
-        restarts.append(f"after step {lost['step']}: resumed from {start['step']}, {redone} steps redone, {cost} lost"
-                        + (f" ({split})" if split else ""))
+        restarts.append(
+            f"after step {lost['step']}: resumed from {start['step']}, {redone} steps redone, {cost} lost"
+            + (f" ({split})" if split else "")
+        )
     if len(attempts) > 1:
-        lines.append(f"{len(attempts) - 1} restart{'s' if len(attempts) > 2 else ''}" + (": " + "; ".join(restarts) if restarts else ""))
+        lines.append(
+            f"{len(attempts) - 1} restart{'s' if len(attempts) > 2 else ''}"
+            + (": " + "; ".join(restarts) if restarts else "")
+        )
     return lines

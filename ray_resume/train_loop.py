@@ -36,9 +36,14 @@ def train_func(config: dict) -> None:
     """The built-in job's train_func, as `ray_resume.fit` runs any: Ray's device and data reader around `train_worker`."""
     if not config.get("verbose"):
         quiet_ray_data()
-    train_worker(get_checkpointer(), ray.train.torch.get_device(),  # cuda:N with use_gpu (NCCL), else cpu (gloo)
-                 config["plugins"], stream=SampleStream, preempted=lambda: ray.train.get_preemption_info() is not None,
-                 units=[ReadUnit(*u) for u in config["units"]])
+    train_worker(
+        get_checkpointer(),
+        ray.train.torch.get_device(),  # cuda:N with use_gpu (NCCL), else cpu (gloo)
+        config["plugins"],
+        stream=SampleStream,
+        preempted=lambda: ray.train.get_preemption_info() is not None,
+        units=[ReadUnit(*u) for u in config["units"]],
+    )
 
 
 def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: False, units=None) -> None:
@@ -59,16 +64,34 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
     seed_everything(train.seed)  # identical initial weights on every rank
     model = parallel.wrap(make_model(plugins, cfg).to(device), train.strategy, cfg.model.fsdp_units, device, world)
     model.train()  # a builder may hand over a model in eval mode (from_pretrained does): dropout would be off
-    optimizer = MainParamsOptimizer(model, lr=train.lr, weight_decay=train.weight_decay, optimizer_class=plugins.optimizer,
-                                    optimizer_args=train.optimizer_args, grad_clip=train.grad_clip)
+    optimizer = MainParamsOptimizer(
+        model,
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        optimizer_class=plugins.optimizer,
+        optimizer_args=train.optimizer_args,
+        grad_clip=train.grad_clip,
+    )
     seed_everything(train.seed + rank)  # distinct dropout streams per rank
 
     resume = ck.restore(model, optimizer, global_batch_size=train.global_batch_size)
     tokens = expected_tokens(plugins, cfg)
-    samples = stream(units or cfg.data.path, cfg.data.seed, cfg.data.shuffle, train.global_batch_size, rank, world,
-                     resume.consumed_samples, columns=cfg.data.columns or None, lanes=cfg.data.lanes, storage=cfg.checkpoint.storage,
-                     pack=cfg.pack_tokens(), data_map=plugins.data_map, vocab_size=tokens.vocab_size if tokens else None,
-                     read_tasks_above=cfg.data.read_tasks_above)
+    samples = stream(
+        units or cfg.data.path,
+        cfg.data.seed,
+        cfg.data.shuffle,
+        train.global_batch_size,
+        rank,
+        world,
+        resume.consumed_samples,
+        columns=cfg.data.columns or None,
+        lanes=cfg.data.lanes,
+        storage=cfg.checkpoint.storage,
+        pack=cfg.pack_tokens(),
+        data_map=plugins.data_map,
+        vocab_size=tokens.vocab_size if tokens else None,
+        read_tasks_above=cfg.data.read_tasks_above,
+    )
     progress = Progress(cfg, rank, attempt, job.job_id, controller)
     progress.resumed(resume, world, attempt, **job.ended, restore_s=time.monotonic() - began)
 
@@ -99,15 +122,30 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
         noticed = noticed or notice
         if stop == STOP_NOW:  # the writer lease is lost: no more saves; the driver ends the run with it
             break
-        saved = ck.maybe_save(step, consumed_samples=consumed, global_batch_size=train.global_batch_size,
-                              force=bool(stop) or notice or step == train.train_steps, common={
-                                  "epoch_num": consumed // samples.epoch_size,
-                                  "step_num": (consumed % samples.epoch_size) // train.global_batch_size,
-                                  "data": samples.fingerprint})
+        saved = ck.maybe_save(
+            step,
+            consumed_samples=consumed,
+            global_batch_size=train.global_batch_size,
+            force=bool(stop) or notice or step == train.train_steps,
+            common={
+                "epoch_num": consumed // samples.epoch_size,
+                "step_num": (consumed % samples.epoch_size) // train.global_batch_size,
+                "data": samples.fingerprint,
+            },
+        )
         # A memory snapshot flushes the metrics too: a resume from it redoes no step to record again.
         snapshot = ck.last_snapshot_step == step
-        progress.step(step, loss, optimizer.param_groups[0]["lr"], optimizer.grad_norm, batch["sample_id"], saved,
-                      ck.last_stall_s if saved else None, flush=snapshot, data_bytes=samples.bytes_read)
+        progress.step(
+            step,
+            loss,
+            optimizer.param_groups[0]["lr"],
+            optimizer.grad_norm,
+            batch["sample_id"],
+            saved,
+            ck.last_stall_s if saved else None,
+            flush=snapshot,
+            data_bytes=samples.bytes_read,
+        )
         if evaluate and (step % train.eval_every == 0 or step == train.train_steps):
             progress.evaluated(step, *evaluate(model))
         if rank == 0:
@@ -152,9 +190,15 @@ def learning_rate(train, consumed: int) -> float:
 def scalar_loss(loss):
     """The loss plugin's result, if it is what backward needs: a floating-point tensor of one element."""
     if not (torch.is_tensor(loss) and loss.numel() == 1 and loss.is_floating_point()):
-        got = f"a {loss.dtype} tensor of shape {list(loss.shape)}" if torch.is_tensor(loss) else f"a {type(loss).__name__}"
-        raise ConfigError(f"training.loss returned {got}; it must return a scalar floating-point tensor "
-                          "(reduce it over the batch, with .mean() say)")
+        got = (
+            f"a {loss.dtype} tensor of shape {list(loss.shape)}"
+            if torch.is_tensor(loss)
+            else f"a {type(loss).__name__}"
+        )
+        raise ConfigError(
+            f"training.loss returned {got}; it must return a scalar floating-point tensor "
+            "(reduce it over the batch, with .mean() say)"
+        )
     return loss
 
 
@@ -230,8 +274,12 @@ class Evaluator:
                 for lo in range(0, len(next(iter(self.columns.values()))), self.micro):
                     micro = self.plugins.collate({k: v[lo : lo + self.micro] for k, v in self.columns.items()})
                     micro = {k: t.to(self.device, non_blocking=True) for k, t in micro.items()}
-                    total += torch.stack([self.plugins.loss(module, micro).double() * self.micro,
-                                          torch.tensor(self.micro, dtype=torch.float64, device=self.device)])
+                    total += torch.stack(
+                        [
+                            self.plugins.loss(module, micro).double() * self.micro,
+                            torch.tensor(self.micro, dtype=torch.float64, device=self.device),
+                        ]
+                    )
         finally:
             module.train()
             restore_rng(rng)

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 STEPS = 4
-DRAWN = ("numpy", "random", "urandom", "torch_seed", "str_hash")  # random facts: distinct across the rank starts of a run
+# random facts: distinct across the rank starts of a run
+DRAWN = ("numpy", "random", "urandom", "torch_seed", "str_hash")
 
 
 def describe_handler(handler) -> str:
@@ -74,8 +75,11 @@ def rank_facts() -> dict:
         "niceness": os.getpriority(os.PRIO_PROCESS, 0),
         "scheduler": os.sched_getscheduler(0),
         "umask": mask,
-        "signal_handlers": {s.name: describe_handler(signal.getsignal(s)) for s in signal.valid_signals()
-                            if isinstance(s, signal.Signals)},
+        "signal_handlers": {
+            s.name: describe_handler(signal.getsignal(s))
+            for s in signal.valid_signals()
+            if isinstance(s, signal.Signals)
+        },
         "signal_masks": {k: status[k].strip() for k in ("SigIgn", "SigCgt")},
         "cgroup": Path("/proc/self/cgroup").read_text(),
         "process_group_leader": os.getpgid(0) == os.getpid(),
@@ -142,10 +146,14 @@ def run(out: Path, fork_server: bool, gpu: bool = False) -> dict:
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
         result = ray_resume.fit(
-            train_func, train_loop_config={"dir": str(out), "gpu": gpu},
+            train_func,
+            train_loop_config={"dir": str(out), "gpu": gpu},
             checkpoint={"save_path": str(out / "root"), "save_interleaved_steps": 1},
-            scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=gpu, resources_per_worker={"GPU" if gpu else "CPU": 1}),
-            failure_config={"max_failures": 1, "fork_server": fork_server})
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=2, use_gpu=gpu, resources_per_worker={"GPU" if gpu else "CPU": 1}
+            ),
+            failure_config={"max_failures": 1, "fork_server": fork_server},
+        )
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     assert result.committed_iteration == STEPS, result.error
@@ -161,8 +169,12 @@ def run(out: Path, fork_server: bool, gpu: bool = False) -> dict:
             outlived.append(name)
             os.kill(f["spawned"], signal.SIGKILL)
     directory = Path(paths.iteration_dir(str(out / "root"), STEPS))
-    return {"starts": starts, "atexit": sorted(p.name[len("atexit-"):] for p in out.glob("atexit-*")), "outlived": sorted(outlived),
-            "bytes": {p.name: p.read_bytes().hex() for p in sorted(directory.glob("*.safetensors"))}}
+    return {
+        "starts": starts,
+        "atexit": sorted(p.name[len("atexit-") :] for p in out.glob("atexit-*")),
+        "outlived": sorted(outlived),
+        "bytes": {p.name: p.read_bytes().hex() for p in sorted(directory.glob("*.safetensors"))},
+    }
 
 
 def differences(on: dict, off: dict) -> list[str]:
@@ -174,8 +186,10 @@ def differences(on: dict, off: dict) -> list[str]:
         if fact in ("pid", "parent", "spawned"):
             continue
         if fact in DRAWN:  # distinct across rank starts, on as off
-            distinct = {name: len({json.dumps(f[fact]) for f in run["starts"].values()}) == len(run["starts"])
-                        for name, run in (("on", on), ("off", off))}
+            distinct = {
+                name: len({json.dumps(f[fact]) for f in run["starts"].values()}) == len(run["starts"])
+                for name, run in (("on", on), ("off", off))
+            }
             if distinct["on"] != distinct["off"]:
                 found.append(f"{fact}: distinct across rank starts on {distinct['on']}, off {distinct['off']}")
             continue
@@ -207,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = {name: run(Path(tmp, name), name == "on", args.gpu) for name in ("off", "on")}
     found = differences(runs["on"], runs["off"])
     facts = len(runs["off"]["starts"]["first-0"])  # less pid, parent, spawned; plus atexit, outlived, bytes
-    print(f"[fork-parity] {facts} facts per rank start, {len(runs['off']['starts'])} rank starts: "
-          + ("all equal on and off" if not found else f"{len(found)} differ"))
+    print(
+        f"[fork-parity] {facts} facts per rank start, {len(runs['off']['starts'])} rank starts: "
+        + ("all equal on and off" if not found else f"{len(found)} differ")
+    )
     for line in found:
         print(f"[fork-parity]   {line}")
     if args.out:

@@ -71,22 +71,44 @@ class LocalController:
         self.committed = 0
 
     def report(self, attempt: int, step: int, manifest, common: dict) -> bool:
-        commit_iteration(LocalStorage(), self.root, step, [manifest], common, prefix="ckpt", config=self.config, job_id="gpu-check")
+        commit_iteration(
+            LocalStorage(), self.root, step, [manifest], common, prefix="ckpt", config=self.config, job_id="gpu-check"
+        )
         self.committed = step
         return True
 
 
 def config(root: str, size: str, *, async_save: bool, dropout: float) -> Config:
     vocab, seq, d, layers, heads = SIZES[size]
-    return Config.from_dict({
-        "name": "gpu-check",
-        "model": {"vocab_size": vocab, "seq_len": seq, "d_model": d, "n_layers": layers, "n_heads": heads,
-                  "dtype": "bfloat16", "dropout": dropout},
-        "data": {"path": os.path.join(root, "unused-data")},
-        "training": {"global_batch_size": BATCH, "micro_batch_size": BATCH, "train_steps": 10**9, "lr": 1e-4, "seed": 0},
-        "scaling": {"num_workers": 1},
-        "checkpoint": {"save_path": root, "save_interleaved_steps": 10**9, "save_max": 1000, "async_save": async_save},
-    })
+    return Config.from_dict(
+        {
+            "name": "gpu-check",
+            "model": {
+                "vocab_size": vocab,
+                "seq_len": seq,
+                "d_model": d,
+                "n_layers": layers,
+                "n_heads": heads,
+                "dtype": "bfloat16",
+                "dropout": dropout,
+            },
+            "data": {"path": os.path.join(root, "unused-data")},
+            "training": {
+                "global_batch_size": BATCH,
+                "micro_batch_size": BATCH,
+                "train_steps": 10**9,
+                "lr": 1e-4,
+                "seed": 0,
+            },
+            "scaling": {"num_workers": 1},
+            "checkpoint": {
+                "save_path": root,
+                "save_interleaved_steps": 10**9,
+                "save_max": 1000,
+                "async_save": async_save,
+            },
+        }
+    )
 
 
 def start_group(device: torch.device) -> None:
@@ -95,7 +117,9 @@ def start_group(device: torch.device) -> None:
         port = s.getsockname()[1]
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -106,7 +130,9 @@ def sync(device: torch.device) -> None:
 def build(cfg: Config, device: torch.device, strategy: str, seed: int):
     m = cfg.model
     torch.manual_seed(seed)
-    model = GPT(m.vocab_size, m.seq_len, m.d_model, m.n_layers, m.n_heads, m.dropout).to(device=device, dtype=torch.bfloat16)
+    model = GPT(m.vocab_size, m.seq_len, m.d_model, m.n_layers, m.n_heads, m.dropout).to(
+        device=device, dtype=torch.bfloat16
+    )
     if strategy == "fsdp":
         model = wrap(model, "fsdp", [], device, 1)
     return model, MainParamsOptimizer(model, lr=cfg.training.lr, weight_decay=0.01)
@@ -114,7 +140,9 @@ def build(cfg: Config, device: torch.device, strategy: str, seed: int):
 
 def train_step(model, optimizer, cfg: Config, step: int, device: torch.device) -> float:
     """One optimizer step on a batch that is a pure function of `step`."""
-    ids = torch.randint(0, cfg.model.vocab_size, (BATCH, cfg.model.seq_len + 1), generator=torch.Generator().manual_seed(1000 + step))
+    ids = torch.randint(
+        0, cfg.model.vocab_size, (BATCH, cfg.model.seq_len + 1), generator=torch.Generator().manual_seed(1000 + step)
+    )
     optimizer.zero_grad()
     loss = lm_loss(model, ids.to(device))
     optimizer.backward(loss)
@@ -123,8 +151,14 @@ def train_step(model, optimizer, cfg: Config, step: int, device: torch.device) -
 
 
 def common_of(step: int) -> dict:
-    return {"global_step": step, "global_batch_size": BATCH, "consumed_samples": BATCH * step,
-            "epoch_num": 0, "step_num": step, "loss_scale": 1.0}
+    return {
+        "global_step": step,
+        "global_batch_size": BATCH,
+        "consumed_samples": BATCH * step,
+        "epoch_num": 0,
+        "step_num": step,
+        "loss_scale": 1.0,
+    }
 
 
 def checkpointer(cfg: Config, root: str) -> tuple[Checkpointer, LocalController]:
@@ -177,7 +211,9 @@ def speed(size: str, device: torch.device, work: str) -> dict:
     sync(device)
     out["ours_load_s"] = time.perf_counter() - start
     out["ours_load_bytes_read"] = point.bytes_read
-    out["ours_load_equal"] = all(torch.equal(a, b) for a, b in zip(state.model_tensors(model).values(), state.model_tensors(fresh).values()))
+    out["ours_load_equal"] = all(
+        torch.equal(a, b) for a, b in zip(state.model_tensors(model).values(), state.model_tensors(fresh).values())
+    )
     del fresh, fresh_opt
     shutil.rmtree(root)
 
@@ -221,7 +257,9 @@ def exact_run(size: str, device: torch.device, strategy: str, root: str, k: int,
     ck, _ = checkpointer(cfg, root)
     first = 1
     if resume:
-        point, _ = ck.restore(model, optimizer, CommittedIteration(os.path.join(os.path.dirname(root), "reference"), k), full=True)
+        point, _ = ck.restore(
+            model, optimizer, CommittedIteration(os.path.join(os.path.dirname(root), "reference"), k), full=True
+        )
         first = point.step + 1
     model.train()
     losses = {}
@@ -237,17 +275,45 @@ def exact(size: str, device: torch.device, strategy: str, work: str, k: int = 3,
     base = os.path.join(work, f"exact-{strategy}")
     reference = exact_run(size, device, strategy, os.path.join(base, "reference"), k, n, resume=False)
     # The resume runs in a fresh process, as after a crash: nothing of this one's state carries over.
-    proc = subprocess.run([sys.executable, __file__, "--phase", "resume", "--device", str(device), "--size", size,
-                           "--strategy", strategy, "--work", work, "--k", str(k), "--n", str(n)],
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--phase",
+            "resume",
+            "--device",
+            str(device),
+            "--size",
+            size,
+            "--strategy",
+            strategy,
+            "--work",
+            work,
+            "--k",
+            str(k),
+            "--n",
+            str(n),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     if proc.returncode != 0:
         return {"equal": False, "error": (proc.stdout + proc.stderr)[-4000:]}
     resumed = {int(s): v for s, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
     a, b = file_bytes(os.path.join(base, "reference"), n), file_bytes(os.path.join(base, "resumed"), n)
     differ = sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
     shutil.rmtree(base)
-    return {"k": k, "n": n, "files": sorted(a), "differ": differ, "equal": not differ and bool(a),
-            "losses_equal": all(resumed[s] == reference[s] for s in resumed), "losses": reference, "resumed_losses": resumed}
+    return {
+        "k": k,
+        "n": n,
+        "files": sorted(a),
+        "differ": differ,
+        "equal": not differ and bool(a),
+        "losses_equal": all(resumed[s] == reference[s] for s in resumed),
+        "losses": reference,
+        "resumed_losses": resumed,
+    }
 
 
 def determinism_cost(size: str, device: torch.device, steps: int = 10) -> dict:
@@ -307,20 +373,34 @@ def fork_safety() -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), **NO_THREADS_AT_LOAD}  # as the server imports
     results = {}
     for case in ("fresh", "query", "init"):
-        out = subprocess.run([sys.executable, "-c", FORK_CHILD, case], env=env, capture_output=True, text=True, timeout=300)
-        results[case] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
-    results["gate_holds"] = (results["fresh"].get("cannot_fork") is None and results["fresh"].get("fork_uses_cuda", "").startswith("ok")
-                             and results["query"].get("cannot_fork") is not None
-                             and results["init"].get("cannot_fork") == "CUDA is initialised in the server")
+        out = subprocess.run(
+            [sys.executable, "-c", FORK_CHILD, case], env=env, capture_output=True, text=True, timeout=300
+        )
+        results[case] = (
+            json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
+        )
+    results["gate_holds"] = (
+        results["fresh"].get("cannot_fork") is None
+        and results["fresh"].get("fork_uses_cuda", "").startswith("ok")
+        and results["query"].get("cannot_fork") is not None
+        and results["init"].get("cannot_fork") == "CUDA is initialised in the server"
+    )
     if importlib.util.find_spec("ray") is None:
         results["fit"] = "skipped: no Ray on this machine"
         return results
     if torch.cuda.device_count() < 2:
         results["fit"] = "skipped: 2 GPUs needed (one NCCL rank each)"
         return results
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "fork_parity.py"), "--gpu"], env=env, capture_output=True,
-                         text=True, timeout=900)
-    results["fit"] = [line for line in out.stdout.splitlines() if line.startswith("[fork-parity]")] or out.stderr[-2000:]
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "fork_parity.py"), "--gpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    results["fit"] = [line for line in out.stdout.splitlines() if line.startswith("[fork-parity]")] or out.stderr[
+        -2000:
+    ]
     return results
 
 
@@ -328,8 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="directory for gpu_check.json")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--size", default=None, help=f"speed part's model: {', '.join(SIZES)} (default 1b on a GPU, tiny on CPU)")
-    p.add_argument("--exact-size", default=None, help="model of the exactness parts (default small on a GPU, tiny on CPU)")
+    p.add_argument(
+        "--size", default=None, help=f"speed part's model: {', '.join(SIZES)} (default 1b on a GPU, tiny on CPU)"
+    )
+    p.add_argument(
+        "--exact-size", default=None, help="model of the exactness parts (default small on a GPU, tiny on CPU)"
+    )
     p.add_argument("--work", default=None, help="where checkpoints are written (default: a temp dir)")
     p.add_argument("--phase", default="all", choices=["all", "resume"], help=argparse.SUPPRESS)
     p.add_argument("--strategy", default="plain", help=argparse.SUPPRESS)
@@ -346,13 +430,21 @@ def main(argv: list[str] | None = None) -> int:
         gpu = device.type == "cuda"
         size, exact_size = args.size or ("1b" if gpu else "tiny"), args.exact_size or ("small" if gpu else "tiny")
         work = args.work or tempfile.mkdtemp(prefix="gpu-check-")
-        results: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device) if gpu else "cpu",
-                         "torch": torch.__version__, "backend": dist.get_backend(), "size": size, "exact_size": exact_size}
-        parts = [*([("fork", fork_safety)] if gpu else []),
-                 ("exact", lambda: exact(exact_size, device, "plain", work)),
-                 ("fsdp", lambda: exact(exact_size, device, "fsdp", work)),
-                 ("determinism", lambda: determinism_cost(exact_size, device)),
-                 ("speed", lambda: speed(size, device, work))]
+        results: dict = {
+            "date": time.strftime("%Y-%m-%d"),
+            "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+            "torch": torch.__version__,
+            "backend": dist.get_backend(),
+            "size": size,
+            "exact_size": exact_size,
+        }
+        parts = [
+            *([("fork", fork_safety)] if gpu else []),
+            ("exact", lambda: exact(exact_size, device, "plain", work)),
+            ("fsdp", lambda: exact(exact_size, device, "fsdp", work)),
+            ("determinism", lambda: determinism_cost(exact_size, device)),
+            ("speed", lambda: speed(size, device, work)),
+        ]
         for name, part in parts:
             start = time.perf_counter()
             try:
@@ -363,8 +455,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu-check] {name}: {summary(name, results[name])}", flush=True)
             write(args.out, results)
         results["ray_imported"] = "ray" in sys.modules  # the device has no Ray: nothing here may need it
-        ok = (all("error" not in results[n] for n, _ in parts) and results["exact"]["equal"] and results["fsdp"]["equal"]
-          and results.get("fork", {}).get("gate_holds", True))
+        ok = (
+            all("error" not in results[n] for n, _ in parts)
+            and results["exact"]["equal"]
+            and results["fsdp"]["equal"]
+            and results.get("fork", {}).get("gate_holds", True)
+        )
         write(args.out, results)
         print(f"[gpu-check] {'every check held' if ok else 'FAILED'}; results in {args.out or '(no --out)'}")
         return 0 if ok else 1
@@ -376,20 +472,27 @@ def summary(name: str, r: dict) -> str:
     if "error" in r:
         return "ERROR " + r["error"].splitlines()[-1][:300]
     if name in ("exact", "fsdp"):
-        return (f"steps 1..{r['n']} vs load {r['k']} + {r['k'] + 1}..{r['n']} in a fresh process: "
-                + ("shard bytes equal" if r["equal"] else f"DIFFER in {r['differ']}") + f", losses {'equal' if r['losses_equal'] else 'DIFFER'}")
+        return (
+            f"steps 1..{r['n']} vs load {r['k']} + {r['k'] + 1}..{r['n']} in a fresh process: "
+            + ("shard bytes equal" if r["equal"] else f"DIFFER in {r['differ']}")
+            + f", losses {'equal' if r['losses_equal'] else 'DIFFER'}"
+        )
     if name == "fork":
-        return (f"gate {'holds' if r['gate_holds'] else 'FAILED'}: torch imported: {r['fresh'].get('cannot_fork') or 'may fork'}, "
-                f"its fork on the GPU: {r['fresh'].get('fork_uses_cuda')}; after a device query: {r['query'].get('cannot_fork')} "
-                f"(torch's CUDA initialised: {r['query'].get('torch_cuda_initialized')}), its fork: {r['query'].get('fork_uses_cuda')}; "
-                f"after torch's CUDA: {r['init'].get('cannot_fork')}, its fork: {r['init'].get('fork_uses_cuda')}; "
-                f"fit on and off: {r['fit']}")
+        return (
+            f"gate {'holds' if r['gate_holds'] else 'FAILED'}: torch imported: {r['fresh'].get('cannot_fork') or 'may fork'}, "
+            f"its fork on the GPU: {r['fresh'].get('fork_uses_cuda')}; after a device query: {r['query'].get('cannot_fork')} "
+            f"(torch's CUDA initialised: {r['query'].get('torch_cuda_initialized')}), its fork: {r['query'].get('fork_uses_cuda')}; "
+            f"after torch's CUDA: {r['init'].get('cannot_fork')}, its fork: {r['init'].get('fork_uses_cuda')}; "
+            f"fit on and off: {r['fit']}"
+        )
     if name == "determinism":
         return f"{r['default_step_s'] * 1e3:.1f} ms/step, deterministic {r['deterministic_step_s'] * 1e3:.1f} ms/step ({r['deterministic_vs_default']:.2f}x)"
-    return (f"{r['params'] / 1e6:.1f}M params, {r['checkpoint_bytes'] / 1e9:.3f} GB: ours sync {r['ours_sync']['save_s']:.2f} s "
-            f"(DCP {r['dcp_save_s']:.2f} s, {r['ours_sync_save_vs_dcp_save']:.2f}x), async stall {r['ours_async']['stall_s']:.3f} s "
-            f"(DCP {r['dcp_async_stall_s']:.3f} s, {r['ours_async_stall_vs_dcp_async_stall']:.2f}x), load {r['ours_load_s']:.2f} s "
-            f"(DCP {r['dcp_load_s']:.2f} s, {r['ours_load_vs_dcp_load']:.2f}x)")
+    return (
+        f"{r['params'] / 1e6:.1f}M params, {r['checkpoint_bytes'] / 1e9:.3f} GB: ours sync {r['ours_sync']['save_s']:.2f} s "
+        f"(DCP {r['dcp_save_s']:.2f} s, {r['ours_sync_save_vs_dcp_save']:.2f}x), async stall {r['ours_async']['stall_s']:.3f} s "
+        f"(DCP {r['dcp_async_stall_s']:.3f} s, {r['ours_async_stall_vs_dcp_async_stall']:.2f}x), load {r['ours_load_s']:.2f} s "
+        f"(DCP {r['dcp_load_s']:.2f} s, {r['ours_load_vs_dcp_load']:.2f}x)"
+    )
 
 
 def write(out: str | None, results: dict) -> None:

@@ -20,8 +20,11 @@ from ray_resume.metrics import read_metrics  # noqa: F401  (re-exported for the 
 
 REPO = Path(__file__).resolve().parent.parent
 FINAL = 12  # train_steps of tiny_config
-STORAGE_SECRETS = {"access_key_id": "AKIATESTKEYID0000001", "secret_access_key": "s3cr3t/Value+0000000000000000000000000",
-                   "session_token": "FwoGZXIvYXdzEXAMPLEsessionTOKEN0000000000"}
+STORAGE_SECRETS = {
+    "access_key_id": "AKIATESTKEYID0000001",
+    "secret_access_key": "s3cr3t/Value+0000000000000000000000000",
+    "session_token": "FwoGZXIvYXdzEXAMPLEsessionTOKEN0000000000",
+}
 
 # Ray Train's controller polls its workers every 2 s by default: each job would wait up to that
 # long to learn that a rank finished or died. Set before any Ray starts, so the session's Ray
@@ -63,10 +66,20 @@ def s3():
         port = sock.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "region": "us-east-1",
-               "access_key_id": "testing", "secret_access_key": "testing"}
-    fs = pafs.S3FileSystem(endpoint_override=options["endpoint_url"], scheme="http", region="us-east-1",
-                           access_key="testing", secret_key="testing", allow_bucket_creation=True)
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "region": "us-east-1",
+        "access_key_id": "testing",
+        "secret_access_key": "testing",
+    }
+    fs = pafs.S3FileSystem(
+        endpoint_override=options["endpoint_url"],
+        scheme="http",
+        region="us-east-1",
+        access_key="testing",
+        secret_key="testing",
+        allow_bucket_creation=True,
+    )
     fs.create_dir("ckpts")
     yield options
     server.stop()
@@ -81,11 +94,30 @@ def tiny_config(tmp: Path, name: str = "tiny", **sections) -> dict:
     """
     cfg = {
         "name": name,
-        "model": {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layers": 1, "n_heads": 2, "dtype": "float32", "dropout": 0.1},
-        "data": {"path": str(tmp / "data"), "shuffle": True, "seed": 7,
-                 "synthetic": {"samples": 160, "files": 2, "row_groups_per_file": 3, "seed": 3}},
-        "training": {"global_batch_size": 16, "micro_batch_size": 4, "train_steps": 12, "lr": 1e-3, "seed": 42,
-                     "log_every": 4, "log_sample_ids": True},
+        "model": {
+            "vocab_size": 64,
+            "seq_len": 16,
+            "d_model": 32,
+            "n_layers": 1,
+            "n_heads": 2,
+            "dtype": "float32",
+            "dropout": 0.1,
+        },
+        "data": {
+            "path": str(tmp / "data"),
+            "shuffle": True,
+            "seed": 7,
+            "synthetic": {"samples": 160, "files": 2, "row_groups_per_file": 3, "seed": 3},
+        },
+        "training": {
+            "global_batch_size": 16,
+            "micro_batch_size": 4,
+            "train_steps": 12,
+            "lr": 1e-3,
+            "seed": 42,
+            "log_every": 4,
+            "log_sample_ids": True,
+        },
         "scaling": {"num_workers": 2},
         "failure": {"max_failures": 2},
         "checkpoint": {"save_path": str(tmp / "ckpt"), "save_interleaved_steps": 4},
@@ -104,9 +136,18 @@ def commit_by_hand(root, step: int, manifests: list, **common) -> dict:
     from ray_resume.checkpoint.commit import commit_iteration
     from ray_resume.checkpoint.storage import LocalStorage
 
-    common = {"global_step": step, "global_batch_size": 8, "step_num": step, "epoch_num": 0, "loss_scale": 1.0,
-              "consumed_samples": 8 * step, **common}
-    return commit_iteration(LocalStorage(), str(root), step, manifests, common, prefix="ckpt", config={"name": "test"}, job_id="test")
+    common = {
+        "global_step": step,
+        "global_batch_size": 8,
+        "step_num": step,
+        "epoch_num": 0,
+        "loss_scale": 1.0,
+        "consumed_samples": 8 * step,
+        **common,
+    }
+    return commit_iteration(
+        LocalStorage(), str(root), step, manifests, common, prefix="ckpt", config={"name": "test"}, job_id="test"
+    )
 
 
 def shard_bytes(root: str | Path, step: int) -> dict[str, bytes]:
@@ -150,15 +191,22 @@ def run_driver(tmp: Path, script: str, *args: str, timeout: float = 600) -> tupl
 
     driver = tmp / "driver.py"
     driver.write_text(script)
-    proc = subprocess.Popen([sys.executable, str(driver), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=tmp, start_new_session=True, env=env_for_subprocess())
+    proc = subprocess.Popen(
+        [sys.executable, str(driver), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp,
+        start_new_session=True,
+        env=env_for_subprocess(),
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
         end_group(proc)
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, out[-5000:]
-    return json.loads(lines[-1][len("RESULT "):]), out
+    return json.loads(lines[-1][len("RESULT ") :]), out
 
 
 def run_job(cfg: dict):
@@ -242,7 +290,9 @@ def assert_same_as_reference(root, reference) -> list[dict]:
     step run, before or after a crash."""
     for step in (4, 8, FINAL):
         assert shard_bytes(root, step) == shard_bytes(reference["root"], step), f"iteration {step} differs"
-        assert committed_as(root, step) == committed_as(reference["root"], step), f"iteration {step} is committed otherwise"
+        assert committed_as(root, step) == committed_as(reference["root"], step), (
+            f"iteration {step} is committed otherwise"
+        )
     assert len(shard_bytes(root, FINAL)) == 4  # model + opt for each of 2 ranks
     common = json.loads((Path(paths.iteration_dir(str(root), FINAL)) / "common.json").read_text())
     assert common["global_step"] == FINAL and common["consumed_samples"] == FINAL * 16
@@ -264,8 +314,12 @@ def assert_same_as_reference(root, reference) -> list[dict]:
 
 def pytest_terminal_summary(terminalreporter):
     """Where the docs' examples ran, how many of each kind there are (tests/doc_examples.py)."""
-    if any("test_doc_examples" in report.nodeid for reports in terminalreporter.stats.values() for report in reports
-           if hasattr(report, "nodeid")):
+    if any(
+        "test_doc_examples" in report.nodeid
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if hasattr(report, "nodeid")
+    ):
         import doc_examples
 
         terminalreporter.write_line(doc_examples.summary())

@@ -72,9 +72,25 @@ def blocks(doc: Path, text: str | None = None) -> list[Block]:
             continue
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         marker = MARKER.match(lines[i - 1].strip()) if i else None
-        kind = ("unmarked" if marker is None else "excerpt" if marker["path"] else "not run" if marker["why"] else marker.group(1))
-        out.append(Block(doc, i + 1, fence.group(1), kind, "\n".join(lines[i + 1:end]) + "\n",
-                         (marker["path"] or marker["why"] or "") if marker else ""))
+        kind = (
+            "unmarked"
+            if marker is None
+            else "excerpt"
+            if marker["path"]
+            else "not run"
+            if marker["why"]
+            else marker.group(1)
+        )
+        out.append(
+            Block(
+                doc,
+                i + 1,
+                fence.group(1),
+                kind,
+                "\n".join(lines[i + 1 : end]) + "\n",
+                (marker["path"] or marker["why"] or "") if marker else "",
+            )
+        )
         i = end + 1
     return out
 
@@ -89,15 +105,18 @@ def summary(docs=DOCS) -> str:
     count = tally(docs)
     runs = {kind: n for kind, n in count.items() if kind.startswith("run")}
     why = sorted({b.detail for doc in docs for b in blocks(doc) if b.kind == "not run"})
-    return (f"doc examples in README.md and docs/: {sum(runs.values())} run "
-            f"({', '.join(f'{n} {k[5:-1]}' for k, n in sorted(runs.items()))}), {count['output']} outputs compared, "
-            f"{count['excerpt']} excerpts checked, {count['not run']} not run ({'; '.join(why)}), {count['picture']} pictures"
-            + (f", {count['unmarked']} UNMARKED" if count["unmarked"] else ""))
+    return (
+        f"doc examples in README.md and docs/: {sum(runs.values())} run "
+        f"({', '.join(f'{n} {k[5:-1]}' for k, n in sorted(runs.items()))}), {count['output']} outputs compared, "
+        f"{count['excerpt']} excerpts checked, {count['not run']} not run ({'; '.join(why)}), {count['picture']} pictures"
+        + (f", {count['unmarked']} UNMARKED" if count["unmarked"] else "")
+    )
 
 
 @dataclass
 class Reader:
     """One document's reader: a scratch directory, and what the last `run` block printed."""
+
     scratch: Path
     env: dict
     printed: str = ""
@@ -132,8 +151,16 @@ class Reader:
             args = ["bash", "-e", "-c", code]
         else:
             raise AssertionError(f"{b.where}: a `run` block must be bash or python, not {b.lang or 'unnamed'}")
-        proc = subprocess.run(args, cwd=self.scratch, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout, start_new_session=True)
+        proc = subprocess.run(
+            args,
+            cwd=self.scratch,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
         self.printed = ANSI.sub("", proc.stdout)
         self.ran.append(b.where)
         assert proc.returncode == 0, f"{b.where} exited {proc.returncode}:\n{self.printed[-4000:]}"
@@ -150,17 +177,26 @@ def compare(b: Block, printed: str) -> None:
         if shown.strip() in ("", "…"):
             continue
         pattern = _pattern(shown.rstrip())
-        hit = next(((key, i) for key, lines in streams.items() for i in range(at[key], len(lines)) if pattern.fullmatch(lines[i])),
-                   None)
-        assert hit is not None, (f"{b.where}: the run did not print, in this order,\n  {shown}\n"
-                                 f"it printed:\n" + "\n".join(printed.splitlines()[-60:]))
+        hit = next(
+            (
+                (key, i)
+                for key, lines in streams.items()
+                for i in range(at[key], len(lines))
+                if pattern.fullmatch(lines[i])
+            ),
+            None,
+        )
+        assert hit is not None, (
+            f"{b.where}: the run did not print, in this order,\n  {shown}\n"
+            f"it printed:\n" + "\n".join(printed.splitlines()[-60:])
+        )
         at[hit[0]] = hit[1] + 1
 
 
 def _pattern(shown: str) -> re.Pattern:
     parts, last = [], 0
     for m in re.finditer(r"…|" + DURATION.pattern, shown):
-        parts += [re.escape(shown[last:m.start()]), ".*?" if m.group() == "…" else r"[\d.:]+"]
+        parts += [re.escape(shown[last : m.start()]), ".*?" if m.group() == "…" else r"[\d.:]+"]
         last = m.end()
     return re.compile("".join(parts) + re.escape(shown[last:]))
 

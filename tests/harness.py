@@ -86,7 +86,9 @@ class DriverSide(controller_module.JobController, MemoryKeeper):
 
     def __init__(self, save_path: str, job_id: str, config: dict, plan=None, storage_faults=None, setup=None):
         _prepare(storage_faults, setup)
-        controller_module.JobController.__init__(self, save_path, job_id, config, driver_pid=os.getpid(), first_plan=plan)
+        controller_module.JobController.__init__(
+            self, save_path, job_id, config, driver_pid=os.getpid(), first_plan=plan
+        )
         MemoryKeeper.__init__(self)
 
     def claim_fault(self) -> bool:
@@ -118,7 +120,9 @@ class SlowRetention(DriverSide):
         deadline = time.monotonic() + 60
         while self.last_committed() == started_at and not self.ending and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.deletions.append({"step": step, "blocked_at_commit": started_at, "released_at_commit": self.last_committed()})
+        self.deletions.append(
+            {"step": step, "blocked_at_commit": started_at, "released_at_commit": self.last_committed()}
+        )
         super()._remove_iteration(step)
 
     def deletions_done(self) -> list[dict]:
@@ -172,14 +176,34 @@ def _prepare(storage_faults, setup) -> None:
         setup[0](*setup[1:])
 
 
-def _rank(rank: int, world: int, init: str, cfg_dict: dict, controller, train_func, config: dict, job_id: str, preempted,
-          storage_faults, setup) -> None:
+def _rank(
+    rank: int,
+    world: int,
+    init: str,
+    cfg_dict: dict,
+    controller,
+    train_func,
+    config: dict,
+    job_id: str,
+    preempted,
+    storage_faults,
+    setup,
+) -> None:
     _prepare(storage_faults, setup)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    if train_func is built_in_train_func:  # its Ray parts swapped: the CPU, LocalStream, the harness's preemption notice
+    # its Ray parts swapped: the CPU, LocalStream, the harness's preemption notice
+    if train_func is built_in_train_func:
+
         def train_func(config):
-            train_worker(get_checkpointer(), torch.device("cpu"), config["plugins"], stream=LocalStream, preempted=preempted,
-                         units=[ReadUnit(*u) for u in config["units"]])
+            train_worker(
+                get_checkpointer(),
+                torch.device("cpu"),
+                config["plugins"],
+                stream=LocalStream,
+                preempted=preempted,
+                units=[ReadUnit(*u) for u in config["units"]],
+            )
+
     run_rank(Config.from_dict(cfg_dict), ControllerClient(controller), rank, world, train_func, config, job_id=job_id)
     dist.barrier()
     os._exit(0)  # not a teardown of the group under live DDP objects: that sometimes hangs at exit
@@ -242,8 +266,16 @@ class LocalBackend:
     `setup`, (function, *args), is called in each of those processes as it starts. SIGTERM to this
     process asks the job to stop, as it does the driver's (`driver.stop_on_sigterm`)."""
 
-    def __init__(self, *, controller: str = "JobController", preempted=never, timeout: float = 120, inspect=None,
-                 storage_faults=None, setup=None):
+    def __init__(
+        self,
+        *,
+        controller: str = "JobController",
+        preempted=never,
+        timeout: float = 120,
+        inspect=None,
+        storage_faults=None,
+        setup=None,
+    ):
         self.controller, self.preempted, self.timeout, self.inspect = controller, preempted, timeout, inspect
         self.storage_faults, self.setup = storage_faults, setup
         self.outcome: Outcome | None = None  # once the job has run
@@ -255,11 +287,20 @@ class LocalBackend:
         driver.start()
         self.driver_pid = driver._process.pid
         try:
-            controller = getattr(driver, self.controller)(cfg.checkpoint.save_path, job_id, cfg.to_dict(), plan, self.storage_faults,
-                                                          self.setup)
+            controller = getattr(driver, self.controller)(
+                cfg.checkpoint.save_path, job_id, cfg.to_dict(), plan, self.storage_faults, self.setup
+            )
             ours = loop_config[INTERNAL]
-            args = (cfg.to_dict(), controller, ours["train_func"], loop_config[USER], job_id, self.preempted,
-                    self.storage_faults, self.setup)
+            args = (
+                cfg.to_dict(),
+                controller,
+                ours["train_func"],
+                loop_config[USER],
+                job_id,
+                self.preempted,
+                self.storage_faults,
+                self.setup,
+            )
             attempts, error, result = 0, None, None
             with stop_on_sigterm(functools.partial(_if_alive, driver, controller.request_stop), cfg.name):
                 for attempts in range(1, cfg.failure.max_failures + 2):
@@ -275,8 +316,12 @@ class LocalBackend:
             if error == "driver died":
                 self.outcome = Outcome(None, attempts, True, error)
                 return JobOutcome(failure=RuntimeError(error), wall_s=time.monotonic() - started)
-            self.outcome = Outcome(result.committed, attempts, False, result.user_error or error or result.commit_error, result.attempts)
-            return dataclasses.replace(result, failure=RuntimeError(error) if error else None, wall_s=time.monotonic() - started)
+            self.outcome = Outcome(
+                result.committed, attempts, False, result.user_error or error or result.commit_error, result.attempts
+            )
+            return dataclasses.replace(
+                result, failure=RuntimeError(error) if error else None, wall_s=time.monotonic() - started
+            )
         finally:
             driver.shutdown()
 

@@ -111,8 +111,15 @@ def train(steps: int, gbs: int):
 def common_info(steps: int, gbs: int):
     from mindformers.checkpoint.checkpoint import CommonInfo
 
-    return CommonInfo(epoch_num=0, step_num=steps, global_step=steps, loss_scale=1.0, global_batch_size=gbs,
-                      consumed_samples=steps * gbs, ckpt_status=0)
+    return CommonInfo(
+        epoch_num=0,
+        step_num=steps,
+        global_step=steps,
+        loss_scale=1.0,
+        global_batch_size=gbs,
+        consumed_samples=steps * gbs,
+        ckpt_status=0,
+    )
 
 
 def save(root: str, out: str, steps: int, gbs: int) -> None:
@@ -129,7 +136,12 @@ def save_cards(root: str, out: str, steps: int, gbs: int) -> None:
     from mindspore.parallel import Layout
     from mindformers.checkpoint.metadata import save_metadata
     from mindformers.checkpoint.sharded_tensor import build_sharded_tensor
-    from mindformers.checkpoint.utils import get_checkpoint_iter_dir, get_checkpoint_name, get_checkpoint_tracker_filename, FileType
+    from mindformers.checkpoint.utils import (
+        get_checkpoint_iter_dir,
+        get_checkpoint_name,
+        get_checkpoint_tracker_filename,
+        FileType,
+    )
 
     net, optimizer = train(steps, gbs)
     dump(out, [net, optimizer])
@@ -152,14 +164,20 @@ def save_cards(root: str, out: str, steps: int, gbs: int) -> None:
             if moment:  # this card's half of the rows, as optimizer parallelism shards it
                 rows = value.shape[0] // world
                 offset = (rank * rows,) + (0,) * (value.ndim - 1)
-                local = value[rank * rows:(rank + 1) * rows]
+                local = value[rank * rows : (rank + 1) * rows]
                 layout = halves("dp", *(["None"] * (value.ndim - 1)))
                 group = [rank]
             else:  # the whole model on every card, a data-parallel copy
                 offset, local, layout, group = (0,) * value.ndim, value, None, list(range(world))
             metas[rank][name] = build_sharded_tensor(
-                param_name=name, param_dtype=param.dtype, local_shape=local.shape, global_shape=value.shape, global_offset=offset,
-                axis_fragmentations=[world if moment else 1] + [1] * (value.ndim - 1), layout=layout)
+                param_name=name,
+                param_dtype=param.dtype,
+                local_shape=local.shape,
+                global_shape=value.shape,
+                global_offset=offset,
+                axis_fragmentations=[world if moment else 1] + [1] * (value.ndim - 1),
+                layout=layout,
+            )
             mappings.append((file, rank, group, (name, offset)))
             files.setdefault(file, []).append({"name": name, "data": ms.Tensor(local)})
     for file, params in files.items():

@@ -34,15 +34,20 @@ def build_not_a_module(model_section):
 def build_batchnorm(model_section):
     """An MLP with BatchNorm: running statistics that differ between ranks after every step."""
     args = model_section["args"]
-    return nn.Sequential(nn.Linear(args["features"], args["hidden"]), nn.BatchNorm1d(args["hidden"]), nn.ReLU(),
-                         nn.Linear(args["hidden"], 1))
+    return nn.Sequential(
+        nn.Linear(args["features"], args["hidden"]),
+        nn.BatchNorm1d(args["hidden"]),
+        nn.ReLU(),
+        nn.Linear(args["hidden"], 1),
+    )
 
 
 def loss_per_token(model, batch):
     """A loss that forgot to reduce: one value per token (a mistake only a rank can find)."""
     logits = model(batch["input_ids"][:, :-1])
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1).long(),
-                                             reduction="none")
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1).long(), reduction="none"
+    )
 
 
 def build_gpt2(model_section):
@@ -50,15 +55,26 @@ def build_gpt2(model_section):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     m = model_section
-    return GPT2LMHeadModel(GPT2Config(vocab_size=m["vocab_size"], n_positions=m["seq_len"], n_embd=m["d_model"],
-                                      n_layer=m["n_layers"], n_head=m["n_heads"], bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=m["vocab_size"],
+            n_positions=m["seq_len"],
+            n_embd=m["d_model"],
+            n_layer=m["n_layers"],
+            n_head=m["n_heads"],
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def hf_loss(model, batch):
     """Next-token loss of a Hugging Face causal LM, which returns an output object, not logits."""
     ids = batch["input_ids"]
     logits = model(input_ids=ids[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).long())
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).long()
+    )
 
 
 def shift_tokens(batch):

@@ -79,9 +79,22 @@ class FaultyStorage:
             time.sleep(fault.delay_s)
             if fault.delay_s and index not in _delayed:
                 _delayed.add(index)
-                _append(self.record, {"pid": os.getpid(), "method": method, "path": path, "at": time.time(), "delayed": fault.delay_s,
-                                      "once": fault.once})
-            if hit is None and fault.nth <= _calls[index] < fault.nth + fault.times and (not fault.once or _first_to_claim(fault.once)):
+                _append(
+                    self.record,
+                    {
+                        "pid": os.getpid(),
+                        "method": method,
+                        "path": path,
+                        "at": time.time(),
+                        "delayed": fault.delay_s,
+                        "once": fault.once,
+                    },
+                )
+            if (
+                hit is None
+                and fault.nth <= _calls[index] < fault.nth + fault.times
+                and (not fault.once or _first_to_claim(fault.once))
+            ):
                 hit = fault
         if hit:
             _append(self.record, {"pid": os.getpid(), "method": method, "path": path, "at": time.time(), **asdict(hit)})

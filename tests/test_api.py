@@ -46,7 +46,9 @@ def train_func(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(config["dropout"]), torch.nn.Linear(32, 3))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(config["dropout"]), torch.nn.Linear(32, 3)
+    )
     model = ray.train.torch.prepare_model(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=0.01)
@@ -85,10 +87,13 @@ def fit(root, *, workers: int = 2, load=None, **loop):
     import ray.train
 
     try:
-        result = ray_resume.fit(train_func, train_loop_config=loop,
-                                checkpoint={"save_path": str(root), "load_path": str(load or root), "save_interleaved_steps": EVERY},
-                                scaling_config=ray.train.ScalingConfig(num_workers=workers),
-                                run_config=ray.train.RunConfig(failure_config=ray.train.FailureConfig(max_failures=2)))
+        result = ray_resume.fit(
+            train_func,
+            train_loop_config=loop,
+            checkpoint={"save_path": str(root), "load_path": str(load or root), "save_interleaved_steps": EVERY},
+            scaling_config=ray.train.ScalingConfig(num_workers=workers),
+            run_config=ray.train.RunConfig(failure_config=ray.train.FailureConfig(max_failures=2)),
+        )
     except ray.train.TrainingFailedError as exc:
         pytest.fail(f"training failed: {exc}")
     assert result.committed_iteration == STEPS and result.checkpoint.path.endswith(f"iteration_{STEPS:08d}")
@@ -110,7 +115,9 @@ def test_your_train_func_resumes_byte_identical_after_a_worker_sigkill_and_on_an
     weights = {}
     for workers in (2, 1):
         fit(tmp_path / f"on{workers}", workers=workers, load=at8, dropout=0.0)
-        weights[workers] = load_state(LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / f"on{workers}"), STEPS), "model")
+        weights[workers] = load_state(
+            LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / f"on{workers}"), STEPS), "model"
+        )
     assert weights[1].keys() == weights[2].keys() == {"0.weight", "0.bias", "3.weight", "3.bias"}
     for name, tensor in weights[2].items():
         torch.testing.assert_close(weights[1][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
@@ -142,8 +149,10 @@ def test_extra_state_that_json_and_safetensors_cannot_hold_is_refused_by_key_pat
     assert torch.equal(torch.randn(2, generator=back["g"]), expected)  # the generator's stream goes on
     with pytest.raises(ConfigError) as err:
         dump_extra({"h": Holder({"inner": {"when": object()}})})
-    assert str(err.value) == ("extra['h']['inner']['when'] is a object; extra state may hold tensors, numbers, strings, bools, "
-                              "None, and lists, tuples and dicts of them (no pickle)")
+    assert str(err.value) == (
+        "extra['h']['inner']['when'] is a object; extra state may hold tensors, numbers, strings, bools, "
+        "None, and lists, tuples and dicts of them (no pickle)"
+    )
 
 
 @pytest.mark.invariant(6, 13)
@@ -167,8 +176,12 @@ def test_extra_state_with_no_save_optim_is_refused_before_anything_loads(tmp_pat
     from ray_resume.errors import ConfigError
 
     cfg = Config.from_dict({"name": "x", "checkpoint": {"save_path": str(tmp_path), "no_save_optim": True}})
-    ck = RankCheckpointer(RankJob(cfg, controller=None, rank=0, world=1, job_id="j", start=AttemptStart(0, ResumePlan()), faults=None))
+    ck = RankCheckpointer(
+        RankJob(cfg, controller=None, rank=0, world=1, job_id="j", start=AttemptStart(0, ResumePlan()), faults=None)
+    )
     model = torch.nn.Linear(2, 2)
     sched = torch.optim.lr_scheduler.StepLR(opt := torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
-    with pytest.raises(ConfigError, match="extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out"):
+    with pytest.raises(
+        ConfigError, match="extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out"
+    ):
         ck.restore(model, opt, extra={"sched": sched})

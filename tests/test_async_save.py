@@ -55,8 +55,17 @@ class FakeCoordinator:
 
 
 def checkpointer_for(root: Path, rank: int, world: int, *, coordinator=None, **checkpoint):
-    cfg = Config.from_dict(tiny_config(root.parent, checkpoint={"save_path": str(root), "save_interleaved_steps": 1, **checkpoint}))
-    return Checkpointer(cfg.checkpoint, coordinator or FakeCoordinator(), rank, world, attempt=0, faults=FaultInjector(None, rank, lambda: True))
+    cfg = Config.from_dict(
+        tiny_config(root.parent, checkpoint={"save_path": str(root), "save_interleaved_steps": 1, **checkpoint})
+    )
+    return Checkpointer(
+        cfg.checkpoint,
+        coordinator or FakeCoordinator(),
+        rank,
+        world,
+        attempt=0,
+        faults=FaultInjector(None, rank, lambda: True),
+    )
 
 
 def files_of(root: Path, step: int) -> dict[str, bytes]:
@@ -73,16 +82,26 @@ def test_streamed_shards_are_exactly_what_safetensors_writes(dtype):
             assert [shard.kind for shard in shard_layouts(states, rank, world)] == ["model", "opt"]
             for shard in shard_layouts(states, rank, world):
                 extras = {RANK_EXTRAS_KEY: '{"rng": "x\\"y"}'} if shard.kind == "opt" else None
-                ours = b"".join(bytes(c) for c in [safetensors_header(shard, extras), *live_data(shard, states[shard.kind])])
+                ours = b"".join(
+                    bytes(c) for c in [safetensors_header(shard, extras), *live_data(shard, states[shard.kind])]
+                )
                 # Each piece a box of rows, in its own shape (what MindFormers' metadata calls local_shape).
-                pieces = {e.piece.name: states[shard.kind][e.piece.name].reshape(-1)[e.piece.start : e.piece.start + e.piece.numel]
-                          .reshape(local_shape(e.spec, e.piece)).clone() for e in shard.entries}
+                pieces = {
+                    e.piece.name: states[shard.kind][e.piece.name]
+                    .reshape(-1)[e.piece.start : e.piece.start + e.piece.numel]
+                    .reshape(local_shape(e.spec, e.piece))
+                    .clone()
+                    for e in shard.entries
+                }
                 assert ours == safetensors.torch.save(pieces, metadata=extras), (shard.kind, rank, world)
 
 
 # How a save is written: on the training thread, by the writer thread, or by a writer process.
-MODES = {"sync": {"async_save": False}, "thread": {"async_save": True, "async_writer": "thread"},
-         "process": {"async_save": True, "async_writer": "process"}}
+MODES = {
+    "sync": {"async_save": False},
+    "thread": {"async_save": True, "async_writer": "thread"},
+    "process": {"async_save": True, "async_writer": "process"},
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -162,7 +181,8 @@ def test_a_writer_process_killed_mid_write_loses_that_save_only(tmp_path, caplog
     assert coordinator.reports == []
     assert [r.getMessage() for r in caplog.records if "not saved" in r.getMessage()] == [
         f"rank 0: iteration 1 is not saved: the writer process (pid {killed[0]}) ended (killed by SIGKILL) while writing "
-        "ckpt-model-0000000-0000001.safetensors, ckpt-opt-0000000-0000001.safetensors; the next save starts a new writer"]
+        "ckpt-model-0000000-0000001.safetensors, ckpt-opt-0000000-0000001.safetensors; the next save starts a new writer"
+    ]
     torch.manual_seed(7)
     ck.save(2, model, opt, {"global_step": 2})
     ck.close()
@@ -188,18 +208,21 @@ def test_a_storage_error_surfaces_the_same_from_the_thread_and_the_process(tmp_p
     finally:
         storage_module.wrappers.clear()
     path = tmp_path / "ckpt" / "iteration_00000001" / "ckpt-model-0000000-0000001.safetensors"
-    assert str(info.value) == ("asynchronous checkpoint save of iteration 1 failed: "
-                               "OSError(28, 'injected ENOSPC on write')")
+    assert str(info.value) == (
+        "asynchronous checkpoint save of iteration 1 failed: OSError(28, 'injected ENOSPC on write')"
+    )
     assert type(info.value.__cause__) is OSError and info.value.__cause__.errno == errno.ENOSPC
     assert [(f["method"], f["pid"] != os.getpid()) for f in storage_faults.injected(record)] == [
-        ("write_durable", mode == "process")], path
+        ("write_durable", mode == "process")
+    ], path
 
 
 def test_the_writer_process_dies_with_its_rank(tmp_path):
     """A rank SIGKILLed leaves no writer behind (PR_SET_PDEATHSIG): nothing it wrote can be reported,
     and no process outlives the job."""
     script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, signal, sys
         sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parent.parent)]!r}
         from pathlib import Path
@@ -211,7 +234,8 @@ def test_the_writer_process_dies_with_its_rank(tmp_path):
         ck.close()
         print(ck.writer.pid, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    """))
+    """)
+    )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     pid = int(proc.stdout.split()[-1])

@@ -21,7 +21,11 @@ def test_small_benchmark_writes_every_row(tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run(  # on the session's Ray (RAY_ADDRESS), as on a cluster's
         [sys.executable, "-m", "benchmarks.checkpoint", "--small", "--out", str(out), "--dir", str(tmp_path / "work")],
-        cwd=REPO, env=env_for_subprocess(join_session_ray=True), capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env_for_subprocess(join_session_ray=True),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -37,11 +41,13 @@ def test_small_benchmark_writes_every_row(tmp_path):
     assert 3 * 4 * params < tiny["checkpoint_bytes"] < 3 * 4 * params + (64 << 10)
     assert all(tiny[row] > 0 for row in ROWS if row.endswith("_s"))
     # Every ratio is the ratio of its own two rows (a row computed from the wrong pair fails here).
-    for ratio, (a, b) in {"ours_vs_raw": ("ours_save_gbps", "raw_write_gbps"),
-                          "ours_save_vs_dcp_save": ("ours_sync_save_s", "dcp_save_s"),
-                          "ours_load_vs_torch_load": ("ours_load_s", "torch_load_s"),
-                          "load_bytes_read_vs_checkpoint": ("ours_load_bytes_read", "checkpoint_bytes"),
-                          "load_balanced_bytes_read_vs_checkpoint": ("ours_load_balanced_bytes_read", "checkpoint_bytes")}.items():
+    for ratio, (a, b) in {
+        "ours_vs_raw": ("ours_save_gbps", "raw_write_gbps"),
+        "ours_save_vs_dcp_save": ("ours_sync_save_s", "dcp_save_s"),
+        "ours_load_vs_torch_load": ("ours_load_s", "torch_load_s"),
+        "load_bytes_read_vs_checkpoint": ("ours_load_bytes_read", "checkpoint_bytes"),
+        "load_balanced_bytes_read_vs_checkpoint": ("ours_load_balanced_bytes_read", "checkpoint_bytes"),
+    }.items():
         assert tiny[ratio] == pytest.approx(tiny[a] / tiny[b], rel=1e-3, abs=1e-4), ratio
     # Bytes, not timings: each of the 2 ranks reads the whole replicated checkpoint directly, and with
     # load_balanced each byte once (the JSON files and the verifiers' headers are the few percent over).
@@ -50,8 +56,10 @@ def test_small_benchmark_writes_every_row(tmp_path):
     assert len(tiny["ours_vs_raw_pairs"]) == 2
     assert tiny["ours_vs_raw_paired"] == pytest.approx(sum(tiny["ours_vs_raw_pairs"]) / 2, abs=1e-4)  # the median of 2
     # The console table shows the JSON's numbers.
-    assert f"| load, load_balanced (bytes read / ckpt) | {tiny['ours_load_balanced_s']:.3f} s " \
-           f"({tiny['load_balanced_bytes_read_vs_checkpoint']:.2f}x) |" in proc.stdout
+    assert (
+        f"| load, load_balanced (bytes read / ckpt) | {tiny['ours_load_balanced_s']:.3f} s "
+        f"({tiny['load_balanced_bytes_read_vs_checkpoint']:.2f}x) |" in proc.stdout
+    )
     assert "| ours async: stall (buffers reused) |" in proc.stdout
     assert not list((tmp_path / "work").iterdir())  # checkpoints of the benchmark are cleaned up
 
@@ -60,9 +68,28 @@ def test_small_benchmark_writes_every_row(tmp_path):
 def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
     out = tmp_path / "throughput.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.throughput", "--sizes", "tiny", "--rounds", "1", "--cycles", "1",
-         "--intervals", "2,3", "--out", str(out), "--dir", str(tmp_path / "work")],
-        cwd=REPO, env=env_for_subprocess(join_session_ray=True), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.throughput",
+            "--sizes",
+            "tiny",
+            "--rounds",
+            "1",
+            "--cycles",
+            "1",
+            "--intervals",
+            "2,3",
+            "--out",
+            str(out),
+            "--dir",
+            str(tmp_path / "work"),
+        ],
+        cwd=REPO,
+        env=env_for_subprocess(join_session_ray=True),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tiny = json.loads(out.read_text())["sizes"]["tiny"]
@@ -81,8 +108,14 @@ def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
 
 def test_restart_floor_times_the_imports_of_a_restarted_worker(tmp_path):
     out = tmp_path / "floor.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.restart_floor", "--rounds", "1", "--out", str(out)],
-                          cwd=REPO, env=env_for_subprocess(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.restart_floor", "--rounds", "1", "--out", str(out)],
+        cwd=REPO,
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert set(results["rows"]) == {f"{case}, {n} at once" for case in ("interpreter", "imports") for n in (1, 2)}
@@ -97,8 +130,14 @@ def test_dcp_reads_loads_every_layout_and_counts_what_each_rank_read(tmp_path):
     """`benchmarks/dcp_reads.py --size small`: every load of the table runs, one count per rank; a load
     on the saving layout or on one rank reads each byte of ours once (no timing)."""
     out = tmp_path / "reads.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.dcp_reads", "--size", "small", "--out", str(out)],
-                          cwd=REPO, env=env_for_subprocess(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.dcp_reads", "--size", "small", "--out", str(out)],
+        cwd=REPO,
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     rows = {(r["checkpoint"], r["loaded as"]): r for r in results["loads"]}

@@ -22,7 +22,15 @@ from ray_resume.checkpoint import names, paths, reader, state
 from ray_resume.checkpoint.digest import BlockDigests, block_bounds
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.plan import SavePlan, TensorSpec
-from ray_resume.checkpoint.reader import ShardReader, check_no_extra_shards, find_committed, load_rank_extras, open_iteration, plan_reads, read_verified
+from ray_resume.checkpoint.reader import (
+    ShardReader,
+    check_no_extra_shards,
+    find_committed,
+    load_rank_extras,
+    open_iteration,
+    plan_reads,
+    read_verified,
+)
 from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage, storage_for
 from ray_resume.checkpoint.writer import CHECKSUM_BLOCK, save_shards
@@ -34,18 +42,33 @@ def test_names_are_the_specs():
     assert paths.iteration_dirname(200) == "iteration_00000200"
     assert paths.shard_filename("ckpt", "model", 1, 8) == "ckpt-model-0000001-0000008.safetensors"
     assert paths.shard_filename("ckpt", "opt", 7, 8) == "ckpt-opt-0000007-0000008.safetensors"
-    assert paths.parse_shard_filename("ckpt-opt-0000007-0000008.safetensors") == {"prefix": "ckpt", "kind": "opt", "rank": 7, "world": 8}
+    assert paths.parse_shard_filename("ckpt-opt-0000007-0000008.safetensors") == {
+        "prefix": "ckpt",
+        "kind": "opt",
+        "rank": 7,
+        "world": 8,
+    }
     # MindFormers' own names: the prefix is optional, and may hold dashes and the kinds' words.
-    assert paths.parse_shard_filename("model-0000000-0000001.safetensors") == {"prefix": None, "kind": "model", "rank": 0, "world": 1}
+    assert paths.parse_shard_filename("model-0000000-0000001.safetensors") == {
+        "prefix": None,
+        "kind": "model",
+        "rank": 0,
+        "world": 1,
+    }
     assert paths.parse_shard_filename("my-opt-7b-model-0000002-0000008.safetensors")["prefix"] == "my-opt-7b"
     # Optimizer state as MindFormers names it: Adam's moments, the fp32 main param; other slots keep torch's name.
-    assert [names.state_name("fc.weight", slot) for slot in ("exp_avg", "exp_avg_sq", "main_param", "step", "momentum_buffer")] == [
-        "adam_m.fc.weight", "adam_v.fc.weight", "main_param.fc.weight", "step.fc.weight", "momentum_buffer.fc.weight"]
+    assert [
+        names.state_name("fc.weight", slot)
+        for slot in ("exp_avg", "exp_avg_sq", "main_param", "step", "momentum_buffer")
+    ] == ["adam_m.fc.weight", "adam_v.fc.weight", "main_param.fc.weight", "step.fc.weight", "momentum_buffer.fc.weight"]
     assert names.parse_state_name("adam_v.h.0.attn.weight") == ("h.0.attn.weight", "exp_avg_sq")
     assert names.parse_state_name("global_step") == (None, "global_step")
     assert paths.parse_iteration_dirname("iteration_00000200") == 200
     assert paths.parse_iteration_dirname("iteration_200") is None
-    assert paths.join("s3://bucket/run", "iteration_00000001", "common.json") == "s3://bucket/run/iteration_00000001/common.json"
+    assert (
+        paths.join("s3://bucket/run", "iteration_00000001", "common.json")
+        == "s3://bucket/run/iteration_00000001/common.json"
+    )
     assert paths.tracker_path("/x/ckpt/") == "/x/ckpt/latest_checkpointed_iteration.txt"
 
 
@@ -58,10 +81,14 @@ def test_save_plan_covers_every_element_once_in_row_chunks_and_balances_bytes(se
 
     monkeypatch.setattr(plan_module, "MIN_PART", 64)  # small tensors, so that the cutting runs
     rng = random.Random(seed)
-    kinds = {kind: [TensorSpec(f"{kind}{i}", "F32", shape, 4, sharded=bool(shape) and rng.random() < 0.3)
-                    for i in range(rng.randint(1, 25))
-                    for shape in [tuple(rng.choice([1, 2, 3, 6, 12, 17, 40, 64]) for _ in range(rng.randint(0, 3)))]]
-             for kind in ("model", "opt")}
+    kinds = {
+        kind: [
+            TensorSpec(f"{kind}{i}", "F32", shape, 4, sharded=bool(shape) and rng.random() < 0.3)
+            for i in range(rng.randint(1, 25))
+            for shape in [tuple(rng.choice([1, 2, 3, 6, 12, 17, 40, 64]) for _ in range(rng.randint(0, 3)))]
+        ]
+        for kind in ("model", "opt")
+    }
     for world in (1, 2, 3, 7, 64):
         plan = SavePlan(kinds, world)
         for kind, specs in kinds.items():
@@ -77,13 +104,17 @@ def test_save_plan_covers_every_element_once_in_row_chunks_and_balances_bytes(se
                 chunks = plan.chunks(kind, spec.name)
                 if spec.sharded:  # as FSDP2's torch.chunk gives each rank its rows
                     held = torch.zeros(spec.shape).chunk(world)
-                    assert [(r, p.numel) for r, p in chunks] == [(r, t.numel()) for r, t in enumerate(held) if t.numel()] or not spec.numel
+                    assert [(r, p.numel) for r, p in chunks] == [
+                        (r, t.numel()) for r, t in enumerate(held) if t.numel()
+                    ] or not spec.numel
                 else:  # whole, or equal parts on distinct ranks
                     assert len({p.numel for _, p in chunks}) == 1 and len({r for r, _ in chunks}) == len(chunks)
         replicated = [(kind, s) for kind, specs in kinds.items() for s in specs if not s.sharded]
         parts = [p.numel * s.itemsize for kind, s in replicated for _, p in plan.chunks(kind, s.name)]
-        held = [sum(p.numel * s.itemsize for kind, s in replicated for r, p in plan.chunks(kind, s.name) if r == rank)
-                for rank in range(world)]
+        held = [
+            sum(p.numel * s.itemsize for kind, s in replicated for r, p in plan.chunks(kind, s.name) if r == rank)
+            for rank in range(world)
+        ]
         # Largest first, a tensor's k parts onto the k ranks holding the least (each then holds at most
         # 1/(W - k + 1) of the replicated bytes placed): no rank above that plus one part.
         cut = max((len(plan.chunks(kind, s.name)) for kind, s in replicated), default=1)
@@ -100,15 +131,32 @@ def make_state(seed=0, dtype=torch.float32):
     return model, opt
 
 
-def write_iteration(root: Path, world: int, step: int = 5, model=None, opt=None, block_size: int = CHECKSUM_BLOCK,
-                    checksum: str = "xxh3-128") -> Path:
+def write_iteration(
+    root: Path,
+    world: int,
+    step: int = 5,
+    model=None,
+    opt=None,
+    block_size: int = CHECKSUM_BLOCK,
+    checksum: str = "xxh3-128",
+) -> Path:
     """Every rank's shards (written from one process) and the driver's JSON and tracker."""
     model, opt = (model, opt) if model is not None else make_state()
     storage = LocalStorage()
     manifests = [
-        save_shards(storage, str(root), step, prefix="ckpt", rank=r, world_size=world,
-                    model_state=state.model_tensors(model), optim_state=opt.state_tensors(),
-                    rank_extras={"rank": str(r)}, block_size=block_size, checksum=checksum)
+        save_shards(
+            storage,
+            str(root),
+            step,
+            prefix="ckpt",
+            rank=r,
+            world_size=world,
+            model_state=state.model_tensors(model),
+            optim_state=opt.state_tensors(),
+            rank_extras={"rank": str(r)},
+            block_size=block_size,
+            checksum=checksum,
+        )
         for r in range(world)
     ]
     commit_by_hand(root, step, manifests)
@@ -146,7 +194,9 @@ CHECKSUMS = {"xxh3-128": lambda b: xxhash.xxh3_128(b).hexdigest(), "sha256": lam
 @pytest.mark.parametrize("flip", [None, "requested", "skipped"])
 @pytest.mark.parametrize("block_size", [CHECKSUM_BLOCK, 100])
 @pytest.mark.invariant(7, 12)
-def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(tmp_path, monkeypatch, flip, block_size, checksum):
+def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(
+    tmp_path, monkeypatch, flip, block_size, checksum
+):
     """read_checked with 40-byte reads: requested spans are read into their tensors, the bytes
     between them go through the two alternating scratch buffers, and the digest of each checksum
     block (one data block, or many of 100 bytes) covers all of them: a flipped byte anywhere is
@@ -169,8 +219,14 @@ def test_checked_read_in_small_reads_fills_the_pieces_and_hashes_every_byte(tmp_
         data = bytearray(path.read_bytes())
         data[at] ^= 0xFF
         path.write_bytes(bytes(data))
-        block = next(i for i, (lo, hi) in enumerate(block_bounds(len(data), it.files[file].data_start, block_size)) if lo <= at < hi)
-        with pytest.raises(CheckpointError, match=rf"{file}: {checksum} does not match metadata.json \(checksum block {block}, "):
+        block = next(
+            i
+            for i, (lo, hi) in enumerate(block_bounds(len(data), it.files[file].data_start, block_size))
+            if lo <= at < hi
+        )
+        with pytest.raises(
+            CheckpointError, match=rf"{file}: {checksum} does not match metadata.json \(checksum block {block}, "
+        ):
             ShardReader(storage, it).read_checked(file, reads[file])
         return
     ShardReader(storage, it).read_checked(file, reads[file])
@@ -194,8 +250,14 @@ def test_each_checksum_block_is_the_digest_of_its_bytes_and_any_subset_can_be_ch
         (length,) = struct.unpack("<Q", data[:8])
         assert info["data_start"] == 8 + length and info["size"] == len(data)
         bounds = block_bounds(len(data), info["data_start"], 64)
-        assert bounds[0] == (0, 8 + length) and all(hi - lo == 64 for lo, hi in bounds[1:-1]) and bounds[-1][1] == len(data)
-        assert info["checksum"] == checksum and info["digests"] == [CHECKSUMS[checksum](data[lo:hi]) for lo, hi in bounds]
+        assert (
+            bounds[0] == (0, 8 + length)
+            and all(hi - lo == 64 for lo, hi in bounds[1:-1])
+            and bounds[-1][1] == len(data)
+        )
+        assert info["checksum"] == checksum and info["digests"] == [
+            CHECKSUMS[checksum](data[lo:hi]) for lo, hi in bounds
+        ]
     file = max(it.files, key=lambda f: it.files[f].size)
     blocks = block_bounds(it.files[file].size, it.files[file].data_start, 64)
     some = [1, 2, 5, len(blocks) - 1]
@@ -206,7 +268,10 @@ def test_each_checksum_block_is_the_digest_of_its_bytes_and_any_subset_can_be_ch
     data[blocks[3][0]] ^= 0xFF  # a block nobody reads here: the others still check out
     (directory / file).write_bytes(bytes(data))
     ShardReader(storage, it).read_checked(file, [], blocks=some)
-    with pytest.raises(CheckpointError, match=rf"{checksum} does not match metadata.json \(checksum block 3, bytes {blocks[3][0]}-{blocks[3][1]}\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{checksum} does not match metadata.json \(checksum block 3, bytes {blocks[3][0]}-{blocks[3][1]}\)",
+    ):
         ShardReader(storage, it).read_checked(file, [], blocks=[2, 3])
 
 
@@ -254,9 +319,14 @@ def test_sha256_beside_io_matches_hashlib_also_in_a_forked_child():
 
 def draws() -> dict:
     """The next values of every generator a rank's state holds, Gaussian caches included."""
-    return {"torch": torch.rand(3).tolist(), "torch_normal": torch.randn(3).tolist(),
-            "python": random.random(), "python_gauss": random.gauss(0, 1),
-            "numpy": np.random.random(2).tolist(), "numpy_normal": np.random.standard_normal()}
+    return {
+        "torch": torch.rand(3).tolist(),
+        "torch_normal": torch.randn(3).tolist(),
+        "python": random.random(),
+        "python_gauss": random.gauss(0, 1),
+        "numpy": np.random.random(2).tolist(),
+        "numpy_normal": np.random.standard_normal(),
+    }
 
 
 @pytest.mark.parametrize("cached_gauss", [False, True])
@@ -280,8 +350,11 @@ def test_rng_state_round_trips_every_generator(cached_gauss):
 def tree(root: Path) -> dict[str, bytes]:
     """Every file under `root` and its bytes, the writer lease's record aside: a start on its own
     save_path takes the lease before it reads anything for writing (and gives it back when refused)."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.relative_to(root).parts[0] != LEASE_DIR}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.relative_to(root).parts[0] != LEASE_DIR
+    }
 
 
 def load_everything(root: Path):
@@ -313,20 +386,24 @@ def _escape(d: Path):
 
 def _meta(edit):
     """A damage that edits metadata.json: `edit(metadata, ours, the first model shard's entry)`."""
+
     def damage(d: Path):
         meta = json.loads((d / "metadata.json").read_text())
         ours = meta["ray_resume"]
         edit(meta, ours, ours["files"]["ckpt-model-0000000-0000002.safetensors"])
         (d / "metadata.json").write_text(json.dumps(meta))
+
     return damage
 
 
 def _common(**fields):
     """A damage that rewrites fields of common.json (a file that still parses and passes its own checks)."""
+
     def damage(d: Path):
         common = json.loads((d / "common.json").read_text())
         common.update(fields)
         (d / "common.json").write_text(json.dumps(common))
+
     return damage
 
 
@@ -352,42 +429,99 @@ def _moved_chunk(t: dict, storage: dict):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (_flip_byte, "ckpt-model-0000001-0000002.safetensors: xxh3-128 does not match metadata.json (checksum block 1, bytes"),
+        (
+            _flip_byte,
+            "ckpt-model-0000001-0000002.safetensors: xxh3-128 does not match metadata.json (checksum block 1, bytes",
+        ),
         (_truncate, "ckpt-opt-0000000-0000002.safetensors: size is"),
         (lambda d: (d / "ckpt-opt-0000001-0000002.safetensors").unlink(), "shard listed in metadata.json is missing"),
-        (lambda d: (d / "ckpt-opt-0000002-0000003.safetensors").write_bytes(b"x"), "ckpt-opt-0000002-0000003.safetensors: shard file not listed in metadata.json"),
+        (
+            lambda d: (d / "ckpt-opt-0000002-0000003.safetensors").write_bytes(b"x"),
+            "ckpt-opt-0000002-0000003.safetensors: shard file not listed in metadata.json",
+        ),
         (_escape, "file name '../../etc/passwd' points outside the iteration directory"),
-        (_meta(lambda m, ours, f: f.update(digests=["ab" * 16])),  # one digest for the whole file
-         "files['ckpt-model-0000000-0000002.safetensors']: 'digests' must list 2 lowercase hex xxh3-128 digests, one per checksum block"),
-        (_meta(lambda m, ours, f: f.update(checksum="sha256")),  # digests of another length than the named algorithm's
-         "files['ckpt-model-0000000-0000002.safetensors']: 'digests' must list 2 lowercase hex sha256 digests, one per checksum block"),
-        (_meta(lambda m, ours, f: f.update(checksum="crc32c")),
-         "files['ckpt-model-0000000-0000002.safetensors']: checksum 'crc32c' is not one this ray_resume knows (xxh3-128, sha256); "
-         "use the ray_resume release that wrote it"),
-        (_meta(lambda m, ours, f: [f.pop("checksum"), f.update(sha256=f.pop("digests"))]),  # a format-3 entry
-         "files['ckpt-model-0000000-0000002.safetensors']: checksum None is not one this ray_resume knows"),
+        (
+            _meta(lambda m, ours, f: f.update(digests=["ab" * 16])),  # one digest for the whole file
+            "files['ckpt-model-0000000-0000002.safetensors']: 'digests' must list 2 lowercase hex xxh3-128 digests, one per checksum block",
+        ),
+        (
+            _meta(
+                lambda m, ours, f: f.update(checksum="sha256")
+            ),  # digests of another length than the named algorithm's
+            "files['ckpt-model-0000000-0000002.safetensors']: 'digests' must list 2 lowercase hex sha256 digests, one per checksum block",
+        ),
+        (
+            _meta(lambda m, ours, f: f.update(checksum="crc32c")),
+            "files['ckpt-model-0000000-0000002.safetensors']: checksum 'crc32c' is not one this ray_resume knows (xxh3-128, sha256); "
+            "use the ray_resume release that wrote it",
+        ),
+        (
+            _meta(lambda m, ours, f: [f.pop("checksum"), f.update(sha256=f.pop("digests"))]),  # a format-3 entry
+            "files['ckpt-model-0000000-0000002.safetensors']: checksum None is not one this ray_resume knows",
+        ),
         (_meta(lambda m, ours, f: f.update(data_start=f["size"] + 1)), "needs 8 <= data_start <= size"),
-        (_meta(lambda m, ours, f: ours.update(format_version=3)), "format_version 3 is not supported by this ray_resume (it reads 4 and 5)"),
-        (_common(ckpt_status=1), "common.json: ckpt_status is 1 (abnormal, not 0: normal); MindFormers passes such an iteration over"),
+        (
+            _meta(lambda m, ours, f: ours.update(format_version=3)),
+            "format_version 3 is not supported by this ray_resume (it reads 4 and 5)",
+        ),
+        (
+            _common(ckpt_status=1),
+            "common.json: ckpt_status is 1 (abnormal, not 0: normal); MindFormers passes such an iteration over",
+        ),
         (lambda d: (d / "common.json").write_text("{not json"), "common.json: not valid JSON"),
-        (lambda d: (d / "metadata.json").unlink(), "metadata.json: missing; iteration 5 was never committed or was damaged"),
+        (
+            lambda d: (d / "metadata.json").unlink(),
+            "metadata.json: missing; iteration 5 was never committed or was damaged",
+        ),
         (lambda d: (d / "common.json").write_text('{"global_step": 5}'), "common.json: missing field 'epoch_num'"),
         # MindFormers builds CommonInfo(**common.json): a key of ours there would break its loader.
-        (_common(world_size=2), "common.json: field 'world_size' is not one of MindFormers' CommonInfo, whose loader refuses it"),
+        (
+            _common(world_size=2),
+            "common.json: field 'world_size' is not one of MindFormers' CommonInfo, whose loader refuses it",
+        ),
         # A committed iteration must agree with itself: its step, world size, files and chunks.
         (_common(global_step=4), "common.json: global_step 4 is not this directory's iteration 5"),
-        (_meta(lambda m, ours, f: ours.update(world_size=3)), "files['ckpt-model-0000000-0000002.safetensors'] is not a shard of this 3-rank iteration"),
-        (_meta(lambda m, ours, f: ours.update(iteration=4)), "metadata.json: iteration 4 is not this directory's iteration 5"),
-        (_listed_as_another_world, "metadata.json: files['ckpt-model-0000002-0000003.safetensors'] is not a shard of this 2-rank iteration"),
-        (_tensor(lambda t, storage: t.update(global_shape=[33, 16])), "state_dict_metadata['tok.weight']: its chunks cover 512 of its 528 elements"),
-        (_tensor(lambda t, storage: t["properties"].update(dtype="Float8E4M3FN")), "state_dict_metadata['tok.weight'] needs a known properties.dtype"),
-        (_tensor(lambda t, storage: t["chunk"][0].update(global_offset=[0, 8])),
-         "state_dict_metadata['tok.weight']: a chunk is cut along dimension 1 (tensor parallel), not in rows"),
-        (_tensor(_moved_chunk), "chunk ('tok.weight', (0, 0)) is in ['elsewhere-model-0000000-0000002.safetensors'], which this iteration does not hold"),
+        (
+            _meta(lambda m, ours, f: ours.update(world_size=3)),
+            "files['ckpt-model-0000000-0000002.safetensors'] is not a shard of this 3-rank iteration",
+        ),
+        (
+            _meta(lambda m, ours, f: ours.update(iteration=4)),
+            "metadata.json: iteration 4 is not this directory's iteration 5",
+        ),
+        (
+            _listed_as_another_world,
+            "metadata.json: files['ckpt-model-0000002-0000003.safetensors'] is not a shard of this 2-rank iteration",
+        ),
+        (
+            _tensor(lambda t, storage: t.update(global_shape=[33, 16])),
+            "state_dict_metadata['tok.weight']: its chunks cover 512 of its 528 elements",
+        ),
+        (
+            _tensor(lambda t, storage: t["properties"].update(dtype="Float8E4M3FN")),
+            "state_dict_metadata['tok.weight'] needs a known properties.dtype",
+        ),
+        (
+            _tensor(lambda t, storage: t["chunk"][0].update(global_offset=[0, 8])),
+            "state_dict_metadata['tok.weight']: a chunk is cut along dimension 1 (tensor parallel), not in rows",
+        ),
+        (
+            _tensor(_moved_chunk),
+            "chunk ('tok.weight', (0, 0)) is in ['elsewhere-model-0000000-0000002.safetensors'], which this iteration does not hold",
+        ),
         (lambda d: (d.parent / paths.TRACKER).write_text(""), "tracker is empty"),
-        (lambda d: (d.parent / paths.TRACKER).write_text("abc"), "tracker must hold a non-negative iteration number, got 'abc'"),
-        (lambda d: (d.parent / paths.TRACKER).write_text("-3"), "tracker must hold a non-negative iteration number, got '-3'"),
-        (lambda d: (d.parent / paths.TRACKER).write_text("9"), "names iteration 9, but iteration_00000009/ does not exist"),
+        (
+            lambda d: (d.parent / paths.TRACKER).write_text("abc"),
+            "tracker must hold a non-negative iteration number, got 'abc'",
+        ),
+        (
+            lambda d: (d.parent / paths.TRACKER).write_text("-3"),
+            "tracker must hold a non-negative iteration number, got '-3'",
+        ),
+        (
+            lambda d: (d.parent / paths.TRACKER).write_text("9"),
+            "names iteration 9, but iteration_00000009/ does not exist",
+        ),
     ],
 )
 @pytest.mark.invariant(6, 7, 10)
@@ -433,11 +567,15 @@ def test_no_pickle_anywhere_in_the_package():
     assert unpickling.search("x = torch.load(f)") and not unpickling.search("safetensors.torch.load(data)")
 
 
-@pytest.mark.parametrize("make", [
-    lambda params: torch.optim.AdamW(params, lr=1e-2, amsgrad=True),  # max_exp_avg_sq besides exp_avg(_sq)
-    lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),  # momentum_buffer
-    lambda params: torch.optim.Adagrad(params, lr=1e-2),  # sum
-], ids=["adamw-amsgrad", "sgd-momentum", "adagrad"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params: torch.optim.AdamW(params, lr=1e-2, amsgrad=True),  # max_exp_avg_sq besides exp_avg(_sq)
+        lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),  # momentum_buffer
+        lambda params: torch.optim.Adagrad(params, lr=1e-2),  # sum
+    ],
+    ids=["adamw-amsgrad", "sgd-momentum", "adagrad"],
+)
 @pytest.mark.invariant(2)
 def test_every_slot_of_a_torch_optimizer_round_trips(make):
     """Not a fixed slot list: whatever the optimizer keeps per parameter comes back bit for bit."""
@@ -452,7 +590,7 @@ def test_every_slot_of_a_torch_optimizer_round_trips(make):
     saved = state.optim_tensors(named, optimizer)
     fresh = make(model.parameters())
     state.load_optim_tensors(named, fresh, {k: v.clone() for k, v in saved.items()})
-    for (_, p) in named:
+    for _, p in named:
         before, after = optimizer.state[p], fresh.state[p]
         assert sorted(before) == sorted(after) and before
         for slot in before:
@@ -482,16 +620,29 @@ def test_a_root_of_format_4_is_still_read_bit_for_bit(tmp_path, capsys):
     held = load_file(str(FORMAT4 / "held.safetensors"))
     storage = LocalStorage()
     it = open_iteration(storage, str(root), 2)
-    assert (it.origin, it.world_size, it.common["consumed_samples"], it.ours["job_id"]) == ("ray_resume", 2, 16, "format4")
-    loaded = {**{f"model/{n}": t for n, t in load_state(storage, it, "model").items()},
-              **{f"opt/{n}": t for n, t in load_state(storage, it, "opt").items()}}
-    renamed = {k if k.startswith("model/") else "opt/" + names.state_name(*k[4:].rsplit(".", 1)): t for k, t in held.items()}
+    assert (it.origin, it.world_size, it.common["consumed_samples"], it.ours["job_id"]) == (
+        "ray_resume",
+        2,
+        16,
+        "format4",
+    )
+    loaded = {
+        **{f"model/{n}": t for n, t in load_state(storage, it, "model").items()},
+        **{f"opt/{n}": t for n, t in load_state(storage, it, "opt").items()},
+    }
+    renamed = {
+        k if k.startswith("model/") else "opt/" + names.state_name(*k[4:].rsplit(".", 1)): t for k, t in held.items()
+    }
     assert loaded.keys() == renamed.keys()
     assert all(torch.equal(loaded[k], renamed[k]) for k in renamed)
     model, opt = make_state(seed=3)
     cfg = Config.from_dict(tiny_config(tmp_path))
-    point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, opt, CommittedIteration(str(root), 2), full=True)
+    point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(
+        model, opt, CommittedIteration(str(root), 2), full=True
+    )
     assert (point.step, point.consumed_samples) == (2, 16)
     assert all(torch.equal(t, held[f"model/{n}"]) for n, t in state.model_tensors(model).items())
     assert all(torch.equal(t, renamed[f"opt/{n}"]) for n, t in opt.state_tensors().items())
-    assert cli.main(["verify", str(root)]) == 0 and "sizes and block digests (xxh3-128) match" in capsys.readouterr().out
+    assert (
+        cli.main(["verify", str(root)]) == 0 and "sizes and block digests (xxh3-128) match" in capsys.readouterr().out
+    )

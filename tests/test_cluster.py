@@ -55,7 +55,7 @@ def test_cluster_launcher_mounts_shared_storage_and_installs_the_package():
     """Every node mounts the NFS share at SHARED and installs the very checkout the launcher syncs."""
     config = launcher()
     commands = [shlex.split(c.split("#")[0]) for c in config["setup_commands"]]
-    parts = [cmd[cmd.index("mount"):] for cmd in commands if "mount" in cmd and "-t" in cmd]
+    parts = [cmd[cmd.index("mount") :] for cmd in commands if "mount" in cmd and "-t" in cmd]
     assert len(parts) == 1 and parts[0][parts[0].index("-t") + 1] == "nfs4" and parts[0][-1] == SHARED
     installs = [cmd[cmd.index("-e") + 1] for cmd in commands if "install" in cmd and "-e" in cmd]
     assert len(installs) == 1 and config["file_mounts"][installs[0]] == "."  # the repository itself
@@ -115,7 +115,10 @@ def test_both_setups_run_a_valid_config_on_the_shared_save_path():
     """The entrypoints parse, name a config that exists, and save/load on the shared mount."""
     launcher_cmd = submit_entrypoint((CLUSTER / "ray-cluster.yaml").read_text())
     # The launcher's job runs in an upload of the repository; the RayJob's image has it at /app.
-    for command, to_repo in ((launcher_cmd, lambda p: REPO / p), (rayjob()["spec"]["entrypoint"], lambda p: REPO / Path(p).relative_to("/app"))):
+    for command, to_repo in (
+        (launcher_cmd, lambda p: REPO / p),
+        (rayjob()["spec"]["entrypoint"], lambda p: REPO / Path(p).relative_to("/app")),
+    ):
         argv = shlex.split(command)
         assert argv[:3] == ["python", "-m", "ray_resume.run"], argv
         local = to_repo(argv[3])

@@ -1,4 +1,5 @@
 """Tests for ray_resume.config: strict, collecting validation with exact messages."""
+
 from __future__ import annotations
 
 import copy
@@ -80,8 +81,9 @@ def test_world_sizes_and_accumulation():
 
 
 def test_int_accepted_for_float_and_round_trip():
-    c = Config.from_dict(cfg(training={"lr": 1}, scaling={"num_workers": [1, 2]},
-                             fault={"phase": "before_report", "step": 3}))
+    c = Config.from_dict(
+        cfg(training={"lr": 1}, scaling={"num_workers": [1, 2]}, fault={"phase": "before_report", "step": 3})
+    )
     assert c.training.lr == 1.0 and isinstance(c.training.lr, float)
     d = c.to_dict()
     assert d["scaling"]["num_workers"] == [1, 2] and d["fault"] == {"phase": "before_report", "step": 3, "rank": 0}
@@ -98,59 +100,86 @@ def test_unknown_top_level_key_did_you_mean():
 @pytest.mark.invariant(6, 13)
 def test_unknown_nested_key_did_you_mean():
     assert problems(cfg(checkpoint={"save_maxx": 3})) == [
-        "x.yaml: checkpoint.save_maxx: unknown key; did you mean 'save_max'?"]
+        "x.yaml: checkpoint.save_maxx: unknown key; did you mean 'save_max'?"
+    ]
     assert problems(cfg(data={"synthetic": {"sampels": 3}})) == [
-        "x.yaml: data.synthetic.sampels: unknown key; did you mean 'samples'?"]
+        "x.yaml: data.synthetic.sampels: unknown key; did you mean 'samples'?"
+    ]
 
 
 @pytest.mark.invariant(6, 13)
 def test_wrong_type_names_full_key():
     assert problems(cfg(training={"lr": "abc"})) == ["x.yaml: training.lr must be a number, got str 'abc'"]
     assert problems(cfg(checkpoint={"save_max": True})) == [
-        "x.yaml: checkpoint.save_max must be an integer, got bool True"]
+        "x.yaml: checkpoint.save_max must be an integer, got bool True"
+    ]
     assert problems(cfg(model="big")) == ["x.yaml: model must be a mapping, got str 'big'"]
     assert problems(cfg(scaling={"num_workers": "2"})) == [
-        "x.yaml: scaling.num_workers must be an integer or a list of integers, got str '2'"]
+        "x.yaml: scaling.num_workers must be an integer or a list of integers, got str '2'"
+    ]
     assert problems(cfg(failure={"fork_server": "maybe"})) == [
-        "x.yaml: failure.fork_server must be true, false or auto, got str 'maybe'"]
-
+        "x.yaml: failure.fork_server must be true, false or auto, got str 'maybe'"
+    ]
 
 
 @pytest.mark.invariant(6, 13)
 def test_evaluation_needs_a_held_out_dataset():
     assert problems(cfg(training={"eval_every": 50})) == [
-        "x.yaml: training.eval_every=50 needs data.eval_path (a held-out dataset); set it, or eval_every: 0"]
+        "x.yaml: training.eval_every=50 needs data.eval_path (a held-out dataset); set it, or eval_every: 0"
+    ]
     assert problems(cfg(training={"eval_every": -1})) == ["x.yaml: training.eval_every must be >= 0, got -1"]
 
 
 def test_a_wrong_credential_is_named_but_never_shown():
-    assert problems(cfg(checkpoint={"save_path": "/x", "storage": {"secret_access_key": 1234567, "session_token": ["tok-123"]}})) == [
+    assert problems(
+        cfg(checkpoint={"save_path": "/x", "storage": {"secret_access_key": 1234567, "session_token": ["tok-123"]}})
+    ) == [
         "x.yaml: checkpoint.storage.secret_access_key must be a string, got int <redacted>",
-        "x.yaml: checkpoint.storage.session_token must be a string, got list <redacted>"]
+        "x.yaml: checkpoint.storage.session_token must be a string, got list <redacted>",
+    ]
 
 
 @pytest.mark.invariant(6, 13)
 def test_worker_resources_and_resize_interval_are_checked():
-    c = Config.from_dict(cfg(scaling={"num_workers": [1, 2], "resources_per_worker": {"CPU": 2, "train_slot": 1},
-                                      "elastic_resize_interval_s": 5}))
-    assert c.scaling.resources_per_worker == {"CPU": 2.0, "train_slot": 1.0} and c.scaling.elastic_resize_interval_s == 5.0
+    c = Config.from_dict(
+        cfg(
+            scaling={
+                "num_workers": [1, 2],
+                "resources_per_worker": {"CPU": 2, "train_slot": 1},
+                "elastic_resize_interval_s": 5,
+            }
+        )
+    )
+    assert (
+        c.scaling.resources_per_worker == {"CPU": 2.0, "train_slot": 1.0} and c.scaling.elastic_resize_interval_s == 5.0
+    )
     ray_side = scaling_config(c.scaling)  # what run.py hands to TorchTrainer
     assert (ray_side.num_workers, ray_side.resources_per_worker, ray_side.elastic_resize_monitor_interval_s) == (
-        (1, 2), {"CPU": 2.0, "train_slot": 1.0}, 5.0)
+        (1, 2),
+        {"CPU": 2.0, "train_slot": 1.0},
+        5.0,
+    )
     default = scaling_config(Config.from_dict(cfg()).scaling)
-    assert (default.num_workers, default.resources_per_worker, default.num_cpus_per_worker) == (2, None, 1)  # Ray's default: 1 CPU
+    # Ray's default: 1 CPU
+    assert (default.num_workers, default.resources_per_worker, default.num_cpus_per_worker) == (2, None, 1)
     assert problems(cfg(scaling={"resources_per_worker": {"CPU": -1}, "elastic_resize_interval_s": 0})) == [
         "x.yaml: scaling.resources_per_worker.CPU must be >= 0, got -1",
-        "x.yaml: scaling.elastic_resize_interval_s must be > 0, got 0"]
+        "x.yaml: scaling.elastic_resize_interval_s must be > 0, got 0",
+    ]
     assert problems(cfg(scaling={"resources_per_worker": {"GPU": "one"}})) == [
-        "x.yaml: scaling.resources_per_worker.GPU must be a number, got str 'one'"]
+        "x.yaml: scaling.resources_per_worker.GPU must be a number, got str 'one'"
+    ]
     assert problems(cfg(scaling={"resources_per_worker": [1]})) == [
-        "x.yaml: scaling.resources_per_worker must be a mapping, got list [1]"]
+        "x.yaml: scaling.resources_per_worker must be a mapping, got list [1]"
+    ]
+
 
 @pytest.mark.invariant(6, 13)
 def test_required_keys():
-    assert problems({}) == ["x.yaml: name is required (a string)",
-                            "x.yaml: checkpoint.save_path must be set when checkpoint.enable_save is true"]
+    assert problems({}) == [
+        "x.yaml: name is required (a string)",
+        "x.yaml: checkpoint.save_path must be set when checkpoint.enable_save is true",
+    ]
     assert problems(cfg(fault={"phase": "before_report"})) == ["x.yaml: fault.step is required (an integer)"]
 
 
@@ -159,7 +188,8 @@ def test_required_keys():
 @pytest.mark.invariant(6, 13)
 def test_save_interleaved_steps_must_be_positive(value):
     assert problems(cfg(checkpoint={"save_interleaved_steps": value})) == [
-        f"x.yaml: checkpoint.save_interleaved_steps must be >= 1, got {value}"]
+        f"x.yaml: checkpoint.save_interleaved_steps must be >= 1, got {value}"
+    ]
 
 
 @pytest.mark.invariant(6, 13)
@@ -172,7 +202,8 @@ def test_global_batch_not_divisible():
     assert problems(cfg(training={"global_batch_size": 30})) == [
         "x.yaml: training.global_batch_size=30 is not divisible by scaling.num_workers (2) x "
         "training.micro_batch_size (8) = 16; choose a global_batch_size that is a multiple of 16 "
-        "(gradient accumulation makes up the rest)"]
+        "(gradient accumulation makes up the rest)"
+    ]
 
 
 @pytest.mark.invariant(6, 13)
@@ -181,65 +212,77 @@ def test_elastic_range_names_failing_world_size():
     assert msg == (
         "x.yaml: training.global_batch_size=32 is not divisible by world size x training.micro_batch_size "
         "for world sizes [3] of elastic scaling.num_workers=[1, 3] (3 x 8 = 24); choose a global_batch_size "
-        "that is a multiple of 48 (gradient accumulation makes up the rest)")
+        "that is a multiple of 48 (gradient accumulation makes up the rest)"
+    )
 
 
 @pytest.mark.invariant(6, 13)
 def test_bad_scaling_range():
     assert problems(cfg(scaling={"num_workers": [3, 1]})) == [
-        "x.yaml: scaling.num_workers [min, max] needs min <= max, got [3, 1]"]
+        "x.yaml: scaling.num_workers [min, max] needs min <= max, got [3, 1]"
+    ]
     assert problems(cfg(scaling={"num_workers": 0})) == ["x.yaml: scaling.num_workers must be >= 1, got 0"]
 
 
 @pytest.mark.invariant(6, 13)
 def test_bad_enums():
     assert problems(cfg(model={"dtype": "float64"})) == [
-        "x.yaml: model.dtype must be one of float32, bfloat16, float16; got 'float64'"]
+        "x.yaml: model.dtype must be one of float32, bfloat16, float16; got 'float64'"
+    ]
     assert problems(cfg(training={"strategy": "zero3"})) == [
-        "x.yaml: training.strategy must be one of ddp, fsdp; got 'zero3'"]
+        "x.yaml: training.strategy must be one of ddp, fsdp; got 'zero3'"
+    ]
     assert problems(cfg(fault={"phase": "sometime", "step": 5})) == [
         "x.yaml: fault.phase must be one of after_optimizer_step, mid_shard_write, before_report, "
-        "commit_before_tracker, retention_delete, commit_fails; got 'sometime'"]
+        "commit_before_tracker, retention_delete, commit_fails; got 'sometime'"
+    ]
     assert problems(cfg(checkpoint={"save_path": "/tmp/c", "checksum": "md5"})) == [
-        "x.yaml: checkpoint.checksum must be one of xxh3-128, sha256; got 'md5'"]
+        "x.yaml: checkpoint.checksum must be one of xxh3-128, sha256; got 'md5'"
+    ]
 
 
 @pytest.mark.invariant(6, 13)
 def test_enable_save_requires_save_path_and_fault_rank():
     assert problems(cfg(checkpoint={"save_path": ""})) == [
-        "x.yaml: checkpoint.save_path must be set when checkpoint.enable_save is true"]
+        "x.yaml: checkpoint.save_path must be set when checkpoint.enable_save is true"
+    ]
     Config.from_dict(cfg(checkpoint={"save_path": "", "enable_save": False}))
     assert problems(cfg(fault={"phase": "before_report", "step": 1, "rank": 2})) == [
-        "x.yaml: fault.rank=2 must be < the largest world size scaling.num_workers (2)"]
+        "x.yaml: fault.rank=2 must be < the largest world size scaling.num_workers (2)"
+    ]
 
 
 @pytest.mark.invariant(6, 13)
 def test_model_and_name_checks():
-    assert problems(cfg(model={"n_heads": 3})) == [
-        "x.yaml: model.d_model (128) must be divisible by model.n_heads (3)"]
-    assert problems(cfg(name="a/b")) == [
-        "x.yaml: name must be non-empty and use only [A-Za-z0-9._-], got 'a/b'"]
+    assert problems(cfg(model={"n_heads": 3})) == ["x.yaml: model.d_model (128) must be divisible by model.n_heads (3)"]
+    assert problems(cfg(name="a/b")) == ["x.yaml: name must be non-empty and use only [A-Za-z0-9._-], got 'a/b'"]
     assert problems(cfg(failure={"max_failures": -2})) == ["x.yaml: failure.max_failures must be >= -1, got -2"]
 
 
 @pytest.mark.invariant(6, 13)
 def test_many_problems_reported_together():
-    d = cfg(checkpoint={"save_max": 0, "save_maxx": 1}, training={"lr": "abc", "global_batch_size": 30},
-            model={"dtype": "fp8"}, bogus=1)
+    d = cfg(
+        checkpoint={"save_max": 0, "save_maxx": 1},
+        training={"lr": "abc", "global_batch_size": 30},
+        model={"dtype": "fp8"},
+        bogus=1,
+    )
     with pytest.raises(ConfigError) as ei:
         Config.from_dict(d, source="configs/x.yaml")
     got = ei.value.problems
-    assert sorted(got) == sorted([
-        "configs/x.yaml: bogus: unknown key (known keys: name, model, data, training, scaling, failure, "
-        "checkpoint, fault)",
-        "configs/x.yaml: model.dtype must be one of float32, bfloat16, float16; got 'fp8'",
-        "configs/x.yaml: training.lr must be a number, got str 'abc'",
-        "configs/x.yaml: checkpoint.save_maxx: unknown key; did you mean 'save_max'?",
-        "configs/x.yaml: checkpoint.save_max must be >= 1, got 0",
-        "configs/x.yaml: training.global_batch_size=30 is not divisible by scaling.num_workers (2) x "
-        "training.micro_batch_size (8) = 16; choose a global_batch_size that is a multiple of 16 "
-        "(gradient accumulation makes up the rest)",
-    ])
+    assert sorted(got) == sorted(
+        [
+            "configs/x.yaml: bogus: unknown key (known keys: name, model, data, training, scaling, failure, "
+            "checkpoint, fault)",
+            "configs/x.yaml: model.dtype must be one of float32, bfloat16, float16; got 'fp8'",
+            "configs/x.yaml: training.lr must be a number, got str 'abc'",
+            "configs/x.yaml: checkpoint.save_maxx: unknown key; did you mean 'save_max'?",
+            "configs/x.yaml: checkpoint.save_max must be >= 1, got 0",
+            "configs/x.yaml: training.global_batch_size=30 is not divisible by scaling.num_workers (2) x "
+            "training.micro_batch_size (8) = 16; choose a global_batch_size that is a multiple of 16 "
+            "(gradient accumulation makes up the rest)",
+        ]
+    )
     text = str(ei.value)
     assert text.startswith("6 config problems:\n")
     assert all(p in text for p in got)
@@ -249,7 +292,8 @@ def test_many_problems_reported_together():
 def test_type_error_suppresses_follow_on_problems():
     # a bad micro_batch_size must not also produce a divisibility complaint about the default
     assert problems(cfg(training={"micro_batch_size": "8"})) == [
-        "x.yaml: training.micro_batch_size must be an integer, got str '8'"]
+        "x.yaml: training.micro_batch_size must be an integer, got str '8'"
+    ]
 
 
 @pytest.mark.invariant(6, 13)
@@ -299,9 +343,17 @@ QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
 
 
 def test_overrides_parse_values_as_yaml():
-    c = load_config(QUICK, ["training.train_steps=20", "checkpoint.load_path=\"\"",
-                            "scaling.num_workers=[1,2]", "training.lr=1e-3", "fault=null",
-                            "checkpoint.save_path=./o/ck"])
+    c = load_config(
+        QUICK,
+        [
+            "training.train_steps=20",
+            'checkpoint.load_path=""',
+            "scaling.num_workers=[1,2]",
+            "training.lr=1e-3",
+            "fault=null",
+            "checkpoint.save_path=./o/ck",
+        ],
+    )
     assert c.training.train_steps == 20
     assert c.checkpoint.load_path == ""
     assert c.scaling.num_workers == [1, 2] and c.scaling.world_sizes == [1, 2]
@@ -392,7 +444,9 @@ def test_the_json_schema_takes_every_shipped_config_and_refuses_an_unknown_key()
     import jsonschema
     import yaml
 
-    out = subprocess.run([sys.executable, "-m", "ray_resume.config", "schema"], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "ray_resume.config", "schema"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     schema = json.loads(out.stdout)
     for path in CONFIG_FILES:
         jsonschema.validate(yaml.safe_load(open(path).read()), schema)
@@ -405,4 +459,6 @@ def test_the_json_schema_takes_every_shipped_config_and_refuses_an_unknown_key()
     with pytest.raises(jsonschema.ValidationError, match="'many' is not of type 'integer'"):
         jsonschema.validate(bad, schema)
     checksum = schema["$defs"]["CheckpointConfig"]["properties"]["checksum"]
-    assert checksum["default"] == "xxh3-128" and checksum["description"].startswith("digest of each 4 MiB block of a shard")
+    assert checksum["default"] == "xxh3-128" and checksum["description"].startswith(
+        "digest of each 4 MiB block of a shard"
+    )

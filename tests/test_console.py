@@ -48,17 +48,33 @@ def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_pa
     assert reached in (5, 6)  # rank 0 finished 5 or 6 before the group was ended
     assert lines[2].startswith(f"1 restart: after step {reached}: resumed from 4, {reached - 4} steps redone, ")
     # The restart's cost part by part (the harness has no Ray Train to notice the loss: no "noticed" part).
-    assert re.fullmatch(r".* s lost \(new processes \d+\.\d s, imports and setup \d+\.\d s, build and restore \d+\.\d s, "
-                        r"first batch \d+\.\d s, first step \d+\.\d s, redoing \d+\.\d s\)", lines[2]) and len(lines) == 3, lines[2]
+    assert (
+        re.fullmatch(
+            r".* s lost \(new processes \d+\.\d s, imports and setup \d+\.\d s, build and restore \d+\.\d s, "
+            r"first batch \d+\.\d s, first step \d+\.\d s, redoing \d+\.\d s\)",
+            lines[2],
+        )
+        and len(lines) == 3
+    ), lines[2]
     [restart] = [r for r in read_metrics(root) if r.get("event") == "restart"]
     assert (restart["attempt"], restart["rank"], restart["step"], restart["caught_up"]) == (1, 0, 4, reached)
     # The line shows the record's parts, and the parts account for the time lost: each one a stretch
     # the new group spent (a new process started, imported, built and restored, stepped), together
     # all of it but the gaps between them and the first step beyond the lost ones: never more (a part
     # counted twice), never much less (a part left out).
-    shown = dict(re.findall(r"(new processes|imports and setup|build and restore|first batch|first step|redoing) (\d+\.\d) s", lines[2]))
-    keys = {"new processes": "spawn_s", "imports and setup": "setup_s", "build and restore": "restore_s",
-            "first batch": "first_batch_s", "first step": "first_step_s", "redoing": "redo_s"}
+    shown = dict(
+        re.findall(
+            r"(new processes|imports and setup|build and restore|first batch|first step|redoing) (\d+\.\d) s", lines[2]
+        )
+    )
+    keys = {
+        "new processes": "spawn_s",
+        "imports and setup": "setup_s",
+        "build and restore": "restore_s",
+        "first batch": "first_batch_s",
+        "first step": "first_step_s",
+        "redoing": "redo_s",
+    }
     assert {label: f"{restart[key]:.1f}" for label, key in keys.items()} == shown
     assert all(restart[key] > 0 for key in ("spawn_s", "setup_s", "restore_s", "first_step_s"))
     lost = float(re.search(r"steps redone, (\d+\.\d) s lost", lines[2]).group(1))
@@ -93,18 +109,46 @@ def test_the_first_start_splits_at_the_drivers_stamps_and_where_rank_0s_process_
 
     # Launched at 0, checks done at 1.5, Ray up at 4, fit() at 4.5, rank 0's process at 7, its first call at 12.
     driver = {"launched": 0.0, "checked": 1.5, "ray_up": 4.0, "fit": 4.5}
-    assert start_clock(driver, 7.0, 12.0) == {"checks_s": 1.5, "ray_s": 2.5, "actors_s": 0.5, "spawn_s": 2.5, "setup_s": 5.0}
-    assert start_clock({"launched": 0.0, "checked": 1.5}, None, 12.0) == {"checks_s": 1.5, "new_group_s": 10.5}  # no Ray Train
-    started = {"job": "j", "rank": 0, "attempt": 0, "event": "started", "step": 0, "checks_s": 1.5, "ray_s": 2.5, "actors_s": 0.5,
-               "spawn_s": 2.5, "setup_s": 5.0, "restore_s": 1.0, "first_batch_s": 0.25, "first_step_s": 0.75}
+    assert start_clock(driver, 7.0, 12.0) == {
+        "checks_s": 1.5,
+        "ray_s": 2.5,
+        "actors_s": 0.5,
+        "spawn_s": 2.5,
+        "setup_s": 5.0,
+    }
+    # no Ray Train
+    assert start_clock({"launched": 0.0, "checked": 1.5}, None, 12.0) == {"checks_s": 1.5, "new_group_s": 10.5}
+    started = {
+        "job": "j",
+        "rank": 0,
+        "attempt": 0,
+        "event": "started",
+        "step": 0,
+        "checks_s": 1.5,
+        "ray_s": 2.5,
+        "actors_s": 0.5,
+        "spawn_s": 2.5,
+        "setup_s": 5.0,
+        "restore_s": 1.0,
+        "first_batch_s": 0.25,
+        "first_step_s": 0.75,
+    }
     steps = [{"job": "j", "rank": 0, "attempt": 0, "step": s, "loss": 1.0, "time": 20.0 + s} for s in (1, 2)]
-    lines = summarize([started, *steps], [{"attempt": 0, "step": 2, "time": 22.0}], job_id="j", global_batch_size=4, wall_s=30.0)
-    assert lines[1] == ("start: 14.0 s to the end of the first step (checks 1.5 s, Ray 2.5 s, our actors 0.5 s, new processes 2.5 s, "
-                        "imports and setup 5.0 s, build and restore 1.0 s, first batch 0.2 s, first step 0.8 s)"), lines
+    lines = summarize(
+        [started, *steps], [{"attempt": 0, "step": 2, "time": 22.0}], job_id="j", global_batch_size=4, wall_s=30.0
+    )
+    assert lines[1] == (
+        "start: 14.0 s to the end of the first step (checks 1.5 s, Ray 2.5 s, our actors 0.5 s, new processes 2.5 s, "
+        "imports and setup 5.0 s, build and restore 1.0 s, first batch 0.2 s, first step 0.8 s)"
+    ), lines
     # Where the group's processes were not forks of the fork server, the line says why.
     started["fork_server"] = "off (native threads in the server (1 besides its own))"
-    lines = summarize([started, *steps], [{"attempt": 0, "step": 2, "time": 22.0}], job_id="j", global_batch_size=4, wall_s=30.0)
-    assert lines[1].endswith("first step 0.8 s; fork server: off (native threads in the server (1 besides its own)))"), lines
+    lines = summarize(
+        [started, *steps], [{"attempt": 0, "step": 2, "time": 22.0}], job_id="j", global_batch_size=4, wall_s=30.0
+    )
+    assert lines[1].endswith(
+        "first step 0.8 s; fork server: off (native threads in the server (1 besides its own)))"
+    ), lines
 
 
 def test_process_started_is_when_the_process_began_not_when_it_asked():
@@ -113,8 +157,17 @@ def test_process_started_is_when_the_process_began_not_when_it_asked():
     import time
 
     before = time.time()
-    asked = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.0); from ray_resume.rank import process_started; "
-                            "print(process_started(), time.time())"], capture_output=True, text=True, check=True)
+    asked = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(1.0); from ray_resume.rank import process_started; "
+            "print(process_started(), time.time())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     started, now = map(float, asked.stdout.split())
     assert before - 0.05 <= started <= now - 1.0  # /proc counts in 10 ms ticks
 
@@ -171,8 +224,11 @@ def test_evaluation_is_reported_and_changes_nothing_in_training(tmp_path, local_
         assert shard_bytes(root, step) == shard_bytes(local_reference["root"], step), step
 
     def evals(cfg):
-        return {r["step"]: (r["eval_loss"], r["samples"]) for r in read_metrics(cfg["checkpoint"]["save_path"])
-                if r.get("event") == "eval"}
+        return {
+            r["step"]: (r["eval_loss"], r["samples"])
+            for r in read_metrics(cfg["checkpoint"]["save_path"])
+            if r.get("event") == "eval"
+        }
 
     assert sorted(evals(killed)) == [4, 8, FINAL] and evals(killed) == evals(clean)
     assert {s for s, (_, n) in evals(killed).items() if n == 160} == {4, 8, FINAL}  # all 160 held-out samples
@@ -211,13 +267,15 @@ def test_a_restarted_groups_progress_lines_are_printed_not_folded_by_rays_log_de
     plain = LogDeduplicator(5, None, None, _timesource=lambda: 0.0)
     assert said(plain, 1, lost) == [lost] and said(plain, 2, restarted) == []  # Ray's own behaviour
     saved = ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator
-    ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator = (LogDeduplicator(5, None, None, _timesource=lambda: 0.0)
-                                                                        for _ in range(2))
+    ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator = (
+        LogDeduplicator(5, None, None, _timesource=lambda: 0.0) for _ in range(2)
+    )
     try:
         driver.print_every_line_of("tiny")
         ours = ray_logging.stdout_deduplicator
         assert said(ours, 1, lost) == [lost] and said(ours, 2, restarted) == [restarted]
         other = "(pid) something 1 of Ray's own"
-        assert said(ours, 1, other) == [other] and said(ours, 2, other.replace("1", "2")) == []  # the rest is still folded
+        # the rest is still folded
+        assert said(ours, 1, other) == [other] and said(ours, 2, other.replace("1", "2")) == []
     finally:
         ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator = saved

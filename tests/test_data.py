@@ -93,10 +93,31 @@ def test_synth_layout_and_schema(ds_path):
 def test_synth_cli_and_learnable(tmp_path):
     out = tmp_path / "cli"
     r = subprocess.run(
-        [sys.executable, "-m", "ray_resume.data", "synth", "--out", str(out), "--samples", "40",
-         "--seq-len", "6", "--vocab", "20", "--seed", "3", "--files", "2", "--row-groups-per-file", "3"],
-        capture_output=True, text=True, check=True,
-        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        [
+            sys.executable,
+            "-m",
+            "ray_resume.data",
+            "synth",
+            "--out",
+            str(out),
+            "--samples",
+            "40",
+            "--seq-len",
+            "6",
+            "--vocab",
+            "20",
+            "--seed",
+            "3",
+            "--files",
+            "2",
+            "--row-groups-per-file",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     assert "40" in r.stdout and str(out) in r.stdout
     units = scan_units(out)
     assert len(units) == 6 and dataset_size(units) == 40
@@ -144,8 +165,7 @@ def test_stream_order_matches_pure_order(ray_ctx, ds_path):
     other = take(ray_stream(units, 6, True, N, 0, 1, 0), 1)[0]
     assert not np.array_equal(other["sample_id"], steps[0]["sample_id"])
     plain = take(ray_stream(units, 5, False, 30, 0, 1, 0), 4)
-    np.testing.assert_array_equal(np.concatenate([b["sample_id"] for b in plain]),
-                                  np.r_[np.arange(N), np.arange(20)])
+    np.testing.assert_array_equal(np.concatenate([b["sample_id"] for b in plain]), np.r_[np.arange(N), np.arange(20)])
     # input_ids belong to the sample ids
     tbl = pq.read_table(ds_path)
     ref = np.array(tbl.column("input_ids").to_pylist(), dtype=np.int32)
@@ -178,8 +198,8 @@ def test_resume_equivalence_across_epochs(ray_ctx, ds_path):
         r = take(ray_stream(ds_path, 11, True, gbs, 0, 1, off), 4)
         got_ids = np.concatenate([b["sample_id"] for b in r])
         got_tok = np.concatenate([b["input_ids"] for b in r])
-        np.testing.assert_array_equal(got_ids, flat_ids[off:off + 4 * gbs])
-        np.testing.assert_array_equal(got_tok, flat_tok[off:off + 4 * gbs])
+        np.testing.assert_array_equal(got_ids, flat_ids[off : off + 4 * gbs])
+        np.testing.assert_array_equal(got_tok, flat_tok[off : off + 4 * gbs])
 
 
 @pytest.mark.invariant(3)
@@ -191,10 +211,8 @@ def test_world_size_invariance(ray_ctx, ds_path):
         for s in range(steps):
             parts = [per_rank[r][s] for r in range(w)]
             assert all(len(p["sample_id"]) == gbs // w for p in parts)
-            np.testing.assert_array_equal(np.concatenate([p["sample_id"] for p in parts]),
-                                          ref[s]["sample_id"])
-            np.testing.assert_array_equal(np.concatenate([p["input_ids"] for p in parts]),
-                                          ref[s]["input_ids"])
+            np.testing.assert_array_equal(np.concatenate([p["sample_id"] for p in parts]), ref[s]["sample_id"])
+            np.testing.assert_array_equal(np.concatenate([p["input_ids"] for p in parts]), ref[s]["input_ids"])
 
 
 # ---------------------------------------------------------------- plan
@@ -218,7 +236,7 @@ def test_plan_excludes_units_before_offset(ds_path):
         # no unit whose rows all lie before the offset is planned
         wholly_before = set(order[:off, 0].tolist()) - {first_unit}
         assert not wholly_before & {u for u, _, _ in plan}
-        assert [u for u, _, _ in plan] == unit_seq[unit_seq.index(first_unit):]
+        assert [u for u, _, _ in plan] == unit_seq[unit_seq.index(first_unit) :]
         assert sum(re - rs for _, rs, re in plan) == N - off
     with pytest.raises(ValueError):
         plan_lane(units, seed, epoch, True, 1, 0, N)
@@ -232,7 +250,11 @@ def test_plan_with_fake_units():
     assert plan_lane(units, 0, 0, False, 1, 0, 6) == [(1, 1, 3), (2, 0, 4)]
     assert plan_lane(units, 0, 0, False, 1, 0, 11) == [(2, 3, 4)]
     # 12 samples in 3 lanes of 4: each lane reads only the row groups its part of the order lies in
-    assert [plan_lane(units, 0, 0, False, 3, lane) for lane in range(3)] == [[(0, 0, 4)], [(0, 4, 5), (1, 0, 3)], [(2, 0, 4)]]
+    assert [plan_lane(units, 0, 0, False, 3, lane) for lane in range(3)] == [
+        [(0, 0, 4)],
+        [(0, 4, 5), (1, 0, 3)],
+        [(2, 0, 4)],
+    ]
     assert plan_lane(units, 0, 0, False, 3, 1, 2) == [(1, 1, 3)]
     # 5 lanes of 2: the epoch's last 12 % 5 = 2 samples wait for the next epoch's order
     assert plan_lane(units, 0, 0, False, 5, 4) == [(2, 0, 2)]
@@ -245,9 +267,12 @@ def test_plan_with_fake_units():
 def test_schema_errors(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
-    pq.write_table(pa.table({"sample_id": pa.array([0, 1], pa.int32()),
-                             "input_ids": pa.array([[1, 2], [3, 4]], pa.list_(pa.int32()))}),
-                   bad / "part-00000.parquet")
+    pq.write_table(
+        pa.table(
+            {"sample_id": pa.array([0, 1], pa.int32()), "input_ids": pa.array([[1, 2], [3, 4]], pa.list_(pa.int32()))}
+        ),
+        bad / "part-00000.parquet",
+    )
     with pytest.raises(DataError) as ei:
         scan_units(bad)
     msg = str(ei.value)
@@ -255,19 +280,28 @@ def test_schema_errors(tmp_path):
 
     bad2 = tmp_path / "bad2"
     bad2.mkdir()
-    pq.write_table(pa.table({"sample_id": pa.array([0, 1], pa.int64()),
-                             "input_ids": pa.array([[1, 2], [3, 4]], pa.list_(pa.int64()))}),
-                   bad2 / "part-00003.parquet")
+    pq.write_table(
+        pa.table(
+            {"sample_id": pa.array([0, 1], pa.int64()), "input_ids": pa.array([[1, 2], [3, 4]], pa.list_(pa.int64()))}
+        ),
+        bad2 / "part-00003.parquet",
+    )
     with pytest.raises(DataError) as ei:
         scan_units(bad2)
-    assert str(ei.value) == (f"{bad2 / 'part-00003.parquet'}: column 'input_ids' has type list<int64>, which does not cast "
-                             "to int32 without loss; expected int32 or list<int32> or a narrower type (data.columns.input_ids: int32; "
-                             "set it to the column's type)")
+    assert str(ei.value) == (
+        f"{bad2 / 'part-00003.parquet'}: column 'input_ids' has type list<int64>, which does not cast "
+        "to int32 without loss; expected int32 or list<int32> or a narrower type (data.columns.input_ids: int32; "
+        "set it to the column's type)"
+    )
 
     narrow = tmp_path / "narrow"  # int16 tokens cast to int32 without loss: read, not refused
     narrow.mkdir()
-    pq.write_table(pa.table({"sample_id": pa.array([0, 1], pa.int64()),
-                             "input_ids": pa.array([[1, 2], [3, -4]], pa.list_(pa.int16()))}), narrow / "part-00000.parquet")
+    pq.write_table(
+        pa.table(
+            {"sample_id": pa.array([0, 1], pa.int64()), "input_ids": pa.array([[1, 2], [3, -4]], pa.list_(pa.int16()))}
+        ),
+        narrow / "part-00000.parquet",
+    )
     assert len(scan_units(narrow)) == 1
     ids = _column_array(pq.read_table(narrow / "part-00000.parquet"), "input_ids", "int32", "narrow")
     assert ids.dtype == np.int32 and ids.tolist() == [[1, 2], [3, -4]]
@@ -335,14 +369,18 @@ def test_lanes_give_every_world_size_the_same_batches(ds_path):
     for s, b in enumerate(ref[:6]):
         assert b["sample_id"].tolist() == [order[lane * 12 + 2 * s + j] for lane in range(8) for j in range(2)]
     epoch0 = np.concatenate([b["sample_id"] for b in ref[:6]])
-    assert len(set(epoch0.tolist())) == 96 and len(set(np.concatenate([b["sample_id"] for b in ref[6:]]).tolist())) == 48
+    assert (
+        len(set(epoch0.tolist())) == 96 and len(set(np.concatenate([b["sample_id"] for b in ref[6:]]).tolist())) == 48
+    )
     for gbs, worlds in ((16, (2, 4, 8)), (24, (3,))):
         whole = take(local(units, 3, True, gbs, 0, 1, 0, lanes=8), 9)
         for w in worlds:
             per_rank = [take(local(units, 3, True, gbs, r, w, 0, lanes=8), 9) for r in range(w)]
             for s in range(9):
                 for key in ("sample_id", "input_ids"):
-                    np.testing.assert_array_equal(np.concatenate([per_rank[r][s][key] for r in range(w)]), whole[s][key])
+                    np.testing.assert_array_equal(
+                        np.concatenate([per_rank[r][s][key] for r in range(w)]), whole[s][key]
+                    )
 
 
 @pytest.mark.invariant(3)
@@ -355,8 +393,9 @@ def test_lanes_resume_exactly_and_on_another_batch_size_take_the_same_samples(ds
         np.testing.assert_array_equal(a["sample_id"][8:], b["sample_id"])
     # scenario C: 128 samples at 16, then 2 steps of 24 = the next 3 steps of 16, as a multiset
     rescaled = take(local(units, 5, True, 24, 0, 1, 128, lanes=8), 2)
-    assert sorted(np.concatenate([b["sample_id"] for b in rescaled]).tolist()) == \
-        sorted(np.concatenate([b["sample_id"] for b in full[8:11]]).tolist())
+    assert sorted(np.concatenate([b["sample_id"] for b in rescaled]).tolist()) == sorted(
+        np.concatenate([b["sample_id"] for b in full[8:11]]).tolist()
+    )
     with pytest.raises(DataError, match="not a multiple of the 8 data lanes"):
         local(units, 5, True, 12, 0, 1, 0, lanes=8)
     with pytest.raises(DataError, match="data cursor 36 is not a multiple"):
@@ -396,7 +435,12 @@ def test_until_read_workers_have_started_the_stream_reads_itself_and_gives_the_s
             np.testing.assert_array_equal(a[key], b[key])
     assert stream.position == 16 + 14 * 16
     (first, after, _), *later = stream.asked  # the rest of epoch 0 after the reads here, then whole epochs
-    assert first == 0 and after > 0 and later and [(e, k) for e, k, _ in later] == [(e, 0) for e in range(1, len(later) + 1)], stream.asked
+    assert (
+        first == 0
+        and after > 0
+        and later
+        and [(e, k) for e, k, _ in later] == [(e, 0) for e in range(1, len(later) + 1)]
+    ), stream.asked
 
 
 @pytest.mark.invariant(3)
@@ -447,10 +491,18 @@ def test_without_ray_the_stream_reads_in_its_own_process_and_starts_no_ray(ds_pa
 
     from conftest import env_for_subprocess
 
-    code = ("import ray, sys; from ray_resume.data import SampleStream\n"
-            "ids = [b['sample_id'].tolist() for b, _ in zip(SampleStream(sys.argv[1], 5, True, 16, read_tasks_above=0), range(9))]\n"
-            "print(ids, ray.is_initialized())")
-    out = subprocess.run([sys.executable, "-c", code, str(ds_path)], capture_output=True, text=True, env=env_for_subprocess(), timeout=120)
+    code = (
+        "import ray, sys; from ray_resume.data import SampleStream\n"
+        "ids = [b['sample_id'].tolist() for b, _ in zip(SampleStream(sys.argv[1], 5, True, 16, read_tasks_above=0), range(9))]\n"
+        "print(ids, ray.is_initialized())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ds_path)],
+        capture_output=True,
+        text=True,
+        env=env_for_subprocess(),
+        timeout=120,
+    )
     expected = [b["sample_id"].tolist() for b in take(local(ds_path, 5, True, 16), 9)]  # into the second epoch
     assert out.stdout.strip() == f"{expected} False", out.stdout + out.stderr[-2000:]
 
@@ -489,7 +541,11 @@ def test_each_ranks_metrics_record_the_data_bytes_it_read(tmp_path):
     for rank in (0, 1):
         stream = local(units, 7, True, 16, rank, 2, 0, lanes=8)  # data.lanes: 0 -> gcd(16, 8)
         take(stream, 12)
-        recorded = [r["data_bytes_read"] for r in read_metrics(cfg["checkpoint"]["save_path"]) if r["rank"] == rank and "data_bytes_read" in r]
+        recorded = [
+            r["data_bytes_read"]
+            for r in read_metrics(cfg["checkpoint"]["save_path"])
+            if r["rank"] == rank and "data_bytes_read" in r
+        ]
         assert recorded[-1] == stream.bytes_read > 0
 
 
@@ -511,7 +567,11 @@ def test_documents_are_packed_in_the_sample_order_and_cut_in_windows(docs_path):
     sizes = [len(d) for d in table.column("input_ids").to_pylist()]
     assert min(sizes) == 1 and max(sizes) == 30 and len(set(sizes)) > 20
     units = scan_units(docs_path, pack=L + 1)
-    assert [u.num_rows for u in units] == [sum(len(d) for d in pq.ParquetFile(u.file).read_row_group(u.row_group).column("input_ids").to_pylist()) // (L + 1) for u in units]
+    assert [u.num_rows for u in units] == [
+        sum(len(d) for d in pq.ParquetFile(u.file).read_row_group(u.row_group).column("input_ids").to_pylist())
+        // (L + 1)
+        for u in units
+    ]
     assert [u.first for u in units] == list(np.cumsum([0] + [u.num_rows for u in units[:-1]]))
     stream = local(units, 4, True, 8, 0, 1, 0, lanes=4, pack=L + 1)
     batch = take(stream, 1)[0]
@@ -523,7 +583,7 @@ def test_documents_are_packed_in_the_sample_order_and_cut_in_windows(docs_path):
     docs = pq.ParquetFile(units[ui].file).read_row_group(units[ui].row_group).column("input_ids").to_pylist()
     order = unit_row_order(len(docs), 4, 0, ui, True)
     tokens = [t for d in order for t in docs[d]]
-    assert batch["input_ids"][0].tolist() == tokens[start * (L + 1):(start + 1) * (L + 1)]
+    assert batch["input_ids"][0].tolist() == tokens[start * (L + 1) : (start + 1) * (L + 1)]
     assert batch["sample_id"][0] == units[ui].first + start
 
 
@@ -536,19 +596,26 @@ def test_packed_windows_resume_exactly_on_any_world_size_and_batch_size(docs_pat
     for w in (2, 4):
         parts = [take(local(units, 4, True, 8, r, w, 48, **kw), 60) for r in range(w)]
         for s in range(60):
-            np.testing.assert_array_equal(np.concatenate([parts[r][s]["input_ids"] for r in range(w)]), full[6 + s]["input_ids"])
+            np.testing.assert_array_equal(
+                np.concatenate([parts[r][s]["input_ids"] for r in range(w)]), full[6 + s]["input_ids"]
+            )
     rescaled = take(local(units, 4, True, 16, 0, 1, 48, **kw), 5)  # scenario C: the next 10 steps of 8, as a multiset
-    assert sorted(map(tuple, np.concatenate([b["input_ids"] for b in rescaled]).tolist())) == \
-        sorted(map(tuple, np.concatenate([b["input_ids"] for b in full[6:16]]).tolist()))
+    assert sorted(map(tuple, np.concatenate([b["input_ids"] for b in rescaled]).tolist())) == sorted(
+        map(tuple, np.concatenate([b["input_ids"] for b in full[6:16]]).tolist())
+    )
 
 
 @pytest.mark.invariant(6, 13)
 def test_an_empty_document_is_one_line_naming_its_file_and_row(tmp_path):
     path = tmp_path / "empty"
     path.mkdir()
-    pq.write_table(pa.table({"input_ids": pa.array([[1, 2, 3] * 10, [], [4] * 40], pa.list_(pa.int32()))}), path / "a.parquet")
+    pq.write_table(
+        pa.table({"input_ids": pa.array([[1, 2, 3] * 10, [], [4] * 40], pa.list_(pa.int32()))}), path / "a.parquet"
+    )
     units = scan_units(path, pack=L + 1)
-    with pytest.raises(DataError, match=r"a.parquet row group 0: row 1 of 'input_ids' is an empty document; remove the empty rows"):
+    with pytest.raises(
+        DataError, match=r"a.parquet row group 0: row 1 of 'input_ids' is an empty document; remove the empty rows"
+    ):
         take(local(units, 0, False, 2, 0, 1, 0, pack=L + 1), 1)
 
 
@@ -558,8 +625,19 @@ def test_a_packed_run_killed_mid_way_ends_byte_identical(tmp_path):
 
     def job(where, **sections):
         cfg = tiny_config(where, **sections)
-        cfg["data"] = {**cfg["data"], "path": str(tmp_path / "docs"), "pack": True,
-                       "synthetic": {"samples": 400, "files": 2, "row_groups_per_file": 3, "seed": 3, "min_doc_len": 2, "max_doc_len": 40}}
+        cfg["data"] = {
+            **cfg["data"],
+            "path": str(tmp_path / "docs"),
+            "pack": True,
+            "synthetic": {
+                "samples": 400,
+                "files": 2,
+                "row_groups_per_file": 3,
+                "seed": 3,
+                "min_doc_len": 2,
+                "max_doc_len": 40,
+            },
+        }
         run_on_harness(cfg)
         return cfg["checkpoint"]["save_path"]
 
@@ -606,8 +684,11 @@ def test_a_data_map_that_changes_the_row_count_is_refused_on_the_driver_naming_i
     from conftest import driver_checks, tiny_config
 
     cfg = tiny_config(tmp_path, data={"map": "plugin_models:drop_a_row"})
-    with pytest.raises(DataError, match=r"data.map drop_a_row returned \{'input_ids': 1\} rows for the 2 rows of .*part-00000.parquet "
-                                        r"row group 0; it must return one row per row it is given"):
+    with pytest.raises(
+        DataError,
+        match=r"data.map drop_a_row returned \{'input_ids': 1\} rows for the 2 rows of .*part-00000.parquet "
+        r"row group 0; it must return one row per row it is given",
+    ):
         driver_checks(cfg)
 
 
@@ -616,7 +697,9 @@ def test_a_run_with_a_data_map_killed_mid_way_ends_byte_identical(tmp_path, loca
     from conftest import assert_same_as_reference, per_step, read_metrics, run_on_harness, tiny_config
 
     def job(where, **sections):
-        cfg = tiny_config(where, data={"map": "plugin_models:shift_tokens", "collate": "plugin_models:tokens_only"}, **sections)
+        cfg = tiny_config(
+            where, data={"map": "plugin_models:shift_tokens", "collate": "plugin_models:tokens_only"}, **sections
+        )
         cfg["data"]["path"] = local_reference["data"]
         run_on_harness(cfg)
         return cfg["checkpoint"]["save_path"]
@@ -625,7 +708,8 @@ def test_a_run_with_a_data_map_killed_mid_way_ends_byte_identical(tmp_path, loca
     root = job(tmp_path / "faulty", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
     assert len([r for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0]) == 2
     assert_same_as_reference(root, {"root": clean, "steps": per_step(read_metrics(clean))})
-    assert per_step(read_metrics(clean))[1][0]["loss"] != local_reference["steps"][1][0]["loss"]  # the map changed what it trained on
+    # the map changed what it trained on
+    assert per_step(read_metrics(clean))[1][0]["loss"] != local_reference["steps"][1][0]["loss"]
 
 
 @pytest.mark.invariant(6, 13)
@@ -633,15 +717,23 @@ def test_a_file_of_another_schema_or_a_document_column_of_the_wrong_type_is_one_
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     for name, kind in (("a", pa.int32()), ("b", pa.int16())):
-        pq.write_table(pa.table({"sample_id": pa.array([0], pa.int64()), "input_ids": pa.array([[1] * (L + 1)], pa.list_(kind))}),
-                       mixed / f"{name}.parquet")
-    with pytest.raises(DataError, match=r"b.parquet: column 'input_ids' is list<element: int16>, but list<element: int32> in .*a.parquet; "
-                                        r"every file of a dataset has the same schema"):
+        pq.write_table(
+            pa.table({"sample_id": pa.array([0], pa.int64()), "input_ids": pa.array([[1] * (L + 1)], pa.list_(kind))}),
+            mixed / f"{name}.parquet",
+        )
+    with pytest.raises(
+        DataError,
+        match=r"b.parquet: column 'input_ids' is list<element: int16>, but list<element: int32> in .*a.parquet; "
+        r"every file of a dataset has the same schema",
+    ):
         scan_units(mixed)
     words = tmp_path / "words"
     words.mkdir()
     pq.write_table(pa.table({"input_ids": pa.array([["a", "b"]], pa.list_(pa.string()))}), words / "a.parquet")
-    with pytest.raises(DataError, match=r"a.parquet: column 'input_ids' has type list<string>, which does not cast to int32 without loss"):
+    with pytest.raises(
+        DataError,
+        match=r"a.parquet: column 'input_ids' has type list<string>, which does not cast to int32 without loss",
+    ):
         scan_units(words, pack=L + 1)
 
 
@@ -656,15 +748,22 @@ def test_an_empty_document_met_by_a_rank_ends_the_job_in_one_line_without_a_retr
     data = tmp_path / "docs"
     data.mkdir()
     docs = [[1, 2, 3] * 40] * 30 + [[]] + [[4] * 50] * 30
-    pq.write_table(pa.table({"input_ids": pa.array(docs, pa.list_(pa.int32()))}), data / "a.parquet", row_group_size=61,
-                   write_statistics=False)
+    pq.write_table(
+        pa.table({"input_ids": pa.array(docs, pa.list_(pa.int32()))}),
+        data / "a.parquet",
+        row_group_size=61,
+        write_statistics=False,
+    )
     cfg = tiny_config(tmp_path)
     cfg["data"] = {"path": str(data), "pack": True}
     local = harness.LocalBackend()
     with pytest.raises(DataError, match="is an empty document"):  # the rank's DataError, of its class to the caller
         train(cfg, backend=local)
     outcome = local.outcome
-    assert re.fullmatch(r"rank [01]: .*a\.parquet row group 0: row 30 of 'input_ids' is an empty document; "
-                        r"remove the empty rows \(data\.pack packs documents of at least one token\)", outcome.error), outcome.error
+    assert re.fullmatch(
+        r"rank [01]: .*a\.parquet row group 0: row 30 of 'input_ids' is an empty document; "
+        r"remove the empty rows \(data\.pack packs documents of at least one token\)",
+        outcome.error,
+    ), outcome.error
     assert outcome.committed is None
     assert {r["attempt"] for r in read_metrics(cfg["checkpoint"]["save_path"]) if r.get("event") == "start"} == {0}

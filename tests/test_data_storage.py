@@ -21,8 +21,13 @@ from ray_resume.errors import DataError
 
 def upload(local: str, s3: dict) -> str:
     """A copy of the dataset directory `local` under a new prefix of the `ckpts` bucket."""
-    fs = pafs.S3FileSystem(endpoint_override=s3["endpoint_url"], scheme="http", region="us-east-1",
-                           access_key="testing", secret_key="testing")
+    fs = pafs.S3FileSystem(
+        endpoint_override=s3["endpoint_url"],
+        scheme="http",
+        region="us-east-1",
+        access_key="testing",
+        secret_key="testing",
+    )
     prefix = f"ckpts/data-{uuid.uuid4().hex[:8]}"
     for f in sorted(Path(local).glob("*.parquet")):
         with fs.open_output_stream(f"{prefix}/{f.name}") as out:
@@ -34,8 +39,9 @@ def upload(local: str, s3: dict) -> str:
 def test_a_dataset_on_object_storage_streams_what_its_local_copy_does(s3, local_reference):
     remote = upload(local_reference["data"], s3)
     units, here = scan_units(remote, storage=s3), scan_units(local_reference["data"])
-    assert [(Path(u.file).name, u.row_group, u.num_rows, u.nbytes) for u in units] == \
-        [(Path(u.file).name, u.row_group, u.num_rows, u.nbytes) for u in here]
+    assert [(Path(u.file).name, u.row_group, u.num_rows, u.nbytes) for u in units] == [
+        (Path(u.file).name, u.row_group, u.num_rows, u.nbytes) for u in here
+    ]
     for rank in (0, 1):
         a = LocalStream(units, 7, True, 16, rank, 2, 32, lanes=8, storage=s3)
         b = LocalStream(here, 7, True, 16, rank, 2, 32, lanes=8)
@@ -48,22 +54,39 @@ def test_a_dataset_on_object_storage_streams_what_its_local_copy_does(s3, local_
 
 @pytest.mark.invariant(6, 13)
 def test_a_missing_prefix_or_a_file_of_another_schema_on_object_storage_is_one_line_naming_it(s3, local_reference):
-    with pytest.raises(DataError, match=r"data.path 's3://ckpts/no-such-prefix' does not exist \(no object under that prefix\)"):
+    with pytest.raises(
+        DataError, match=r"data.path 's3://ckpts/no-such-prefix' does not exist \(no object under that prefix\)"
+    ):
         scan_units("s3://ckpts/no-such-prefix", storage=s3)
-    with pytest.raises(DataError, match=r"data.path 's3://no-such-bucket/x' cannot be listed .*check the bucket, the prefix and the credentials"):
+    with pytest.raises(
+        DataError,
+        match=r"data.path 's3://no-such-bucket/x' cannot be listed .*check the bucket, the prefix and the credentials",
+    ):
         scan_units("s3://no-such-bucket/x", storage=s3)
     remote = upload(local_reference["data"], s3)
-    fs = pafs.S3FileSystem(endpoint_override=s3["endpoint_url"], scheme="http", region="us-east-1",
-                           access_key="testing", secret_key="testing")
+    fs = pafs.S3FileSystem(
+        endpoint_override=s3["endpoint_url"],
+        scheme="http",
+        region="us-east-1",
+        access_key="testing",
+        secret_key="testing",
+    )
     with fs.open_output_stream(f"{remote[5:]}/part-99999.parquet") as out:
-        pq.write_table(pa.table({"sample_id": pa.array([0], pa.int32()), "input_ids": pa.array([[1, 2]], pa.list_(pa.int32()))}), out)
-    with pytest.raises(DataError, match=rf"{remote}/part-99999.parquet: column 'sample_id' has type int32, expected int64"):
+        pq.write_table(
+            pa.table({"sample_id": pa.array([0], pa.int32()), "input_ids": pa.array([[1, 2]], pa.list_(pa.int32()))}),
+            out,
+        )
+    with pytest.raises(
+        DataError, match=rf"{remote}/part-99999.parquet: column 'sample_id' has type int32, expected int64"
+    ):
         scan_units(remote, storage=s3)
 
 
 @pytest.mark.invariant(2, 3)
 def test_a_run_on_object_storage_data_killed_mid_way_ends_as_the_run_on_local_data(tmp_path, s3, local_reference):
-    cfg = tiny_config(tmp_path, checkpoint={"storage": s3}, fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    cfg = tiny_config(
+        tmp_path, checkpoint={"storage": s3}, fault={"phase": "after_optimizer_step", "step": 6, "rank": 1}
+    )
     cfg["data"]["path"] = upload(local_reference["data"], s3)
     assert run_on_harness(cfg).attempts == 2
     assert_same_as_reference(cfg["checkpoint"]["save_path"], local_reference)
@@ -76,8 +99,12 @@ def test_on_ray_the_read_tasks_reach_object_storage_and_no_key_lands_in_rays_log
     local-data one, and neither key is in any file of Ray's session directory. The reads go to
     Ray Data's tasks however cheap (data.read_tasks_above: 0)."""
     keys = {"access_key_id": f"AKIA{uuid.uuid4().hex[:16].upper()}", "secret_access_key": uuid.uuid4().hex * 2}
-    cfg = tiny_config(tmp_path, checkpoint={"storage": {**s3, **keys}}, data={"read_tasks_above": 0},
-                      fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    cfg = tiny_config(
+        tmp_path,
+        checkpoint={"storage": {**s3, **keys}},
+        data={"read_tasks_above": 0},
+        fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
+    )
     cfg["data"]["path"] = upload(reference["data"], s3)
     run_job(cfg)
     assert_same_as_reference(cfg["checkpoint"]["save_path"], reference)

@@ -29,7 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 import harness
 from conftest import commit_by_hand, driver_checks, read_metrics, run_on_harness, shard_bytes, tiny_config
@@ -58,7 +63,8 @@ def _train_state() -> dict:
 
 # The state dicts DCP checkpoints hold (model state dict, optimizer state dict, its flattened form):
 LAYOUTS = {
-    "titan": lambda msd, osd, flat: {"model": msd, "optimizer": flat, "train_state": _train_state()},  # torchtitan, 2025
+    # torchtitan, 2025
+    "titan": lambda msd, osd, flat: {"model": msd, "optimizer": flat, "train_state": _train_state()},
     "titan-flat": lambda msd, osd, flat: {**msd, "optimizer": flat, "train_state": _train_state()},  # torchtitan since
     "dcp-docs": lambda msd, osd, flat: {"model": msd, "optim": osd, "train_state": {"step": torch.tensor(STEP)}},
 }
@@ -88,7 +94,10 @@ def _whole(model, optimizer) -> dict[str, torch.Tensor]:
     msd, osd = get_state_dict(model, optimizer)
     full = {f"model.{k}": v for k, v in msd.items()}
     full |= {f"optim.state.{p}.{slot}": v for p, slots in osd["state"].items() for slot, v in slots.items()}
-    return {k: (v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v).detach().clone() for k, v in full.items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v).detach().clone()
+        for k, v in full.items()
+    }
 
 
 def _save(rank: int, world: int, init: str, out: str) -> None:
@@ -96,9 +105,17 @@ def _save(rank: int, world: int, init: str, out: str) -> None:
     _train(model, optimizer, STEP, rank, world)
     root = str(Path(out, "ckpt"))
     named = list(state.unwrap(model).named_parameters())
-    manifest = save_shards(LocalStorage(), root, STEP, prefix="ckpt", rank=rank, world_size=world,
-                           model_state=state.model_tensors(model), optim_state=state.optim_tensors(named, optimizer),
-                           rank_extras=state.capture_rng())
+    manifest = save_shards(
+        LocalStorage(),
+        root,
+        STEP,
+        prefix="ckpt",
+        rank=rank,
+        world_size=world,
+        model_state=state.model_tensors(model),
+        optim_state=state.optim_tensors(named, optimizer),
+        rank_extras=state.capture_rng(),
+    )
     manifests = [None] * world
     dist.all_gather_object(manifests, manifest)
     msd, osd = get_state_dict(model, optimizer)
@@ -130,18 +147,26 @@ def _load(rank: int, world: int, init: str, out: str, strategy: str, label: str)
     os._exit(0)
 
 
-def _restore_from_dcp(rank: int, world: int, init: str, out: str, strategy: str, full: bool, layout: str, label: str) -> None:
+def _restore_from_dcp(
+    rank: int, world: int, init: str, out: str, strategy: str, full: bool, layout: str, label: str
+) -> None:
     """Our rank's restore of DCP's checkpoint, as a job with `load_path` at the torchtitan folder does."""
     model, _ = _build(rank, world, init, strategy, seed=1)
     optimizer = MainParamsOptimizer(model, lr=0.05)
     _train(model, optimizer.optimizer, 1, rank, world)  # state to overwrite
     cfg = Config.from_dict(tiny_config(Path(out), training={"strategy": strategy}))
     start, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(
-        model, optimizer, DcpCheckpoint(dcp_checkpoint(str(Path(out, layout)))), full=full, global_batch_size=16)
+        model, optimizer, DcpCheckpoint(dcp_checkpoint(str(Path(out, layout)))), full=full, global_batch_size=16
+    )
     loaded = _whole(model, optimizer.optimizer)
     if rank == 0:
-        save_file(loaded if full else {k: v for k, v in loaded.items() if k.startswith("model.")}, str(Path(out, f"{label}.safetensors")))
-        Path(out, f"{label}.json").write_text(json.dumps({"step": start.step, "consumed": start.consumed_samples, "source": start.source}))
+        save_file(
+            loaded if full else {k: v for k, v in loaded.items() if k.startswith("model.")},
+            str(Path(out, f"{label}.safetensors")),
+        )
+        Path(out, f"{label}.json").write_text(
+            json.dumps({"step": start.step, "consumed": start.consumed_samples, "source": start.source})
+        )
     dist.barrier()
     os._exit(0)
 
@@ -160,7 +185,13 @@ def _restore_bare(rank: int, world: int, init: str, out: str, step: int | None) 
     cfg = Config.from_dict(tiny_config(Path(out)))
     try:
         start, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(
-            model, MainParamsOptimizer(model, lr=0.05), DcpCheckpoint(str(Path(out, "bare"))), full=True, global_batch_size=16, step=step)
+            model,
+            MainParamsOptimizer(model, lr=0.05),
+            DcpCheckpoint(str(Path(out, "bare"))),
+            full=True,
+            global_batch_size=16,
+            step=step,
+        )
         Path(out, "bare.json").write_text(json.dumps([start.step, start.consumed_samples]))
     except CheckpointError as exc:
         Path(out, "bare.json").write_text(json.dumps(str(exc)))
@@ -181,11 +212,14 @@ def _bf16_resume(rank: int, world: int, init: str, out: str) -> None:
     ours = MainParamsOptimizer(fresh, lr=0.05)
     cfg = Config.from_dict(tiny_config(Path(out), model={"dtype": "bfloat16"}))
     start, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(
-        fresh, ours, DcpCheckpoint(str(Path(out, "bf16", f"step-{STEP}"))), full=True, global_batch_size=16)
+        fresh, ours, DcpCheckpoint(str(Path(out, "bf16", f"step-{STEP}"))), full=True, global_batch_size=16
+    )
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     mains = all(torch.equal(main, p.float()) for main, p in zip(ours.main, fresh.parameters()))
-    moments = all(torch.equal(optimizer.state[p]["exp_avg"].float(), ours.optimizer.state[m]["exp_avg"])
-                  for p, m in zip(model.parameters(), ours.main))
+    moments = all(
+        torch.equal(optimizer.state[p]["exp_avg"].float(), ours.optimizer.state[m]["exp_avg"])
+        for p, m in zip(model.parameters(), ours.main)
+    )
     Path(out, "bf16.json").write_text(json.dumps([start.step, same, mains, moments]))
     os._exit(0)
 
@@ -217,14 +251,23 @@ def test_torch_dcp_load_reads_our_root_on_another_world_size(saved, strategy, wo
     label = f"{strategy}{world}"
     spawn(_load, world, saved, strategy, label)
     held, loaded = load_file(str(saved / "held.safetensors")), load_file(str(saved / f"{label}.safetensors"))
-    assert held.keys() == loaded.keys() and any(k.endswith(".exp_avg_sq") for k in held) and any(k.endswith(".step") for k in held)
+    assert (
+        held.keys() == loaded.keys()
+        and any(k.endswith(".exp_avg_sq") for k in held)
+        and any(k.endswith(".step") for k in held)
+    )
     for name in held:
         assert held[name].dtype == loaded[name].dtype and torch.equal(held[name], loaded[name]), name
-    size = sum(p.stat().st_size for p in Path(paths.iteration_dir(str(saved / "ckpt"), STEP)).iterdir()
-               if paths.parse_shard_filename(p.name))
+    size = sum(
+        p.stat().st_size
+        for p in Path(paths.iteration_dir(str(saved / "ckpt"), STEP)).iterdir()
+        if paths.parse_shard_filename(p.name)
+    )
     reads = json.loads((saved / f"{label}.json").read_text())["bytes_read"]
     assert all(n > 0 for n in reads) and sum(reads) >= size  # every byte of the root, some read by more than one rank
-    print(f"{label}: DCP's load read {sum(reads)} bytes of a {size}-byte iteration ({sum(reads) / size:.2f}x), per rank {reads}")
+    print(
+        f"{label}: DCP's load read {sum(reads)} bytes of a {size}-byte iteration ({sum(reads) / size:.2f}x), per rank {reads}"
+    )
 
 
 def test_a_damaged_block_fails_dcps_load_naming_the_file(saved, tmp_path):
@@ -238,14 +281,18 @@ def test_a_damaged_block_fails_dcps_load_naming_the_file(saved, tmp_path):
     shard.write_bytes(bytes(data))
     spawn(_load_failing, 1, tmp_path, None)
     error = (tmp_path / "error.txt").read_text()
-    assert f"{shard}: xxh3-128 does not match metadata.json (checksum block" in error and "the shard is corrupt" in error, error
+    assert (
+        f"{shard}: xxh3-128 does not match metadata.json (checksum block" in error and "the shard is corrupt" in error
+    ), error
 
 
 def test_an_iteration_that_is_not_committed_is_refused(saved, tmp_path):
     import shutil
 
     shutil.copytree(saved / "ckpt", tmp_path / "ckpt")
-    shutil.copytree(paths.iteration_dir(str(tmp_path / "ckpt"), STEP), paths.iteration_dir(str(tmp_path / "ckpt"), STEP + 1))
+    shutil.copytree(
+        paths.iteration_dir(str(tmp_path / "ckpt"), STEP), paths.iteration_dir(str(tmp_path / "ckpt"), STEP + 1)
+    )
     spawn(_load_failing, 1, tmp_path, STEP + 1)
     error = (tmp_path / "error.txt").read_text()
     assert f"iteration {STEP + 1} is not committed (the tracker names {STEP})" in error, error
@@ -258,7 +305,9 @@ def test_dcps_own_whole_checkpoint_load_takes_every_tensor_without_a_process_gro
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     everything: dict = {}
-    _load_state_dict(everything, storage_reader=Reader(saved / "ckpt"), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(
+        everything, storage_reader=Reader(saved / "ckpt"), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     held = load_file(str(saved / "held.safetensors"))
     assert held.keys() <= everything.keys()
     for name in held:
@@ -266,8 +315,15 @@ def test_dcps_own_whole_checkpoint_load_takes_every_tensor_without_a_process_gro
 
 
 # ----------------------------------------------------------------------------- DCP's checkpoints, resumed
-@pytest.mark.parametrize("layout, strategy, world, full", [
-    ("titan", "ddp", 1, False), ("titan", "fsdp", 3, True), ("titan-flat", "ddp", 2, True), ("dcp-docs", "fsdp", 3, True)])
+@pytest.mark.parametrize(
+    "layout, strategy, world, full",
+    [
+        ("titan", "ddp", 1, False),
+        ("titan", "fsdp", 3, True),
+        ("titan-flat", "ddp", 2, True),
+        ("dcp-docs", "fsdp", 3, True),
+    ],
+)
 def test_our_restore_takes_dcps_checkpoint_on_another_world_size(saved, layout, strategy, world, full):
     """Weights, and with a full resume Adam's moments and steps and the step of `train_state`, equal
     to what the job held, from each layout."""
@@ -279,8 +335,11 @@ def test_our_restore_takes_dcps_checkpoint_on_another_world_size(saved, layout, 
     for name in wanted:
         assert torch.equal(wanted[name], loaded[name]), name
     step = STEP if full else 0
-    assert json.loads((saved / f"{label}.json").read_text()) == {"step": step, "consumed": 16 * step,
-                                                                   "source": str(saved / layout / f"step-{STEP}")}
+    assert json.loads((saved / f"{label}.json").read_text()) == {
+        "step": step,
+        "consumed": 16 * step,
+        "source": str(saved / layout / f"step-{STEP}"),
+    }
 
 
 def test_a_job_started_from_a_torchtitan_folder_is_the_job_started_from_our_root_of_the_same_weights(saved, tmp_path):
@@ -288,8 +347,11 @@ def test_a_job_started_from_a_torchtitan_folder_is_the_job_started_from_our_root
     writes, step by step, the bytes of the same job started from our root of the same step."""
     runs = {}
     for label, load_path in (("dcp", saved / "titan"), ("ours", saved / "ckpt")):
-        cfg = tiny_config(tmp_path / label, checkpoint={"load_path": str(load_path), "no_load_optim": True},
-                          data={"path": str(tmp_path / "data")})
+        cfg = tiny_config(
+            tmp_path / label,
+            checkpoint={"load_path": str(load_path), "no_load_optim": True},
+            data={"path": str(tmp_path / "data")},
+        )
         if label == "dcp":
             assert driver_checks(cfg) == DcpCheckpoint(str(saved / "titan" / f"step-{STEP}"))
         run_on_harness(cfg)
@@ -310,12 +372,18 @@ def test_a_dcp_checkpoint_without_its_step_is_refused_a_full_resume(saved, tmp_p
     bare = tmp_path / "bare"
     spawn(_save_weights_and_moments_only, 1, tmp_path)
     cfg = tiny_config(tmp_path, checkpoint={"load_path": str(bare)})
-    with pytest.raises(CheckpointError, match=re.escape(
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
             f"{bare}: a torch.distributed.checkpoint (DCP) checkpoint that cannot be resumed whole: it holds no train_state.step "
             "(an integer, as torchtitan's TrainState saves it), so the step it was taken at is unknown; set "
-            "checkpoint.no_load_optim: true to start from its weights")):
+            "checkpoint.no_load_optim: true to start from its weights"
+        ),
+    ):
         driver_checks(cfg)
-    assert isinstance(driver_checks(tiny_config(tmp_path, checkpoint={"load_path": str(bare), "no_load_optim": True})), DcpCheckpoint)
+    assert isinstance(
+        driver_checks(tiny_config(tmp_path, checkpoint={"load_path": str(bare), "no_load_optim": True})), DcpCheckpoint
+    )
     # A fit() loop may say the step itself: its driver lets it through, its ranks take `step=` or refuse.
     fit_job = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(bare)}, training=None))
     assert resolve_source(fit_job) == (DcpCheckpoint(str(bare)), None)
@@ -324,16 +392,28 @@ def test_a_dcp_checkpoint_without_its_step_is_refused_a_full_resume(saved, tmp_p
     spawn(_restore_bare, 1, tmp_path, None)
     assert json.loads((tmp_path / "bare.json").read_text()) == (
         f"{bare}: a DCP checkpoint without train_state.step: say the step it was taken at, ck.restore(..., step=N), or set "
-        "checkpoint.no_load_optim: true to start from its weights")
+        "checkpoint.no_load_optim: true to start from its weights"
+    )
 
 
-@pytest.mark.parametrize("change, error", [
-    ({"model": {"d_model": 16}}, "{titan}/step-2: tensor 'tok.weight' is torch.float32 [64, 32] there but torch.float32 [64, 16] in the model"),
-    ({"checkpoint": {"no_load_optim": False}, "training": {"optimizer": "torch.optim.SGD", "optimizer_args": {"momentum": 0.9}}},
-     "{titan}/step-2 holds optimizer state 'adam_m.tok.weight' (torch's 'exp_avg'), but training.optimizer builds "
-     "torch.optim.sgd:SGD, which keeps ['momentum_buffer']; set checkpoint.no_load_optim: true to start torch.optim.sgd:SGD from "
-     "its weights, or set training.optimizer to the one that saved it"),
-])
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (
+            {"model": {"d_model": 16}},
+            "{titan}/step-2: tensor 'tok.weight' is torch.float32 [64, 32] there but torch.float32 [64, 16] in the model",
+        ),
+        (
+            {
+                "checkpoint": {"no_load_optim": False},
+                "training": {"optimizer": "torch.optim.SGD", "optimizer_args": {"momentum": 0.9}},
+            },
+            "{titan}/step-2 holds optimizer state 'adam_m.tok.weight' (torch's 'exp_avg'), but training.optimizer builds "
+            "torch.optim.sgd:SGD, which keeps ['momentum_buffer']; set checkpoint.no_load_optim: true to start torch.optim.sgd:SGD from "
+            "its weights, or set training.optimizer to the one that saved it",
+        ),
+    ],
+)
 def test_what_cannot_start_from_dcps_checkpoint_is_refused_on_the_driver(saved, tmp_path, change, error):
     cfg = tiny_config(tmp_path, checkpoint={"load_path": str(saved / "titan"), "no_load_optim": True})
     for section, values in change.items():
@@ -354,8 +434,12 @@ def test_a_dcp_checkpoint_with_a_truncated_file_is_refused_on_the_driver(saved, 
     shutil.copytree(saved / "titan", tmp_path / "titan")
     shard = tmp_path / "titan" / f"step-{STEP}" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: 100 bytes, but ") + ".*" + re.escape(
-            f"; the DCP checkpoint at {tmp_path / 'titan' / f'step-{STEP}'} is damaged or incomplete")):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"{shard}: 100 bytes, but ")
+        + ".*"
+        + re.escape(f"; the DCP checkpoint at {tmp_path / 'titan' / f'step-{STEP}'} is damaged or incomplete"),
+    ):
         driver_checks(tiny_config(tmp_path, checkpoint={"load_path": str(tmp_path / "titan")}))
 
 
@@ -391,7 +475,11 @@ def test_ray_resume_show_and_verify_describe_a_dcp_checkpoint(saved, tmp_path, c
     assert f"OK: {step}: 2 files, " in capsys.readouterr().out
     assert main(["show", str(saved / "titan")]) == 0
     shown = capsys.readouterr().out
-    assert "a torch.distributed.checkpoint (DCP) checkpoint" in shown and "model.tok.weight" in shown and "[64, 32]" in shown
+    assert (
+        "a torch.distributed.checkpoint (DCP) checkpoint" in shown
+        and "model.tok.weight" in shown
+        and "[64, 32]" in shown
+    )
     shutil.copytree(saved / "titan", tmp_path / "titan")
     shard = tmp_path / "titan" / f"step-{STEP}" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])

@@ -34,7 +34,7 @@ def test_every_block_is_marked_and_every_excerpt_is_its_file():
 def test_the_runner_fails_on_the_fit_example_the_readme_used_to_show(tmp_path):
     """The README's example of 2026-12-03, the call as it was (its loop cut to nothing): it names
     the mistake a reader copying it met."""
-    old = '''<!-- run -->
+    old = """<!-- run -->
 ```python
 import ray_resume
 
@@ -45,19 +45,24 @@ root = "output/fit"
 result = ray_resume.fit(train_func, checkpoint={"save_path": root, "load_path": root, "save_interleaved_steps": 20},
                         scaling={"num_workers": 2}, failure={"max_failures": 2}, train_loop_config={})
 ```
-'''
-    with pytest.raises(AssertionError, match=re.escape("TypeError: fit() got an unexpected keyword argument 'scaling'")):
+"""
+    with pytest.raises(
+        AssertionError, match=re.escape("TypeError: fit() got an unexpected keyword argument 'scaling'")
+    ):
         ex.Reader(tmp_path, env_for_subprocess()).follow(REPO / "README.md", text=old)
 
 
-@pytest.mark.parametrize("shown, holds", [
-    ("one 1.5 s two\nthree 7 steps\n", True),  # a duration is anything
-    ("one … two\n…\nthree 7 steps\n", True),
-    ("three 7 steps\none 1.5 s two\n", False),  # order
-    ("three 8 steps\n", False),  # any other number is compared
-    ("(Worker pid=…) b\n(Worker pid=…) a\n", True),  # two processes' lines in either order
-    ("(Worker pid=…) c\n(Worker pid=…) a\n", False),  # one process's in its order
-])
+@pytest.mark.parametrize(
+    "shown, holds",
+    [
+        ("one 1.5 s two\nthree 7 steps\n", True),  # a duration is anything
+        ("one … two\n…\nthree 7 steps\n", True),
+        ("three 7 steps\none 1.5 s two\n", False),  # order
+        ("three 8 steps\n", False),  # any other number is compared
+        ("(Worker pid=…) b\n(Worker pid=…) a\n", True),  # two processes' lines in either order
+        ("(Worker pid=…) c\n(Worker pid=…) a\n", False),  # one process's in its order
+    ],
+)
 def test_an_output_block_holds_only_where_the_run_printed_it(tmp_path, shown, holds):
     printed = "one 0.2 s two\n(Worker pid=1) a\n(Worker pid=2) b\n(Worker pid=1) c\nthree 7 steps\n"
     block = ex.Block(REPO / "README.md", 1, "", "output", shown)
@@ -74,8 +79,9 @@ def test_a_block_without_a_marker_fails_naming_its_line(tmp_path):
 
 
 def test_the_configuration_reference_is_what_the_schema_writes():
-    assert (REPO / "docs" / "config.md").read_text() == markdown(), \
+    assert (REPO / "docs" / "config.md").read_text() == markdown(), (
         "docs/config.md is not the schema's: python -m ray_resume.config reference > docs/config.md"
+    )
 
 
 def test_the_readme_is_a_front_door_and_the_figures_live_in_benchmarks():
@@ -93,7 +99,9 @@ def test_the_readme_is_a_front_door_and_the_figures_live_in_benchmarks():
 def _anchors(doc) -> set[str]:
     """The anchors GitHub gives a document's headings (lowercase, punctuation dropped, spaces as hyphens)."""
     text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, flags=re.M)
+    }
 
 
 def test_every_link_between_the_documents_reaches_its_file_and_heading():

@@ -44,8 +44,13 @@ def reference24(tmp_path_factory, local_reference):
 @pytest.mark.invariant(3)
 def test_resume_on_another_world_size(tmp_path, reference24, workers, balanced):
     root = resume_root(reference24["root"], 4, tmp_path / "ckpt")
-    cfg = tiny_config(tmp_path, model={"dropout": 0.0}, training={"global_batch_size": 24}, scaling={"num_workers": workers},
-                      checkpoint={"load_path": root, "load_balanced": balanced})
+    cfg = tiny_config(
+        tmp_path,
+        model={"dropout": 0.0},
+        training={"global_batch_size": 24},
+        scaling={"num_workers": workers},
+        checkpoint={"load_path": root, "load_balanced": balanced},
+    )
     cfg["data"]["path"] = reference24["data"]
     run_on_harness(cfg)
     begun = starts(root)
@@ -66,10 +71,14 @@ def test_resume_on_another_world_size(tmp_path, reference24, workers, balanced):
 
 @pytest.mark.parametrize("new_gbs, final, saved_step, resume_step", [(32, 6, 8, 4), (24, 7, 8, 5)])
 @pytest.mark.invariant(3, 10)
-def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, local_reference, new_gbs, final, saved_step, resume_step):
+def test_changed_global_batch_size_keeps_consumed_samples(
+    tmp_path, local_reference, new_gbs, final, saved_step, resume_step
+):
     """Spec 1.4: 8 steps at gbs 16 = 128 samples -> step 4 at gbs 32; at gbs 24, 128/24 = 5.33 -> step 5, cursor 128."""
     loaded = resume_root(local_reference["root"], saved_step, tmp_path / "old")
-    cfg = tiny_config(tmp_path, training={"global_batch_size": new_gbs, "train_steps": final}, checkpoint={"load_path": loaded})
+    cfg = tiny_config(
+        tmp_path, training={"global_batch_size": new_gbs, "train_steps": final}, checkpoint={"load_path": loaded}
+    )
     cfg["data"]["path"] = local_reference["data"]
     with pytest.raises(CheckpointError) as err:  # the rescaled steps would overwrite the run being resumed
         harness.run_job({**cfg, "checkpoint": {**cfg["checkpoint"], "save_path": loaded}})
@@ -82,7 +91,9 @@ def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, local_refere
     steps = per_step(read_metrics(root))
     assert sorted(steps) == list(range(resume_step + 1, final + 1))
     consumed_after = 128 + (final - resume_step) * new_gbs
-    old_ids = [i for s in range(saved_step + 1, consumed_after // 16 + 1) for i in local_reference["steps"][s][0]["ids"]]
+    old_ids = [
+        i for s in range(saved_step + 1, consumed_after // 16 + 1) for i in local_reference["steps"][s][0]["ids"]
+    ]
     new_ids = [i for s in steps for i in steps[s][-1]["ids"]]
     # Exactly the samples the old run took next, as a multiset (ids recur across the
     # epoch boundary at 160, as they do in the reference run): none repeated, none skipped.

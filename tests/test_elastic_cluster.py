@@ -263,8 +263,16 @@ def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path):
     # dropout 0: dropout masks come from each rank's RNG stream, which no other world size can reproduce.
     # log_every 1: every step's records are on disk before the next step begins, also those of a group ended by a resize.
     # One train_slot per worker node (the driver's Cluster): one worker per node; resize checks every second.
-    cfg = tiny_config(tmp_path / "elastic", model={"dropout": 0.0}, training={"log_every": 1},
-                      scaling={"num_workers": [1, 2], "resources_per_worker": {"CPU": 1, "train_slot": 1}, "elastic_resize_interval_s": 1})
+    cfg = tiny_config(
+        tmp_path / "elastic",
+        model={"dropout": 0.0},
+        training={"log_every": 1},
+        scaling={
+            "num_workers": [1, 2],
+            "resources_per_worker": {"CPU": 1, "train_slot": 1},
+            "elastic_resize_interval_s": 1,
+        },
+    )
     cfg["data"]["path"] = str(data)
     c = Config.from_dict(cfg)
     ensure_dataset(c.data.path, c.data.synthetic, c.model.seq_len, c.model.vocab_size)  # before two jobs read it
@@ -277,8 +285,15 @@ def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path):
     # A too-large group (sized on a node list that still shows a node just removed) waits
     # this long for its placement group before the controller counts again: 60 s by default.
     env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "5"
-    proc = subprocess.Popen([sys.executable, str(driver), str(job)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(driver), str(job)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,
+        env=env,
+    )
     output = {}
     reader = threading.Thread(target=lambda: output.update(text=proc.communicate(timeout=600)[0]), daemon=True)
     reader.start()
@@ -297,7 +312,7 @@ def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path):
     (tmp_path / "driver.log").write_text(out)
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, out[-6000:]
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = json.loads(lines[-1][len("RESULT ") :])
     assert res["error"] is None and res["committed"] == FINAL, (res, out[-6000:])
     phases = res["phases"]
 
@@ -330,7 +345,9 @@ def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path):
     expected_runs = {(step, attempt) for attempt, steps in ran.items() for step in steps}
     assert set(runs) == expected_runs, sorted(set(runs) ^ expected_runs)
     for (step, attempt), ids in sorted(runs.items()):
-        assert sorted(ids) == reference[step][0]["ids"], f"step {step}, group {attempt}: other samples than the reference's"
+        assert sorted(ids) == reference[step][0]["ids"], (
+            f"step {step}, group {attempt}: other samples than the reference's"
+        )
 
     # Losses. Group 0 (1 worker, same seed, same samples, dropout 0) is the reference run
     # itself: the same bits. After the resize the weights have been through a 2-worker
@@ -350,6 +367,8 @@ def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path):
         else:
             assert r["loss"] == pytest.approx(expected, rel=1e-4), f"step {r['step']} (group {r['attempt']})"
             worst = max(worst, abs(r["loss"] - expected) / abs(expected))
-    print(f"elastic cluster: test {time.time() - t0:.0f} s; driver phases "
-          + ", ".join(f"{name} {p['t']:.0f} s" for name, p in phases.items())
-          + f"; worst relative loss difference after a resize {worst:.2e}")
+    print(
+        f"elastic cluster: test {time.time() - t0:.0f} s; driver phases "
+        + ", ".join(f"{name} {p['t']:.0f} s" for name, p in phases.items())
+        + f"; worst relative loss difference after a resize {worst:.2e}"
+    )

@@ -130,6 +130,7 @@ def test_worker_sigkilled_from_outside_at_a_random_moment(tmp_path, reference, r
     if resumed:
         assert restarts[1]["source"].endswith(f"iteration_{resumed:08d}")
     assert restarts[1]["time"] > killed_at - 1.0
-    print(f"seed {seed}: killed pid {victim} {delay:.2f} s into training, tracker at {committed_before}; "
-          f"resumed from step {resumed}")
-
+    print(
+        f"seed {seed}: killed pid {victim} {delay:.2f} s into training, tracker at {committed_before}; "
+        f"resumed from step {resumed}"
+    )

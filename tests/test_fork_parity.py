@@ -29,5 +29,6 @@ def test_a_forked_rank_is_the_process_ray_would_have_started(tmp_path):
     # The one fact a fork cannot have anew: CPython draws the hash seed of str and bytes once per
     # interpreter (docs/restarts.md says so); every other one is the same on as off.
     assert fork_parity.differences(runs["on"], runs["off"]) == [
-        "str_hash: distinct across rank starts on False, off True"]
+        "str_hash: distinct across rank starts on False, off True"
+    ]
     assert {f["torch_threads"] for f in runs["on"]["starts"].values()} == {1}  # resources_per_worker CPU: 1

@@ -68,21 +68,29 @@ def test_both_groups_run_in_forks_of_the_fork_server(tmp_path):
     import ray
     import ray.train
 
-    result = ray_resume.fit(train_func, train_loop_config={"dir": str(tmp_path)},
-                            checkpoint={"save_path": str(tmp_path / "root"), "save_interleaved_steps": 1},
-                            scaling_config=ray.train.ScalingConfig(num_workers=2),
-                            failure_config={"max_failures": 1, "fork_server": True})
+    result = ray_resume.fit(
+        train_func,
+        train_loop_config={"dir": str(tmp_path)},
+        checkpoint={"save_path": str(tmp_path / "root"), "save_interleaved_steps": 1},
+        scaling_config=ray.train.ScalingConfig(num_workers=2),
+        failure_config={"max_failures": 1, "fork_server": True},
+    )
     assert result.committed_iteration == STEPS
     assert json.loads((tmp_path / "killed.json").read_text())["serving"] is True
-    first, restarted = ([json.loads((tmp_path / f"{attempt}-{rank}.json").read_text()) for rank in range(2)]
-                        for attempt in ("first", "restarted"))
+    first, restarted = (
+        [json.loads((tmp_path / f"{attempt}-{rank}.json").read_text()) for rank in range(2)]
+        for attempt in ("first", "restarted")
+    )
     assert len({r["parent"] for r in first + restarted}) == 1, (first, restarted)  # one server for the node
     assert f"-m {forkserver.MODULE} --serve" in command_line(restarted[0]["parent"])
     assert not {r["pid"] for r in restarted} & {r["pid"] for r in first}, (first, restarted)  # new processes
     # The server says what it did in the session's log directory, beside Ray's own processes' logs.
     session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
-    [said] = [text for log in session.glob("logs/ray_resume-forkserver-*.log")
-              if f"forked {restarted[0]['pid']} for client " in (text := log.read_text())]
+    [said] = [
+        text
+        for log in session.glob("logs/ray_resume-forkserver-*.log")
+        if f"forked {restarted[0]['pid']} for client " in (text := log.read_text())
+    ]
     assert "; forking" in said and all(f"forked {r['pid']} for client " in said for r in first + restarted), said
 
 
@@ -138,8 +146,13 @@ def server(tmp_path):
 
 
 def run_client(env: dict, argv: list[str], cwd: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", forkserver.MODULE, PRELOAD, *argv, *extra], env={**env, "MY_VAR": "x"},
-                            cwd=cwd, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", forkserver.MODULE, PRELOAD, *argv, *extra],
+        env={**env, "MY_VAR": "x"},
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def report(cwd: Path, nth: str = "", timeout: float = 30) -> dict:
@@ -157,7 +170,9 @@ def test_without_a_server_a_client_starts_one_and_runs_the_worker_in_a_fork_of_i
     client = run_client(env, argv, tmp_path)
     out, _ = client.communicate(timeout=120)
     got = report(tmp_path)
-    server = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and address in command_line(int(p.name)))
+    server = next(
+        int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and address in command_line(int(p.name))
+    )
     try:
         assert (client.returncode, out) == (7, "hello from the worker\n")
         assert got["parent"] == server and got["pid"] != client.pid
@@ -171,15 +186,20 @@ def test_a_client_gone_while_the_server_imports_leaves_it_serving_the_next(tmp_p
     starts): the server forks for it anyway, the fork ends with its client, and the server serves on."""
     env, argv, address = job_env(tmp_path)
     job_process = subprocess.Popen(["sleep", "600"], env=env)
-    server = subprocess.Popen([sys.executable, "-m", forkserver.MODULE, "--serve", address, "--idle=1", PRELOAD], env=env)
+    server = subprocess.Popen(
+        [sys.executable, "-m", forkserver.MODULE, "--serve", address, "--idle=1", PRELOAD], env=env
+    )
     ended = subprocess.Popen(["true"])  # a client that has ended
     ended.wait()
     (tmp_path / "gone").mkdir()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
             until(lambda: gone.connect_ex("\0" + address) == 0, "the server listens")
-            wire.send(gone, {"fork": {"argv": argv, "env": env, "cwd": str(tmp_path / "gone"), "client": ended.pid}},
-                             [0, 1, 2])
+            wire.send(
+                gone,
+                {"fork": {"argv": argv, "env": env, "cwd": str(tmp_path / "gone"), "client": ended.pid}},
+                [0, 1, 2],
+            )
         client = run_client(env, argv, tmp_path)
         out, _ = client.communicate(timeout=120)
         assert (client.returncode, out, report(tmp_path)["parent"]) == (7, "hello from the worker\n", server.pid)
@@ -208,7 +228,11 @@ def test_a_client_passes_a_server_of_another_user_by_and_sends_it_nothing(tmp_pa
     """Anyone on the node can bind the address first (an abstract name has no permissions): a
     server of another uid gets no environment, no credentials, no streams; the worker starts cold."""
     env, argv, address = job_env(tmp_path)
-    fake = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    fake = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import os, socket, sys
         os.setgid(65534); os.setuid(65534)  # nobody
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -223,7 +247,11 @@ def test_a_client_passes_a_server_of_another_user_by_and_sends_it_nothing(tmp_pa
         except OSError:
             pass
         sys.stdout.write(repr(data))
-    """)], stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert fake.stdout.readline() == "listening\n"
     client = run_client(env, argv, tmp_path)
     out, _ = client.communicate(timeout=60)
@@ -251,11 +279,20 @@ def test_the_server_forks_only_with_no_thread_but_its_own():
     told otherwise, as the server's imports are), or the CUDA driver's after a device query
     (scripts/gpu_check.py shows that one, and CUDA initialised, on a GPU)."""
     check = "from ray_resume import forked; print(forked.cannot_fork())"
-    cases = {"": "None", "import numpy": "native threads in the server (1 besides its own)",
-             "import os; os.environ.update(forked.NO_THREADS_AT_LOAD); import torch, pyarrow": "None"}
+    cases = {
+        "": "None",
+        "import numpy": "native threads in the server (1 besides its own)",
+        "import os; os.environ.update(forked.NO_THREADS_AT_LOAD); import torch, pyarrow": "None",
+    }
     for setup, expected in cases.items():
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
-        out = subprocess.run([sys.executable, "-c", f"from ray_resume import forked\n{setup}\n{check}"], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", f"from ray_resume import forked\n{setup}\n{check}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert out.stdout.strip() == expected, setup
 
 
@@ -309,24 +346,61 @@ def test_the_worker_ends_with_its_client_and_the_client_with_its_worker(server, 
     assert proc.wait(timeout=30) == 0
 
 
-@pytest.mark.parametrize(("setting", "ranks_env", "job_env", "gpu", "off"), [
-    ("auto", None, {}, False, None), ("auto", {"env_vars": {"A": "1"}}, {"env_vars": {"B": "2"}}, False, None),
-    ("auto", {"pip": ["six"]}, {}, False, "the ranks' runtime env sets `pip`, which runs them in a Python of its own that "
-                                         "a fork of the server would not be"),
-    ("auto", None, {"conda": "env"}, False, "the ranks' runtime env sets `conda`, which runs them in a Python of its own "
-                                            "that a fork of the server would not be"),
-    ("auto", None, {}, True, "auto, and the ranks use GPUs, where a fork's parity with a fresh process is not shown yet"),
-    (False, None, {}, False, "failure.fork_server: false"), (True, None, {}, False, None), (True, None, {}, True, None)])
-def test_the_fork_server_is_on_for_cpu_ranks_unless_they_run_in_a_python_of_their_own(setting, ranks_env, job_env, gpu, off,
-                                                                                        monkeypatch):
+@pytest.mark.parametrize(
+    ("setting", "ranks_env", "job_env", "gpu", "off"),
+    [
+        ("auto", None, {}, False, None),
+        ("auto", {"env_vars": {"A": "1"}}, {"env_vars": {"B": "2"}}, False, None),
+        (
+            "auto",
+            {"pip": ["six"]},
+            {},
+            False,
+            "the ranks' runtime env sets `pip`, which runs them in a Python of its own that "
+            "a fork of the server would not be",
+        ),
+        (
+            "auto",
+            None,
+            {"conda": "env"},
+            False,
+            "the ranks' runtime env sets `conda`, which runs them in a Python of its own "
+            "that a fork of the server would not be",
+        ),
+        (
+            "auto",
+            None,
+            {},
+            True,
+            "auto, and the ranks use GPUs, where a fork's parity with a fresh process is not shown yet",
+        ),
+        (False, None, {}, False, "failure.fork_server: false"),
+        (True, None, {}, False, None),
+        (True, None, {}, True, None),
+    ],
+)
+def test_the_fork_server_is_on_for_cpu_ranks_unless_they_run_in_a_python_of_their_own(
+    setting, ranks_env, job_env, gpu, off, monkeypatch
+):
     monkeypatch.delenv(forkserver.SETTING_ENV, raising=False)
     assert forkserver.why_off(setting, ranks_env, job_env, gpu=gpu) == off
     if off is None:
-        assert forkserver.rank_runtime_env(ranks_env or {}) == {**(ranks_env or {}), "py_executable": f"{sys.executable} -m ray_resume.forkserver"}
+        assert forkserver.rank_runtime_env(ranks_env or {}) == {
+            **(ranks_env or {}),
+            "py_executable": f"{sys.executable} -m ray_resume.forkserver",
+        }
 
 
-@pytest.mark.parametrize(("host", "setting", "off"), [("false", "auto", "failure.fork_server: false"), ("false", True, None),
-                                                    ("true", "auto", None), ("auto", "auto", None), ("true", False, "failure.fork_server: false")])
+@pytest.mark.parametrize(
+    ("host", "setting", "off"),
+    [
+        ("false", "auto", "failure.fork_server: false"),
+        ("false", True, None),
+        ("true", "auto", None),
+        ("auto", "auto", None),
+        ("true", False, "failure.fork_server: false"),
+    ],
+)
 def test_the_hosts_setting_is_what_auto_means(host, setting, off, monkeypatch):
     """RAY_RESUME_FORK_SERVER (a cluster's admins, the suite run both ways) decides where the job's
     config says auto; a job's own true or false stands."""
@@ -338,15 +412,26 @@ def test_fork_server_true_where_it_cannot_be_is_a_config_error(monkeypatch):
     monkeypatch.delenv(forkserver.SETTING_ENV, raising=False)
     with pytest.raises(ConfigError) as err:
         forkserver.why_off(True, {"uv": ["six"]}, {})
-    assert str(err.value) == ("failure.fork_server is true, but the ranks' runtime env sets `uv`, which runs them in a Python "
-                              "of its own that a fork of the server would not be; set failure.fork_server to auto (on wherever "
-                              "it can be) or false")
-    with pytest.raises(ConfigError, match=r"failure.fork_server is true, but the driver is a Ray Client \(ray://\), and the "
-                                          r"nodes may not have its interpreter; set"):
+    assert str(err.value) == (
+        "failure.fork_server is true, but the ranks' runtime env sets `uv`, which runs them in a Python "
+        "of its own that a fork of the server would not be; set failure.fork_server to auto (on wherever "
+        "it can be) or false"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"failure.fork_server is true, but the driver is a Ray Client \(ray://\), and the "
+        r"nodes may not have its interpreter; set",
+    ):
         forkserver.why_off(True, None, {}, ray_client=True)
-    assert forkserver.why_off("auto", None, {}, ray_client=True) == "the driver is a Ray Client (ray://), and the nodes may not have its interpreter"
+    assert (
+        forkserver.why_off("auto", None, {}, ray_client=True)
+        == "the driver is a Ray Client (ray://), and the nodes may not have its interpreter"
+    )
     monkeypatch.setattr(sys, "platform", "darwin")
     assert forkserver.why_off("auto", None, {}) == "it needs Linux (abstract Unix sockets, /proc), and this is darwin"
-    with pytest.raises(ConfigError, match=r"failure.fork_server is true, but it needs Linux \(abstract Unix sockets, /proc\), "
-                                          r"and this is darwin; set failure.fork_server to auto"):
+    with pytest.raises(
+        ConfigError,
+        match=r"failure.fork_server is true, but it needs Linux \(abstract Unix sockets, /proc\), "
+        r"and this is darwin; set failure.fork_server to auto",
+    ):
         forkserver.why_off(True, None, {})

@@ -66,8 +66,10 @@ def _train(model, optimizer, steps: int, rank: int, world: int) -> list[float]:
 
 def _consolidated(model, optimizer) -> dict[str, torch.Tensor]:
     """Every model and optimizer tensor, whole (FSDP shards all-gathered)."""
+
     def full(t):
         return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
     out = {f"model/{n}": full(t).detach().clone() for n, t in state.model_tensors(model).items()}
     out |= {f"opt/{n}": full(t).detach().clone() for n, t in optimizer.state_tensors().items()}
     return out
@@ -77,9 +79,17 @@ def _save(rank: int, world: int, init: str, out: str, strategy: str, dtype: str)
     model, optimizer = _setup(rank, world, init, strategy, dtype)
     _train(model, optimizer, STEP, rank, world)
     root = str(Path(out, "ckpt"))
-    manifest = save_shards(LocalStorage(), root, STEP, prefix="ckpt", rank=rank, world_size=world,
-                           model_state=state.model_tensors(model), optim_state=optimizer.state_tensors(),
-                           rank_extras=state.capture_rng())
+    manifest = save_shards(
+        LocalStorage(),
+        root,
+        STEP,
+        prefix="ckpt",
+        rank=rank,
+        world_size=world,
+        model_state=state.model_tensors(model),
+        optim_state=optimizer.state_tensors(),
+        rank_extras=state.capture_rng(),
+    )
     manifests = [None] * world
     dist.all_gather_object(manifests, manifest)
     held = _consolidated(model, optimizer)
@@ -95,8 +105,9 @@ def _load(rank: int, world: int, init: str, out: str, strategy: str, dtype: str,
     model, optimizer = _setup(rank, world, init, strategy, dtype)
     _train(model, optimizer, 1, rank, world)  # optimizer state exists, and differs from the saved one
     cfg = Config.from_dict(tiny_config(Path(out), training={"strategy": strategy}, model={"dtype": dtype}))
-    point, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(model, optimizer, CommittedIteration(str(Path(out, "ckpt")), STEP),
-                                                                                  full=True)
+    point, _ = Checkpointer(cfg.checkpoint, None, rank, world, 0, None).restore(
+        model, optimizer, CommittedIteration(str(Path(out, "ckpt")), STEP), full=True
+    )
     loaded = _consolidated(model, optimizer)
     losses = _train(model, optimizer, 1, rank, world)  # training continues from the loaded state
     if rank == 0:
@@ -128,10 +139,13 @@ def assert_same(a: dict, b: dict) -> None:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("saved_as, dtype, loads", [
-    ("fsdp", "float32", [("ddp", 3), ("ddp", 1), ("fsdp", 2), ("fsdp", 3)]),
-    ("ddp", "bfloat16", [("fsdp", 3)]),
-])
+@pytest.mark.parametrize(
+    "saved_as, dtype, loads",
+    [
+        ("fsdp", "float32", [("ddp", 3), ("ddp", 1), ("fsdp", 2), ("fsdp", 3)]),
+        ("ddp", "bfloat16", [("fsdp", 3)]),
+    ],
+)
 def test_save_under_one_strategy_load_under_the_other_on_any_world_size(tmp_path, saved_as, dtype, loads):
     spawn(_save, 2, tmp_path, saved_as, dtype)
     held = load_file(str(tmp_path / "held.safetensors"))
@@ -166,5 +180,7 @@ def assert_reads_own_share(tmp: Path, reads: list[int]) -> None:
     """FSDP on the saving world size: each rank reads exactly its own files, whole (digest-checked).
     The 0-d Adam steps split over both files reach the other rank through one all-reduce."""
     files = sorted(Path(paths.iteration_dir(str(tmp / "ckpt"), STEP)).glob("*.safetensors"))
-    own = [sum(p.stat().st_size for p in files if paths.parse_shard_filename(p.name)["rank"] == rank) for rank in range(2)]
+    own = [
+        sum(p.stat().st_size for p in files if paths.parse_shard_filename(p.name)["rank"] == rank) for rank in range(2)
+    ]
     assert reads == own

@@ -16,7 +16,16 @@ import pytest
 import yaml
 
 import harness
-from conftest import FINAL, STORAGE_SECRETS, assert_same_as_reference, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import (
+    FINAL,
+    STORAGE_SECRETS,
+    assert_same_as_reference,
+    per_step,
+    read_metrics,
+    run_on_harness,
+    shard_bytes,
+    tiny_config,
+)
 from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.reader import check_no_extra_shards, open_iteration
 from ray_resume.errors import CheckpointError
@@ -37,8 +46,9 @@ def test_a_job_on_the_harness_is_the_same_job_as_on_ray_train(local_reference, r
     assert local_reference["steps"] == reference["steps"]
 
 
-@pytest.mark.parametrize("phase, writer", [("mid_shard_write", "process"), ("mid_shard_write", "thread"),
-                                           ("before_report", "auto")])
+@pytest.mark.parametrize(
+    "phase, writer", [("mid_shard_write", "process"), ("mid_shard_write", "thread"), ("before_report", "auto")]
+)
 @pytest.mark.invariant(1, 2, 3, 4, 8)
 def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, local_reference, phase, writer):
     """A rank SIGKILLed half way through writing a shard (with its writer process waiting on it, or
@@ -67,8 +77,12 @@ def test_fsdp_rank_killed_resumes_exactly(tmp_path, local_reference):
     clean["data"]["path"] = local_reference["data"]
     run_on_harness(clean)
     twin = {"root": clean["checkpoint"]["save_path"], "steps": per_step(read_metrics(clean["checkpoint"]["save_path"]))}
-    cfg = tiny_config(tmp_path / "faulty", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
-                      checkpoint={"async_save": False}, **fsdp)
+    cfg = tiny_config(
+        tmp_path / "faulty",
+        fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
+        checkpoint={"async_save": False},
+        **fsdp,
+    )
     cfg["data"]["path"] = local_reference["data"]
     run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
@@ -97,7 +111,8 @@ def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp
     again = {**cfg, "fault": None}
     with pytest.raises(CheckpointError, match="already holds committed iteration 4 .* set checkpoint.load_path"):
         harness.run_job(again)
-    run_on_harness({**again, "checkpoint": {**cfg["checkpoint"], "load_path": root}})  # the dead driver's lease is taken over
+    # the dead driver's lease is taken over
+    run_on_harness({**again, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
     [start] = starts(root)[-1:]
     assert start["source"].endswith("iteration_00000004")  # never the half-committed 8
     for step in (8, FINAL):  # 8 was written again and replaced cleanly
@@ -124,7 +139,9 @@ def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path
 
 
 @pytest.mark.invariant(5)
-def test_a_deletion_cut_short_at_the_last_commit_is_cleared_by_the_next_job_with_nothing_to_do(tmp_path, local_reference):
+def test_a_deletion_cut_short_at_the_last_commit_is_cleared_by_the_next_job_with_nothing_to_do(
+    tmp_path, local_reference
+):
     """save_max 1: committing the last step (12) deletes 8, and the driver dies half way through. The job
     resubmitted has nothing left to train and commits nothing; as it ends it clears what is left of 8
     (found by the soak, benchmarks/soak.py seed 1: it stayed for good)."""
@@ -216,8 +233,11 @@ def test_a_rank_sigkilled_from_outside_at_a_random_moment(tmp_path, local_refere
     marks = tmp_path / "marks"
     marks.mkdir()
     outcome = {}
-    job = threading.Thread(target=lambda: outcome.update(
-        result=harness.run_job(cfg, loss=functools.partial(marked_slow_loss, str(marks), step_sleep))))
+    job = threading.Thread(
+        target=lambda: outcome.update(
+            result=harness.run_job(cfg, loss=functools.partial(marked_slow_loss, str(marks), step_sleep))
+        )
+    )
     job.start()
     try:
         while not any(marks.iterdir()):  # training has begun
@@ -257,7 +277,10 @@ def test_a_preemption_notice_saves_at_once_and_training_goes_on(tmp_path, local_
     assert outcome.error is None and outcome.committed == FINAL and outcome.attempts == 1
     root = cfg["checkpoint"]["save_path"]
     assert sorted(p.name for p in Path(root).iterdir() if p.name.startswith("iteration_")) == [
-        "iteration_00000006", "iteration_00000008", "iteration_00000012"]
+        "iteration_00000006",
+        "iteration_00000008",
+        "iteration_00000012",
+    ]
     records = read_metrics(root)
     assert not [r for r in records if r.get("event") == "stop"]
     assert {r["step"] for r in records if r.get("saved")} == {6, 8, FINAL}
@@ -277,7 +300,9 @@ def test_no_storage_secret_lands_in_a_checkpoint_or_beside_it(tmp_path, local_re
     for path in written:
         data = path.read_bytes()
         assert not any(value.encode() in data for value in secrets.values()), path
-    saved = yaml.safe_load((Path(paths.iteration_dir(cfg["checkpoint"]["save_path"], FINAL)) / paths.CONFIG).read_text())
+    saved = yaml.safe_load(
+        (Path(paths.iteration_dir(cfg["checkpoint"]["save_path"], FINAL)) / paths.CONFIG).read_text()
+    )
     assert {saved["checkpoint"]["storage"][k] for k in secrets} == {"<redacted>"}
 
 
@@ -288,12 +313,21 @@ def test_a_resave_on_fewer_ranks_leaves_no_file_of_the_larger_world(tmp_path, lo
     iteration holds exactly the files its metadata.json lists."""
     sections = {"model": {"dropout": 0.0}, "training": {"global_batch_size": 24}}
     root = str(tmp_path / "ckpt")
-    first = tiny_config(tmp_path, scaling={"num_workers": 3}, failure={"max_failures": 0},
-                        checkpoint={"async_save": False}, fault={"phase": "before_report", "step": 8, "rank": 2}, **sections)
+    first = tiny_config(
+        tmp_path,
+        scaling={"num_workers": 3},
+        failure={"max_failures": 0},
+        checkpoint={"async_save": False},
+        fault={"phase": "before_report", "step": 8, "rank": 2},
+        **sections,
+    )
     first["data"]["path"] = local_reference["data"]
     assert harness.run_job(first).error is not None  # no restart allowed: the job fails
     iteration_8 = Path(paths.iteration_dir(root, 8))
-    assert {p.name for p in iteration_8.iterdir()} >= {"ckpt-model-0000002-0000003.safetensors", "ckpt-opt-0000002-0000003.safetensors"}
+    assert {p.name for p in iteration_8.iterdir()} >= {
+        "ckpt-model-0000002-0000003.safetensors",
+        "ckpt-opt-0000002-0000003.safetensors",
+    }
     again = tiny_config(tmp_path, scaling={"num_workers": 2}, checkpoint={"load_path": root}, **sections)
     again["data"]["path"] = local_reference["data"]
     run_on_harness(again)
@@ -313,8 +347,12 @@ def test_a_failed_commit_ends_the_run_with_its_error_and_the_next_start_resumes(
     cfg["data"]["path"] = local_reference["data"]
     root = cfg["checkpoint"]["save_path"]
     outcome = harness.run_job(cfg)
-    assert outcome.error.startswith("the commit of iteration 8 failed: [Errno 5] injected fault: the tracker write for iteration 8 failed")
-    assert f"the tracker of {root} stays on iteration {outcome.committed}" in outcome.error and outcome.committed < FINAL
+    assert outcome.error.startswith(
+        "the commit of iteration 8 failed: [Errno 5] injected fault: the tracker write for iteration 8 failed"
+    )
+    assert (
+        f"the tracker of {root} stays on iteration {outcome.committed}" in outcome.error and outcome.committed < FINAL
+    )
     assert tracker(root) == str(outcome.committed) and outcome.attempts == 1
     stops = {r["step"] for r in read_metrics(root) if r.get("event") == "stop"}
     assert stops == {outcome.committed}  # the stop step was saved and committed

@@ -20,11 +20,19 @@ from ray_resume.checkpoint.storage import LocalStorage
 
 KILLED = {"phase": "after_optimizer_step", "step": 6, "rank": 1}
 CONFIGS = {  # two architectures whose output head is their input embedding
-    "gpt2": lambda: transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=0,
-                                            eos_token_id=0),  # dropout on (0.1): the rank's RNG is in the checkpoint
-    "llama": lambda: transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
-                                              tie_word_embeddings=True),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+    ),  # dropout on (0.1): the rank's RNG is in the checkpoint
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -37,8 +45,12 @@ def pretrained(tmp_path, arch: str):
 
 
 def job(tmp_path, base, *, fault=None, wrap=False, strategy="ddp") -> dict:
-    return tiny_config(tmp_path, fault=fault, model={"builder": "plugin_models:hf_from_pretrained", "args": {"path": str(base), "wrap": wrap}},
-                       training={"loss": "plugin_models:hf_loss", "strategy": strategy})
+    return tiny_config(
+        tmp_path,
+        fault=fault,
+        model={"builder": "plugin_models:hf_from_pretrained", "args": {"path": str(base), "wrap": wrap}},
+        training={"loss": "plugin_models:hf_loss", "strategy": strategy},
+    )
 
 
 def exported(root, out) -> None:
@@ -51,11 +63,12 @@ def loads_as_the_checkpoint(root, out, base, prefix: str = "") -> None:
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}, info
     saved = load_state(LocalStorage(), open_iteration(LocalStorage(), str(root), 12), "model")
-    assert {n[len(prefix):] for n in saved} <= set(hf.state_dict())
+    assert {n[len(prefix) :] for n in saved} <= set(hf.state_dict())
     for name, tensor in saved.items():
-        assert torch.equal(hf.state_dict()[name[len(prefix):]].reshape(-1), tensor.reshape(-1)), name
+        assert torch.equal(hf.state_dict()[name[len(prefix) :]].reshape(-1), tensor.reshape(-1)), name
     plain = transformers.AutoModelForCausalLM.from_pretrained(base)
-    plain.load_state_dict(safetensors.torch.load_file(out / "model.safetensors"))  # strict: the tied names are there too
+    # strict: the tied names are there too
+    plain.load_state_dict(safetensors.torch.load_file(out / "model.safetensors"))
     plain.eval()
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     assert not hf.training and torch.equal(hf(input_ids=ids).logits, plain(input_ids=ids).logits)
@@ -77,8 +90,11 @@ def test_from_pretrained_trains_resumes_byte_identical_and_exports_for_from_pret
     exported(roots["killed"], out)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [{"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]]
-    assert "lm_head.weight" in safetensors.torch.load_file(out / "model.safetensors")  # stored once, exported under both names
-    assert "lm_head.weight" not in load_state(LocalStorage(), open_iteration(LocalStorage(), roots["killed"], 12), "model")
+    # stored once, exported under both names
+    assert "lm_head.weight" in safetensors.torch.load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in load_state(
+        LocalStorage(), open_iteration(LocalStorage(), roots["killed"], 12), "model"
+    )
     loads_as_the_checkpoint(roots["killed"], out, base)
 
 
@@ -94,7 +110,8 @@ def test_under_fsdp2_and_inside_a_wrapper_of_the_users_the_export_is_the_transfo
     assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
     loads_as_the_checkpoint(cfg["checkpoint"]["save_path"], out, base, prefix="lm.")
     wrapper = plugin_models.hf_from_pretrained({"args": {"path": str(base), "wrap": True}})
-    wrapper.lm.load_state_dict(safetensors.torch.load_file(out / "model.safetensors"))  # strict, into the builder's model
+    # strict, into the builder's model
+    wrapper.lm.load_state_dict(safetensors.torch.load_file(out / "model.safetensors"))
 
 
 @pytest.mark.invariant(6)
@@ -104,12 +121,16 @@ def test_export_facts_that_do_not_hold_are_refused_and_without_them_rebuild_mode
     to find the tied names and the config (a builder that makes the model from a config can be; one that
     calls from_pretrained cannot)."""
     base = pretrained(tmp_path, "gpt2")
-    cfg = tiny_config(tmp_path / "run", model={"builder": "plugin_models:build_gpt2"}, training={"loss": "plugin_models:hf_loss"})
+    cfg = tiny_config(
+        tmp_path / "run", model={"builder": "plugin_models:build_gpt2"}, training={"loss": "plugin_models:hf_loss"}
+    )
     run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
     meta_file = tmp_path / "run" / "ckpt" / "iteration_00000012" / "metadata.json"
     meta = json.loads(meta_file.read_text())
-    meta_file.write_text(json.dumps({**meta, "ray_resume": {**meta["ray_resume"], "model": {"tied": {"lm_head.weight": 3}}}}))
+    meta_file.write_text(
+        json.dumps({**meta, "ray_resume": {**meta["ray_resume"], "model": {"tied": {"lm_head.weight": 3}}}})
+    )
     assert cli.main(["export", root, str(tmp_path / "refused")]) == 1
     assert "metadata.json: ray_resume.model.tied must map tensor names to tensor names" in capsys.readouterr().err
 
@@ -118,7 +139,9 @@ def test_export_facts_that_do_not_hold_are_refused_and_without_them_rebuild_mode
     plain = tmp_path / "plain"
     exported(root, plain)
     assert "--rebuild-model builds its model here" in capsys.readouterr().out
-    assert not (plain / "config.json").exists() and "lm_head.weight" not in safetensors.torch.load_file(plain / "model.safetensors")
+    assert not (plain / "config.json").exists() and "lm_head.weight" not in safetensors.torch.load_file(
+        plain / "model.safetensors"
+    )
     rebuilt = tmp_path / "rebuilt"
     assert cli.main(["export", root, str(rebuilt), "--rebuild-model"]) == 0
     loads_as_the_checkpoint(root, rebuilt, base)

@@ -21,12 +21,45 @@ from ray_resume.errors import CheckpointError
 PACKAGE = REPO / "ray_resume"
 # Bottom to top; a module may import its own layer's and those below (docs/architecture.md).
 LAYERS = [
-    ["errors", "calls", "faults", "model", "summary", "text_table", "collectives", "wire", "forked", "forkserver", "checkpoint", "checkpoint.paths", "checkpoint.names",
-     "checkpoint.plan", "checkpoint.digest", "checkpoint.storage", "checkpoint.shard_file", "checkpoint.writer_process",
-     "checkpoint.async_save", "checkpoint.manifest"],
-    ["checkpoint.schema", "checkpoint.parse", "checkpoint.state", "checkpoint.writer", "checkpoint.reader", "checkpoint.loader", "checkpoint.commit",
-     "checkpoint.lease", "checkpoint.fallback", "checkpoint.memory", "checkpoint.root", "checkpoint.checkpointer", "checkpoint.dcp",
-     "checkpoint.checks", "checkpoint.export"],
+    [
+        "errors",
+        "calls",
+        "faults",
+        "model",
+        "summary",
+        "text_table",
+        "collectives",
+        "wire",
+        "forked",
+        "forkserver",
+        "checkpoint",
+        "checkpoint.paths",
+        "checkpoint.names",
+        "checkpoint.plan",
+        "checkpoint.digest",
+        "checkpoint.storage",
+        "checkpoint.shard_file",
+        "checkpoint.writer_process",
+        "checkpoint.async_save",
+        "checkpoint.manifest",
+    ],
+    [
+        "checkpoint.schema",
+        "checkpoint.parse",
+        "checkpoint.state",
+        "checkpoint.writer",
+        "checkpoint.reader",
+        "checkpoint.loader",
+        "checkpoint.commit",
+        "checkpoint.lease",
+        "checkpoint.fallback",
+        "checkpoint.memory",
+        "checkpoint.root",
+        "checkpoint.checkpointer",
+        "checkpoint.dcp",
+        "checkpoint.checks",
+        "checkpoint.export",
+    ],
     ["config", "data", "metrics", "optim", "parallel", "plugins", "extra_state", "plot"],
     ["controller"],
     ["rank", "progress", "train_loop"],
@@ -71,7 +104,9 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 continue
             candidates = [f"{target}.{a.name}".lstrip(".") for a in node.names]
         elif isinstance(node, ast.Import):
-            candidates = [a.name.removeprefix("ray_resume").lstrip(".") for a in node.names if a.name.startswith("ray_resume")]
+            candidates = [
+                a.name.removeprefix("ray_resume").lstrip(".") for a in node.names if a.name.startswith("ray_resume")
+            ]
         else:
             continue
         for c in candidates:
@@ -94,19 +129,25 @@ def test_every_module_has_a_layer_and_imports_none_above_it():
     assert upward == []
 
 
-def test_ruff_finds_nothing():
-    """The lint pyproject.toml configures, over the repository, as part of the suite (so CI runs it)."""
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])
+def test_ruff_finds_nothing(command):
+    """The lint and the format pyproject.toml configures, over the repository, as part of the suite (so
+    CI runs them): `ruff format .` writes what the format check wants."""
     import subprocess
     import sys
 
-    found = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(REPO)], capture_output=True, text=True)
+    found = subprocess.run(
+        [sys.executable, "-m", "ruff", *command, "--no-cache", str(REPO)], capture_output=True, text=True
+    )
     assert found.returncode == 0, found.stdout + found.stderr
 
 
 def test_the_import_scanner_reads_every_name_of_an_import(tmp_path):
     """`from . import a, b` imports b too: an upward import in second place is found."""
     module = tmp_path / "low.py"
-    module.write_text("from . import paths\nfrom .. import errors, driver\nfrom .root import root_for, CheckpointRoot\n")
+    module.write_text(
+        "from . import paths\nfrom .. import errors, driver\nfrom .root import root_for, CheckpointRoot\n"
+    )
     known = {name: tmp_path for name in ("checkpoint", "checkpoint.paths", "checkpoint.root", "errors", "driver")}
     assert imports("checkpoint.low", module, known) == {"checkpoint.paths", "errors", "driver", "checkpoint.root"}
 
@@ -155,7 +196,9 @@ def test_a_second_job_on_a_held_root_leaves_it_exactly_as_it_was(tmp_path, local
         after = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
         holder.release()
     assert after == before  # the damaged iteration where it was, the holder's lease untouched
-    assert (root / LEASE_DIR).is_dir() and json.loads(next((root / LEASE_DIR).iterdir()).read_text())["job_id"] == "the-holder"
+    assert (root / LEASE_DIR).is_dir() and json.loads(next((root / LEASE_DIR).iterdir()).read_text())[
+        "job_id"
+    ] == "the-holder"
 
 
 @pytest.mark.invariant(2)
@@ -167,10 +210,15 @@ def test_each_process_builds_a_roots_storage_once(tmp_path, local_reference, mon
 
     built_here = Counter()
     real = root_module.storage_for
-    monkeypatch.setattr(root_module, "storage_for", lambda uri, options=None: built_here.update([uri]) or real(uri, options))
+    monkeypatch.setattr(
+        root_module, "storage_for", lambda uri, options=None: built_here.update([uri]) or real(uri, options)
+    )
     record = str(tmp_path / "builds.jsonl")
-    cfg = tiny_config(tmp_path, checkpoint={"load_path": str(tmp_path / "ckpt"), "async_writer": "process"},
-                      fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    cfg = tiny_config(
+        tmp_path,
+        checkpoint={"load_path": str(tmp_path / "ckpt"), "async_writer": "process"},
+        fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
+    )
     cfg["data"]["path"] = local_reference["data"]
     assert run_on_harness(cfg, storage_faults=([], record)).attempts == 2
     assert built_here == {str(tmp_path / "ckpt"): 1}
@@ -211,7 +259,9 @@ def test_each_process_parses_the_iteration_it_resumes_once(tmp_path, local_refer
     run_on_harness(first)
     record = str(tmp_path / "parses.jsonl")
     count_parses(record, monkeypatch.setattr)
-    cfg = tiny_config(tmp_path, checkpoint={"load_path": first["checkpoint"]["save_path"], "save_path": str(tmp_path / "again")})
+    cfg = tiny_config(
+        tmp_path, checkpoint={"load_path": first["checkpoint"]["save_path"], "save_path": str(tmp_path / "again")}
+    )
     cfg["data"]["path"] = local_reference["data"]
     run_on_harness(cfg, setup=(count_parses, record))
     with open(record) as f:

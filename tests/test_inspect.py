@@ -52,7 +52,9 @@ def test_list_shows_every_iteration_with_the_tracker(root, capsys):
     by_step = {r["step"]: r for r in data["iterations"]}
     assert [r["step"] for r in data["iterations"]] == [4, 8, 12]
     assert by_step[8]["tracker"] and by_step[8]["committed"] and not by_step[4]["tracker"]
-    assert by_step[4]["consumed_samples"] == 32 and by_step[4]["world_size"] == 2 and by_step[4]["global_batch_size"] == 8
+    assert (
+        by_step[4]["consumed_samples"] == 32 and by_step[4]["world_size"] == 2 and by_step[4]["global_batch_size"] == 8
+    )
     size = sum(p.stat().st_size for p in (root["root"] / paths.iteration_dirname(8)).iterdir())
     assert by_step[8]["size_bytes"] == size
     assert by_step[12]["status"] == "incomplete" and "common.json" in by_step[12]["error"]
@@ -126,7 +128,9 @@ def test_show_json_lists_every_tensor_with_its_pieces(root, capsys):
         assert t["shape"] == list(tensor.shape) and t["dtype"] == "F32"
         chunks = t["chunks"]  # ranges of whole rows, in order, tiling the tensor
         assert chunks and all(c["file"] in shown["files"] for c in chunks) and t["mindformers_readable"]
-        assert sum(c["numel"] for c in chunks) == tensor.numel() and [c["local_shape"][1:] for c in chunks] == [list(tensor.shape[1:])] * len(chunks)
+        assert sum(c["numel"] for c in chunks) == tensor.numel() and [c["local_shape"][1:] for c in chunks] == [
+            list(tensor.shape[1:])
+        ] * len(chunks)
         assert [c["start"] for c in chunks] == sorted(c["start"] for c in chunks)
 
     code, out, _ = cli(capsys, "show", root["root"], "--iteration", 4)
@@ -144,7 +148,8 @@ def test_export_writes_plain_safetensors_equal_to_the_model(root, capsys, tmp_pa
     assert loaded.keys() == expected.keys()
     for name, tensor in expected.items():
         assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
-        assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name  # bitwise
+        # bitwise
+        assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
     optim = safetensors.torch.load_file(str(out_dir / "optimizer.safetensors"))
     storage = LocalStorage()
     saved_optim = load_state(storage, open_iteration(storage, str(root["root"]), 8), "opt")
@@ -165,7 +170,8 @@ def test_export_writes_plain_safetensors_equal_to_the_model(root, capsys, tmp_pa
     assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before
     code, _, err = cli(capsys, "export", root["root"], out_dir, "--iteration", 4, "--force")
     assert code == 0, err
-    assert sorted(p.name for p in out_dir.iterdir()) == ["config.yaml", "model.safetensors"]  # no stale optimizer.safetensors
+    # no stale optimizer.safetensors
+    assert sorted(p.name for p in out_dir.iterdir()) == ["config.yaml", "model.safetensors"]
     assert (out_dir / "config.yaml").read_text() == "name: test\n"  # iteration 4's, as its commit wrote it
 
 
@@ -210,8 +216,9 @@ def test_plot_of_an_interrupted_and_resumed_run(tmp_path, capsys):
     """The metrics of a real interrupted run (on the in-process harness, a second)."""
     from conftest import run_on_harness, tiny_config
 
-    cfg = tiny_config(tmp_path, fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
-                      checkpoint={"async_save": False})  # 4 is surely committed when rank 1 dies
+    cfg = tiny_config(
+        tmp_path, fault={"phase": "after_optimizer_step", "step": 6, "rank": 1}, checkpoint={"async_save": False}
+    )  # 4 is surely committed when rank 1 dies
     run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
 

@@ -34,16 +34,21 @@ def test_a_live_lease_refuses_a_second_writer_naming_the_holder(tmp_path):
     assert f"checkpoint.save_path {str(tmp_path)!r} is being written by job job-a" in str(err.value)
     first.acquire()  # the same job (a restarted worker group) keeps it
     first.release()
-    assert [(r["job_id"], r["expires_at"], r["released"]) for r in generations(tmp_path).values()] == [("job-a", 0, True)]
+    assert [(r["job_id"], r["expires_at"], r["released"]) for r in generations(tmp_path).values()] == [
+        ("job-a", 0, True)
+    ]
     second = Lease(LocalStorage(), str(tmp_path), "job-b", ttl_s=60)
     second.acquire()
     assert second.generation == 2 and list(generations(tmp_path)) == ["00000002.json"]  # numbers never restart
 
 
-@pytest.mark.parametrize("record", [
-    {"job_id": "dead-elsewhere", "host": "another-host", "pid": 1, "expires_at": 0},  # expired
-    {"job_id": "dead-here", "host": None, "pid": 2**22 + 7, "expires_at": 4e9},  # this host, process gone
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"job_id": "dead-elsewhere", "host": "another-host", "pid": 1, "expires_at": 0},  # expired
+        {"job_id": "dead-here", "host": None, "pid": 2**22 + 7, "expires_at": 4e9},  # this host, process gone
+    ],
+)
 @pytest.mark.invariant(9)
 def test_a_dead_jobs_lease_is_taken_over_by_the_next_generation(tmp_path, record, caplog):
     import socket
@@ -78,7 +83,9 @@ class ListedTogether(LocalStorage):
 def test_two_jobs_taking_over_at_the_same_instant_one_wins(tmp_path, conditional, monkeypatch):
     monkeypatch.setattr(lease_module, "SETTLE_S", 0.3)
     (tmp_path / LEASE_DIR).mkdir()
-    (tmp_path / LEASE_DIR / "00000001.json").write_text(json.dumps({"job_id": "dead", "host": "h", "pid": 1, "expires_at": 0}))
+    (tmp_path / LEASE_DIR / "00000001.json").write_text(
+        json.dumps({"job_id": "dead", "host": "h", "pid": 1, "expires_at": 0})
+    )
     barrier = threading.Barrier(2)
     outcome = {}
 
@@ -111,14 +118,42 @@ def test_a_commit_is_fenced_by_the_lease(tmp_path):
     storage = LocalStorage()
     stalled = Lease(storage, str(tmp_path), "job-stalled", ttl_s=60)
     stalled.acquire()
-    (tmp_path / LEASE_DIR / "00000002.json").write_text(json.dumps({"job_id": "job-new", "host": "h", "pid": 1, "expires_at": 4e9}))
+    (tmp_path / LEASE_DIR / "00000002.json").write_text(
+        json.dumps({"job_id": "job-new", "host": "h", "pid": 1, "expires_at": 4e9})
+    )
     model, opt = make_state()
-    manifest = save_shards(storage, str(tmp_path), 8, prefix="ckpt", rank=0, world_size=1, model_state=state.model_tensors(model),
-                           optim_state=opt.state_tensors(), rank_extras={})
+    manifest = save_shards(
+        storage,
+        str(tmp_path),
+        8,
+        prefix="ckpt",
+        rank=0,
+        world_size=1,
+        model_state=state.model_tensors(model),
+        optim_state=opt.state_tensors(),
+        rank_extras={},
+    )
     shards = sorted(p.name for p in (tmp_path / "iteration_00000008").iterdir())
     with pytest.raises(LeaseLost, match="job-stalled.* no longer holds the writer lease.*job job-new took it over"):
-        common = {"global_step": 8, "global_batch_size": 8, "step_num": 8, "epoch_num": 0, "loss_scale": 1.0, "consumed_samples": 64}
-        commit_iteration(storage, str(tmp_path), 8, [manifest], common, prefix="ckpt", config={}, job_id="job-stalled", fence=stalled.check)
+        common = {
+            "global_step": 8,
+            "global_batch_size": 8,
+            "step_num": 8,
+            "epoch_num": 0,
+            "loss_scale": 1.0,
+            "consumed_samples": 64,
+        }
+        commit_iteration(
+            storage,
+            str(tmp_path),
+            8,
+            [manifest],
+            common,
+            prefix="ckpt",
+            config={},
+            job_id="job-stalled",
+            fence=stalled.check,
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == [LEASE_DIR, "iteration_00000008"]  # no tracker
     assert sorted(p.name for p in (tmp_path / "iteration_00000008").iterdir()) == shards  # no JSON
     with pytest.raises(LeaseLost):
@@ -183,11 +218,18 @@ def test_two_real_jobs_on_one_save_path(tmp_path, reference):
         [holder] = [r["job_id"] for r in generations(tmp_path / "ckpt").values()]
         path = tmp_path / "second.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        second = subprocess.run([sys.executable, "-m", "ray_resume.run", str(path)], cwd=REPO, env=env_for_subprocess(),
-                                capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [sys.executable, "-m", "ray_resume.run", str(path)],
+            cwd=REPO,
+            env=env_for_subprocess(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"is being written by job {holder}" in second.stderr
     finally:
         first.join()
     assert "error" not in outcome, outcome.get("error")
-    assert [r["released"] for r in generations(tmp_path / "ckpt").values()] == [True]  # released when the first job finished
+    # released when the first job finished
+    assert [r["released"] for r in generations(tmp_path / "ckpt").values()] == [True]

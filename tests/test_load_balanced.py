@@ -15,7 +15,15 @@ import torch.distributed as dist
 
 import harness
 from benchmarks import scale_sim
-from ray_resume.checkpoint.loader import StateLoader, balanced_owners, deal_by_size, divide_blocks, even_runs, open_shared, owned_parts
+from ray_resume.checkpoint.loader import (
+    StateLoader,
+    balanced_owners,
+    deal_by_size,
+    divide_blocks,
+    even_runs,
+    open_shared,
+    owned_parts,
+)
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
 from ray_resume.checkpoint.schema import Iteration, StoredFile
 from ray_resume.errors import CheckpointError
@@ -63,7 +71,9 @@ def test_load_balanced_reads_each_byte_once_and_loads_the_same_state(tmp_path, b
     files = it.files
     total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     assert total == sum(f.size for f in files.values())
-    direct = [sum(f.size if f.rank % WORLD == r else f.size - f.data_start for f in files.values()) for r in range(WORLD)]
+    direct = [
+        sum(f.size if f.rank % WORLD == r else f.size - f.data_start for f in files.values()) for r in range(WORLD)
+    ]
     assert [r["False"]["bytes_read"] for r in reports] == direct
     balanced = [r["True"]["bytes_read"] for r in reports]
     assert sum(balanced) == total and min(balanced) > 0  # each byte once in total, both ranks share the work
@@ -89,11 +99,18 @@ def test_even_runs_is_the_best_cut_into_consecutive_runs():
         def best(i: int, runs: int) -> float:  # smallest largest run for items i.. in `runs` runs
             if i == len(sizes):
                 return 0
-            return min(max(prefix[j] - prefix[i], best(j, runs - 1)) for j in range(i + 1, len(sizes) + 1)) if runs else math.inf
+            return (
+                min(max(prefix[j] - prefix[i], best(j, runs - 1)) for j in range(i + 1, len(sizes) + 1))
+                if runs
+                else math.inf
+            )
 
         owners = even_runs(sizes, world)
         assert len(owners) == len(sizes) and owners == sorted(owners) and all(0 <= o < world for o in owners)
-        assert max([sum(s for s, o in zip(sizes, owners) if o == r) for r in range(world)]) == best(0, world), (sizes, world)
+        assert max([sum(s for s, o in zip(sizes, owners) if o == r) for r in range(world)]) == best(0, world), (
+            sizes,
+            world,
+        )
 
 
 def test_one_cut_over_both_kinds_gives_each_rank_a_consecutive_run_within_a_block_of_the_mean():
@@ -101,24 +118,40 @@ def test_one_cut_over_both_kinds_gives_each_rank_a_consecutive_run_within_a_bloc
     blocks). One cut over the blocks of both kinds, in order: 400 bytes each, every rank's blocks
     consecutive (the 4 model files; 2 opt files; 2 opt files). Cut per kind, the first ranks
     would take an extra block of each."""
+
     def blocks(size: int) -> int:
         return 1 + -(-(size - 8) // 10)
 
-    files = {f"ckpt-{kind}-{r:07d}-0000004.safetensors": {"size": size, "data_start": 8, "checksum": "xxh3-128", "digests": ["0" * 32] * blocks(size)}
-             for kind, size in (("model", 100), ("opt", 200)) for r in range(4)}
-    stored = {name: StoredFile(name, name.split("-")[1], int(name.split("-")[2]), f["size"], 8, "xxh3-128", f["digests"])
-              for name, f in files.items()}
+    files = {
+        f"ckpt-{kind}-{r:07d}-0000004.safetensors": {
+            "size": size,
+            "data_start": 8,
+            "checksum": "xxh3-128",
+            "digests": ["0" * 32] * blocks(size),
+        }
+        for kind, size in (("model", 100), ("opt", 200))
+        for r in range(4)
+    }
+    stored = {
+        name: StoredFile(name, name.split("-")[1], int(name.split("-")[2]), f["size"], 8, "xxh3-128", f["digests"])
+        for name, f in files.items()
+    }
     meta = Iteration("root", 5, "root/iteration_00000005", {}, {}, "ray_resume", 4, 10, stored, {}, {})
     owners = balanced_owners(meta, ("model", "opt"), 3)
-    order = [(f"ckpt-{kind}-{r:07d}-0000004.safetensors", i) for kind, size in (("model", 100), ("opt", 200))
-             for r in range(4) for i in range(blocks(size))]
+    order = [
+        (f"ckpt-{kind}-{r:07d}-0000004.safetensors", i)
+        for kind, size in (("model", 100), ("opt", 200))
+        for r in range(4)
+        for i in range(blocks(size))
+    ]
     assert list(owners) == order
     assert [owners[u] for u in order] == sorted(owners[u] for u in order)  # consecutive runs, rank by rank
     sizes = {(f, i): (8 if i == 0 else min(10, files[f]["size"] - 8 - 10 * (i - 1))) for f, i in owners}
     assert [sum(sizes[u] for u, o in owners.items() if o == r) for r in range(3)] == [400, 400, 400]
     assert {f for (f, _), o in owners.items() if o == 0} == {f for f in files if "-model-" in f}
     model_only = balanced_owners(meta, ("model",), 3)
-    assert sorted({f for f, _ in model_only}) == [f for f in sorted(files) if "-model-" in f]  # a weights-only load divides only what it reads
+    # a weights-only load divides only what it reads
+    assert sorted({f for f, _ in model_only}) == [f for f in sorted(files) if "-model-" in f]
 
 
 def test_a_share_of_few_blocks_is_dealt_block_by_block():
@@ -136,8 +169,11 @@ def test_each_broadcast_is_a_longest_part_one_rank_read():
     blocks = [(0, 10, ""), (10, 20, ""), (20, 30, ""), (30, 40, "")]
     owner = [0, 0, 1, 1]
     assert list(owned_parts([(5, 35, "r")], blocks, owner.__getitem__)) == [("r", 5, 5, 20, 0), ("r", 5, 20, 35, 1)]
-    assert list(owned_parts([(0, 8, "a"), (12, 40, "b")], blocks, owner.__getitem__)) == \
-        [("a", 0, 0, 8, 0), ("b", 12, 12, 20, 0), ("b", 12, 20, 40, 1)]
+    assert list(owned_parts([(0, 8, "a"), (12, 40, "b")], blocks, owner.__getitem__)) == [
+        ("a", 0, 0, 8, 0),
+        ("b", 12, 12, 20, 0),
+        ("b", 12, 20, 40, 1),
+    ]
 
 
 class _SeekCounting(FileProxy):

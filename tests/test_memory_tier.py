@@ -22,7 +22,9 @@ def starts(root) -> list[dict]:
 
 def restarted_ranks(root) -> list[dict]:
     """Every rank's start record of the restarted group (attempt 1), by rank."""
-    return sorted((r for r in read_metrics(root) if r.get("event") == "start" and r["attempt"] == 1), key=lambda r: r["rank"])
+    return sorted(
+        (r for r in read_metrics(root) if r.get("event") == "start" and r["attempt"] == 1), key=lambda r: r["rank"]
+    )
 
 
 def killed_at(step: int, tmp_path, reference_data: str, **sections) -> dict:
@@ -43,7 +45,10 @@ def test_a_rank_killed_resumes_from_memory_byte_identical(tmp_path, local_refere
         clean = tiny_config(tmp_path / "clean", training={"strategy": "fsdp"})
         clean["data"]["path"] = local_reference["data"]
         run_on_harness(clean)
-        twin = {"root": clean["checkpoint"]["save_path"], "steps": per_step(read_metrics(clean["checkpoint"]["save_path"]))}
+        twin = {
+            "root": clean["checkpoint"]["save_path"],
+            "steps": per_step(read_metrics(clean["checkpoint"]["save_path"])),
+        }
     cfg = killed_at(7, tmp_path / "faulty", local_reference["data"], training={"strategy": strategy})
     assert run_on_harness(cfg).attempts == 2
     root = cfg["checkpoint"]["save_path"]
@@ -59,7 +64,9 @@ def test_a_rank_killed_resumes_from_memory_byte_identical(tmp_path, local_refere
 def test_a_snapshot_older_than_the_last_commit_is_passed_over_for_storage(tmp_path, local_reference):
     """Snapshots every 3 steps, a synchronous save (so iteration 8 is committed before step 9):
     killed after step 9, the newest snapshot is of step 6, older than 8: storage it is."""
-    cfg = killed_at(9, tmp_path, local_reference["data"], checkpoint={"memory_interleaved_steps": 3, "async_save": False})
+    cfg = killed_at(
+        9, tmp_path, local_reference["data"], checkpoint={"memory_interleaved_steps": 3, "async_save": False}
+    )
     run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
     assert starts(root)[1]["source"].endswith("iteration_00000008")
@@ -124,12 +131,18 @@ def test_with_replicas_the_newest_snapshot_that_survives_a_node_loss_is_kept_unt
 
 
 def test_a_snapshot_keeps_every_dtype_and_shape_bit_for_bit():
-    tensors = {"w": torch.randn(3, 5).to(torch.bfloat16), "step": torch.tensor(7.0), "h": torch.randn(4).half(),
-               "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+    tensors = {
+        "w": torch.randn(3, 5).to(torch.bfloat16),
+        "step": torch.tensor(7.0),
+        "h": torch.randn(4).half(),
+        "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    }
     back = unpack(pack(tensors))
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and back[name].shape == t.shape
-        assert torch.equal(back[name].view(torch.uint8) if t.dim() else back[name], t.view(torch.uint8) if t.dim() else t)
+        assert torch.equal(
+            back[name].view(torch.uint8) if t.dim() else back[name], t.view(torch.uint8) if t.dim() else t
+        )
     tensors["w"].zero_()  # a copy, not a view of the live tensor
     assert back["w"].abs().sum() > 0
 
@@ -138,7 +151,7 @@ def test_a_snapshot_keeps_every_dtype_and_shape_bit_for_bit():
 # node of rank 1 is removed once a snapshot past the commit of 4 is replicated, and a new one added.
 # The head serves a dashboard for this Cluster's state API: without it Ray Train's placement-group
 # cleaner asks the session's Ray about this job's controller, and fit() returns 12 s late.
-TWO_NODES_DRIVER = r'''
+TWO_NODES_DRIVER = r"""
 import json, socket, sys, threading, time
 from pathlib import Path
 import ray
@@ -200,7 +213,7 @@ result["finished"] = not thread.is_alive()
 print("RESULT " + json.dumps(result), flush=True)
 ray.shutdown()
 cluster.shutdown()
-'''
+"""
 
 
 @pytest.mark.slow
@@ -211,8 +224,11 @@ def test_on_two_nodes_a_lost_node_resumes_from_memory_each_rank_from_where_its_s
     keeper and its replica on the other node brings it back; rank 0's node stayed, so it takes its
     own node's copy. Neither reads storage, and the run ends byte-identical to the uninterrupted one.
     (A SIGKILLed rank whose node stays is test_a_rank_killed_resumes_from_memory_byte_identical.)"""
-    cfg = tiny_config(tmp_path, scaling={"num_workers": 2, "resources_per_worker": {"CPU": 2}},
-                      checkpoint={"memory_interleaved_steps": 1})
+    cfg = tiny_config(
+        tmp_path,
+        scaling={"num_workers": 2, "resources_per_worker": {"CPU": 2}},
+        checkpoint={"memory_interleaved_steps": 1},
+    )
     cfg["data"]["path"] = reference["data"]
     (tmp_path / "job.json").write_text(json.dumps(cfg))
     result, out = run_driver(tmp_path, TWO_NODES_DRIVER, str(tmp_path / "job.json"), str(tmp_path / "marks"))
@@ -223,7 +239,11 @@ def test_on_two_nodes_a_lost_node_resumes_from_memory_each_rank_from_where_its_s
 
     again = starts(root)[1]
     assert again["source"] == f"memory snapshot of step {again['step']}" and again["step"] > 4, again
-    assert [(r["rank"], r["source"], r["bytes_read"]) for r in restarted_ranks(root)] == [(rank, again["source"], 0) for rank in (0, 1)]
-    assert re.findall(r"rank (\d): restoring step \d+ from the replica of its memory snapshot", out) == ["1"], out[-5000:]
+    assert [(r["rank"], r["source"], r["bytes_read"]) for r in restarted_ranks(root)] == [
+        (rank, again["source"], 0) for rank in (0, 1)
+    ]
+    assert re.findall(r"rank (\d): restoring step \d+ from the replica of its memory snapshot", out) == ["1"], out[
+        -5000:
+    ]
     for noise in ("Failed to query Ray Train Controller actor state", "multiple active Ray"):
         assert noise not in out, noise

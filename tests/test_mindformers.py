@@ -51,18 +51,33 @@ def tabular(tmp_path_factory) -> str:
 
 
 def dense_config(tmp: Path, data: str, *, checkpoint: dict | None = None, **training) -> dict:
-    return tiny_config(tmp, model={"builder": "plugin_models:build_two_dense", "args": {"features": 64, "hidden": 512}},
-                       data={"path": data, "columns": {"x": "float32", "y": "float32"}, "synthetic": None},
-                       training={"loss": "examples.tabular_mlp:loss", "global_batch_size": 8, "micro_batch_size": 4,
-                                 "train_steps": 6, "log_every": 3, **training},
-                       checkpoint={"save_interleaved_steps": 3, **(checkpoint or {})})
+    return tiny_config(
+        tmp,
+        model={"builder": "plugin_models:build_two_dense", "args": {"features": 64, "hidden": 512}},
+        data={"path": data, "columns": {"x": "float32", "y": "float32"}, "synthetic": None},
+        training={
+            "loss": "examples.tabular_mlp:loss",
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+            "train_steps": 6,
+            "log_every": 3,
+            **training,
+        },
+        checkpoint={"save_interleaved_steps": 3, **(checkpoint or {})},
+    )
 
 
 def mindformers(*args: str, cwd: Path) -> tuple[dict, dict]:
     """Run MindFormers' side; what it held or loaded (name -> array), and its JSON report (if any)."""
     cwd.mkdir(parents=True, exist_ok=True)  # MindFormers logs into ./output
-    proc = subprocess.run([sys.executable, str(SIDE), *map(str, args)], cwd=cwd, env=env_for_subprocess(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SIDE), *map(str, args)],
+        cwd=cwd,
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = Path(args[2])
     report = json.loads(Path(f"{out}.json").read_text()) if Path(f"{out}.json").exists() else {}
@@ -107,14 +122,17 @@ def test_ray_resume_resumes_what_mindformers_saves(tmp_path, tabular, cards, cap
     model = TwoDense()
     optimizer = MainParamsOptimizer(model, lr=1e-3)
     cfg = Config.from_dict(dense_config(tmp_path / "restore", tabular))
-    point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, optimizer, CommittedIteration(str(root), 3), full=True,
-                                                                      global_batch_size=8)
+    point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(
+        model, optimizer, CommittedIteration(str(root), 3), full=True, global_batch_size=8
+    )
     assert (point.step, point.consumed_samples, point.source) == (3, 24, it.path)
     for name, tensor in model.state_dict().items():
         assert np.array_equal(tensor.numpy(), truth[name]), name
     for name, param in model.named_parameters():
         slots = optimizer.optimizer.state[param]
-        assert np.array_equal(slots["exp_avg"].numpy(), truth[f"adam_m.{name}"]) and np.array_equal(slots["exp_avg_sq"].numpy(), truth[f"adam_v.{name}"])
+        assert np.array_equal(slots["exp_avg"].numpy(), truth[f"adam_m.{name}"]) and np.array_equal(
+            slots["exp_avg_sq"].numpy(), truth[f"adam_v.{name}"]
+        )
         assert slots["step"].item() == 3.0
 
     # The CLI reads it, and says what it cannot check.
@@ -123,8 +141,11 @@ def test_ray_resume_resumes_what_mindformers_saves(tmp_path, tabular, cards, cap
     assert cli.main(["show", str(root)]) == 0 and "adam_m.fc1.weight" in capsys.readouterr().out
 
     # Whole jobs: a full resume at its step, weights only from step 0, another global batch size rescaled.
-    for label, checkpoint, training, step in (("full", {}, {}, 3), ("weights", {"no_load_optim": True}, {"train_steps": 3}, 0),
-                                              ("rescaled", {}, {"global_batch_size": 4, "micro_batch_size": 2, "train_steps": 8}, 6)):
+    for label, checkpoint, training, step in (
+        ("full", {}, {}, 3),
+        ("weights", {"no_load_optim": True}, {"train_steps": 3}, 0),
+        ("rescaled", {}, {"global_batch_size": 4, "micro_batch_size": 2, "train_steps": 8}, 6),
+    ):
         cfg = dense_config(tmp_path / label, tabular, checkpoint={"load_path": str(root), **checkpoint}, **training)
         run_on_harness(cfg)
         [first] = starts(cfg["checkpoint"]["save_path"])
@@ -137,14 +158,25 @@ def test_what_cannot_map_is_refused_on_the_driver_and_an_abnormal_iteration_pass
     where = f"{root}/iteration_00000003/metadata.json"
     misfit = dense_config(tmp_path / "misfit", tabular, checkpoint={"load_path": str(root)})
     misfit["model"]["args"]["hidden"] = 256
-    with pytest.raises(CheckpointError, match=rf"^{where}: tensor 'fc1.weight' is torch.float32 \[512, 64\] there but torch.float32 "
-                                              r"\[256, 64\] in the model"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{where}: tensor 'fc1.weight' is torch.float32 \[512, 64\] there but torch.float32 "
+        r"\[256, 64\] in the model",
+    ):
         harness.run_job(misfit)
-    sgd = dense_config(tmp_path / "sgd", tabular, checkpoint={"load_path": str(root)}, optimizer="torch.optim.SGD",
-                       optimizer_args={"momentum": 0.9})
-    with pytest.raises(CheckpointError, match=rf"^{where}: iteration 3 holds optimizer state 'adam_m.fc1.bias' \(torch's 'exp_avg'\), but "
-                                              r"training.optimizer builds torch.optim.sgd:SGD, which keeps \['momentum_buffer'\]; "
-                                              "set checkpoint.no_load_optim: true"):
+    sgd = dense_config(
+        tmp_path / "sgd",
+        tabular,
+        checkpoint={"load_path": str(root)},
+        optimizer="torch.optim.SGD",
+        optimizer_args={"momentum": 0.9},
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{where}: iteration 3 holds optimizer state 'adam_m.fc1.bias' \(torch's 'exp_avg'\), but "
+        r"training.optimizer builds torch.optim.sgd:SGD, which keeps \['momentum_buffer'\]; "
+        "set checkpoint.no_load_optim: true",
+    ):
         harness.run_job(sgd)
 
     # An iteration MindFormers marked abnormal (ckpt_status 1) is passed over for the healthy one, as its

@@ -30,13 +30,31 @@ def config(**sections) -> Config:
     return Config.from_dict(base)
 
 
-@pytest.mark.parametrize("sections, message", [
-    ({"model": {"builder": "no_such_pkg.mod:build"}}, "model.builder: cannot import module 'no_such_pkg.mod' of 'no_such_pkg.mod:build': ModuleNotFoundError"),
-    ({"model": {"builder": "plugin_models:missing"}}, "model.builder: module 'plugin_models' has no attribute 'missing'"),
-    ({"model": {"builder": "plugin_models:NOT_A_FUNCTION"}}, "model.builder: 'plugin_models:NOT_A_FUNCTION' is a int, not a function"),
-    ({"training": {"loss": "plugin_models:loss_one_arg"}}, "training.loss: loss_one_arg must accept (model, batch): too many positional arguments"),
-    ({"data": {"collate": "examples.tabular_mlp:loss"}}, "data.collate: loss must accept (arrays): missing a required argument: 'batch'"),
-])
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        (
+            {"model": {"builder": "no_such_pkg.mod:build"}},
+            "model.builder: cannot import module 'no_such_pkg.mod' of 'no_such_pkg.mod:build': ModuleNotFoundError",
+        ),
+        (
+            {"model": {"builder": "plugin_models:missing"}},
+            "model.builder: module 'plugin_models' has no attribute 'missing'",
+        ),
+        (
+            {"model": {"builder": "plugin_models:NOT_A_FUNCTION"}},
+            "model.builder: 'plugin_models:NOT_A_FUNCTION' is a int, not a function",
+        ),
+        (
+            {"training": {"loss": "plugin_models:loss_one_arg"}},
+            "training.loss: loss_one_arg must accept (model, batch): too many positional arguments",
+        ),
+        (
+            {"data": {"collate": "examples.tabular_mlp:loss"}},
+            "data.collate: loss must accept (arrays): missing a required argument: 'batch'",
+        ),
+    ],
+)
 @pytest.mark.invariant(6, 13)
 def test_bad_plugins_are_refused_naming_the_key(sections, message):
     with pytest.raises(ConfigError) as err:
@@ -46,7 +64,9 @@ def test_bad_plugins_are_refused_naming_the_key(sections, message):
 
 @pytest.mark.invariant(6)
 def test_malformed_import_path_is_a_config_error():
-    with pytest.raises(ConfigError, match="model.builder must look like 'package.module:function', got 'pkg.module.fn'"):
+    with pytest.raises(
+        ConfigError, match="model.builder must look like 'package.module:function', got 'pkg.module.fn'"
+    ):
         config(model={"builder": "pkg.module.fn"})
 
 
@@ -54,10 +74,18 @@ def test_malformed_import_path_is_a_config_error():
 def test_fsdp_units_name_module_classes_and_unknown_ones_are_refused_before_any_worker(tmp_path):
     model = make_model(resolve(config()), config())
     assert parallel.fsdp_units(model, []) == list(model.blocks)  # default: each module of an nn.ModuleList
-    assert parallel.fsdp_units(model, ["Block", "LayerNorm"]) == [m for m in model.modules() if type(m).__name__ in ("Block", "LayerNorm")]
-    cfg = config(training={"strategy": "fsdp"}, model={"fsdp_units": ["Blok"]},
-                 checkpoint={"save_path": str(tmp_path / "ckpt")}, data={"path": str(tmp_path / "none")})
-    with pytest.raises(ConfigError, match=r"model.fsdp_units: the model has no module of class 'Blok' \(its classes: .*Block"):
+    assert parallel.fsdp_units(model, ["Block", "LayerNorm"]) == [
+        m for m in model.modules() if type(m).__name__ in ("Block", "LayerNorm")
+    ]
+    cfg = config(
+        training={"strategy": "fsdp"},
+        model={"fsdp_units": ["Blok"]},
+        checkpoint={"save_path": str(tmp_path / "ckpt")},
+        data={"path": str(tmp_path / "none")},
+    )
+    with pytest.raises(
+        ConfigError, match=r"model.fsdp_units: the model has no module of class 'Blok' \(its classes: .*Block"
+    ):
         train(cfg)  # refused on the driver (a meta-device model), before Ray starts
     assert not (tmp_path / "ckpt").exists()
 
@@ -77,8 +105,20 @@ def test_tied_weights_are_stored_once_and_restored_tied(tmp_path):
     saved = state.model_tensors(model)
     assert set(saved) == {"embed.weight"}  # head.weight is the same tensor
     storage = LocalStorage()
-    manifests = [save_shards(storage, str(tmp_path), 1, prefix="ckpt", rank=r, world_size=2, model_state=saved,
-                             optim_state=None, rank_extras={}) for r in range(2)]
+    manifests = [
+        save_shards(
+            storage,
+            str(tmp_path),
+            1,
+            prefix="ckpt",
+            rank=r,
+            world_size=2,
+            model_state=saved,
+            optim_state=None,
+            rank_extras={},
+        )
+        for r in range(2)
+    ]
     commit_by_hand(tmp_path, 1, manifests)
     loaded = load_state(storage, open_iteration(storage, str(tmp_path), 1), "model")
     torch.manual_seed(1)
@@ -99,7 +139,9 @@ def example_config(tmp: Path, data: str, **checkpoint) -> dict:
     cfg = yaml.safe_load((REPO / "examples" / "tabular_mlp.yaml").read_text())
     cfg["data"]["path"] = data
     cfg["training"].update(train_steps=12, log_sample_ids=True)
-    cfg["checkpoint"].update(save_path=str(tmp / "ckpt"), load_path=str(tmp / "ckpt"), save_interleaved_steps=4, **checkpoint)
+    cfg["checkpoint"].update(
+        save_path=str(tmp / "ckpt"), load_path=str(tmp / "ckpt"), save_interleaved_steps=4, **checkpoint
+    )
     return cfg
 
 
@@ -125,7 +167,9 @@ def test_example_via_python_api_and_its_killed_twin_end_byte_identical(tmp_path,
     assert run_on_harness(killed, build_model=build, loss=loss).attempts == 2
     for step in (4, 8, 12):
         assert shard_bytes(tmp_path / "killed" / "ckpt", step) == shard_bytes(tmp_path / "clean" / "ckpt", step)
-    names = set(load_state(LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / "clean" / "ckpt"), 12), "model"))
+    names = set(
+        load_state(LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / "clean" / "ckpt"), 12), "model")
+    )
     assert names == {"0.weight", "0.bias", "3.weight", "3.bias"}  # parameter names from the user's module
 
 
@@ -133,6 +177,7 @@ def test_example_via_python_api_and_its_killed_twin_end_byte_identical(tmp_path,
 def test_batchnorm_statistics_resume_as_the_uninterrupted_run_continues(tmp_path, tabular):
     """Under DDP every rank's running stats differ after a step; the next forward broadcasts rank
     0's. Saved are rank 0's, so a job killed at step 6 ends with the very bytes of its clean twin."""
+
     def config(where):
         cfg = example_config(where, tabular)
         cfg["model"] = {"builder": "plugin_models:build_batchnorm", "args": {"features": 8, "hidden": 16}}
@@ -156,7 +201,10 @@ def _buffers_as_saved(rank: int, world: int, init: str, out: str) -> None:
     with torch.no_grad():
         model[1].running_mean.fill_(rank + 1.0)  # each rank's own statistics, as after a step on its own data
     saved = state.with_rank0_buffers(model, state.model_tensors(model), torch.device("cpu"))
-    save_file({"saved": saved["1.running_mean"].contiguous(), "live": model[1].running_mean.clone()}, str(Path(out, f"{rank}.safetensors")))
+    save_file(
+        {"saved": saved["1.running_mean"].contiguous(), "live": model[1].running_mean.clone()},
+        str(Path(out, f"{rank}.safetensors")),
+    )
     dist.barrier()
 
 

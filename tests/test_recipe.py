@@ -33,20 +33,33 @@ def training(tmp_path, **values):
 
 def test_the_lr_is_a_pure_function_of_the_samples_consumed(tmp_path):
     """Warmup over warmup_steps x gbs samples from 0, then each style from lr to min_lr by train_steps x gbs."""
-    base = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 2, "train_steps": 12, "global_batch_size": 16}  # warmup 32 of 192 samples
-    lr = {style: (lambda c, t=training(tmp_path, lr_decay_style=style, wsd_decay_fraction=0.25, **base): learning_rate(t, c))
-          for style in ("constant", "linear", "cosine", "wsd")}
+    # warmup 32 of 192 samples
+    base = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 2, "train_steps": 12, "global_batch_size": 16}
+    lr = {
+        style: (
+            lambda c, t=training(tmp_path, lr_decay_style=style, wsd_decay_fraction=0.25, **base): learning_rate(t, c)
+        )
+        for style in ("constant", "linear", "cosine", "wsd")
+    }
     for style, f in lr.items():
         assert (f(0), f(16), f(32)) == (0.0, 0.5, 1.0), style
     assert [lr["constant"](c) for c in (112, 192, 400)] == [1.0, 1.0, 1.0]
-    assert lr["linear"](112) == pytest.approx(0.55) and lr["linear"](192) == pytest.approx(0.1) and lr["linear"](400) == pytest.approx(0.1)
-    assert lr["cosine"](112) == pytest.approx(0.55) and lr["cosine"](72) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert (
+        lr["linear"](112) == pytest.approx(0.55)
+        and lr["linear"](192) == pytest.approx(0.1)
+        and lr["linear"](400) == pytest.approx(0.1)
+    )
+    assert lr["cosine"](112) == pytest.approx(0.55) and lr["cosine"](72) == pytest.approx(
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4))
+    )
     assert lr["cosine"](192) == pytest.approx(0.1)
     # wsd: stable until the last quarter of the 160 samples after warmup (sample 152), then linear to min_lr.
     assert [lr["wsd"](c) for c in (40, 152)] == [1.0, 1.0]
     assert lr["wsd"](172) == pytest.approx(0.55) and lr["wsd"](192) == pytest.approx(0.1)
     # Another global batch size, with train_steps and warmup_steps scaled to the same samples: the same curve.
-    doubled = training(tmp_path, lr_decay_style="cosine", **{**base, "warmup_steps": 1, "train_steps": 6, "global_batch_size": 32})
+    doubled = training(
+        tmp_path, lr_decay_style="cosine", **{**base, "warmup_steps": 1, "train_steps": 6, "global_batch_size": 32}
+    )
     assert all(learning_rate(doubled, c) == lr["cosine"](c) for c in range(0, 200, 8))
 
 
@@ -55,8 +68,14 @@ def test_grad_clip_is_torch_clip_grad_norm_on_the_whole_gradient():
     torch.manual_seed(0)
     model = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2)
     reference = copy.deepcopy(model)
-    ours = MainParamsOptimizer(model, lr=0.1, weight_decay=0.01, optimizer_class=torch.optim.SGD,
-                               optimizer_args={"momentum": 0.9}, grad_clip=0.05)
+    ours = MainParamsOptimizer(
+        model,
+        lr=0.1,
+        weight_decay=0.01,
+        optimizer_class=torch.optim.SGD,
+        optimizer_args={"momentum": 0.9},
+        grad_clip=0.05,
+    )
     theirs = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     for step in range(3):
         ids = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(step))
@@ -84,15 +103,32 @@ def test_grad_clip_acts_on_the_unscaled_main_gradients_of_a_low_precision_model(
     assert float(clipped) == pytest.approx(0.05, rel=1e-4)
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"optimizer": "torch.optim.Nope"}, "training.optimizer: module 'torch.optim' has no attribute 'Nope' (from 'torch.optim:Nope')"),
-    ({"optimizer": "collections:OrderedDict"}, "training.optimizer: 'collections:OrderedDict' is not a torch.optim.Optimizer class"),
-    ({"optimizer": "torch.optim.SGD", "optimizer_args": {"momentun": 0.9}},
-     "training.optimizer_args: SGD refuses {'momentun': 0.9}: SGD.__init__() got an unexpected keyword argument 'momentun'"),
-    ({"optimizer": "torch.optim.SGD", "optimizer_args": {"momentum": -1}}, "training.optimizer_args: SGD refuses {'momentum': -1}: Invalid momentum value: -1"),
-    ({"optimizer": "torch.optim.LBFGS"}, "training.optimizer: LBFGS.step needs a closure, and the built-in loop calls step() without "
-                                         "one; use ray_resume.fit with your own loop for it"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            {"optimizer": "torch.optim.Nope"},
+            "training.optimizer: module 'torch.optim' has no attribute 'Nope' (from 'torch.optim:Nope')",
+        ),
+        (
+            {"optimizer": "collections:OrderedDict"},
+            "training.optimizer: 'collections:OrderedDict' is not a torch.optim.Optimizer class",
+        ),
+        (
+            {"optimizer": "torch.optim.SGD", "optimizer_args": {"momentun": 0.9}},
+            "training.optimizer_args: SGD refuses {'momentun': 0.9}: SGD.__init__() got an unexpected keyword argument 'momentun'",
+        ),
+        (
+            {"optimizer": "torch.optim.SGD", "optimizer_args": {"momentum": -1}},
+            "training.optimizer_args: SGD refuses {'momentum': -1}: Invalid momentum value: -1",
+        ),
+        (
+            {"optimizer": "torch.optim.LBFGS"},
+            "training.optimizer: LBFGS.step needs a closure, and the built-in loop calls step() without "
+            "one; use ray_resume.fit with your own loop for it",
+        ),
+    ],
+)
 @pytest.mark.invariant(6, 13)
 def test_a_bad_optimizer_is_refused_on_the_driver_by_key(tmp_path, values, message):
     with pytest.raises(ConfigError) as err:
@@ -103,8 +139,12 @@ def test_a_bad_optimizer_is_refused_on_the_driver_by_key(tmp_path, values, messa
 @pytest.mark.invariant(6, 13)
 def test_bad_recipe_values_are_refused_by_key(tmp_path):
     with pytest.raises(ConfigError) as err:
-        Config.from_dict(tiny_config(tmp_path, training={"lr_decay_style": "exp", "min_lr": 1.0, "grad_clip": -1, "optimizer": "SGD"}),
-                         source="x.yaml")
+        Config.from_dict(
+            tiny_config(
+                tmp_path, training={"lr_decay_style": "exp", "min_lr": 1.0, "grad_clip": -1, "optimizer": "SGD"}
+            ),
+            source="x.yaml",
+        )
     assert err.value.problems == [  # in the section's key order; a value as written (-1, not -1.0)
         "x.yaml: training.lr_decay_style must be one of constant, linear, cosine, wsd; got 'exp'",
         "x.yaml: training.min_lr must be between 0 and training.lr (0.001), got 1.0",
@@ -113,8 +153,15 @@ def test_bad_recipe_values_are_refused_by_key(tmp_path):
     ]
 
 
-RECIPE = {"optimizer": "torch.optim.SGD", "optimizer_args": {"momentum": 0.9, "nesterov": True}, "lr": 0.05, "min_lr": 0.005,
-          "warmup_steps": 2, "lr_decay_style": "cosine", "grad_clip": 0.3}
+RECIPE = {
+    "optimizer": "torch.optim.SGD",
+    "optimizer_args": {"momentum": 0.9, "nesterov": True},
+    "lr": 0.05,
+    "min_lr": 0.005,
+    "warmup_steps": 2,
+    "lr_decay_style": "cosine",
+    "grad_clip": 0.3,
+}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -132,7 +179,9 @@ def test_a_rank_killed_under_the_recipe_ends_byte_identical(tmp_path, strategy):
     assert shard_bytes(runs["killed"], 12) == shard_bytes(runs["clean"], 12)
     clean, killed = step_records(runs["clean"]), step_records(runs["killed"])
     train = Config.from_dict(tiny_config(tmp_path, training=RECIPE)).training
-    assert sorted(clean) == list(range(1, 13)) and [clean[s]["lr"] for s in clean] == [learning_rate(train, (s - 1) * 16) for s in clean]
+    assert sorted(clean) == list(range(1, 13)) and [clean[s]["lr"] for s in clean] == [
+        learning_rate(train, (s - 1) * 16) for s in clean
+    ]
     assert max(r["grad_norm"] for r in clean.values()) > RECIPE["grad_clip"]
     assert all(killed[s]["loss"] == clean[s]["loss"] and killed[s]["lr"] == clean[s]["lr"] for s in clean)
 
@@ -145,8 +194,11 @@ def test_after_a_gbs_change_the_curve_goes_on_from_the_same_samples(tmp_path):
     run_on_harness(cfg)
     reference = step_records(cfg["checkpoint"]["save_path"])
     loaded = resume_root(cfg["checkpoint"]["save_path"], 8, tmp_path / "old")
-    resumed_cfg = tiny_config(tmp_path / "resumed", training={**recipe, "global_batch_size": 32, "train_steps": 6, "warmup_steps": 1},
-                              checkpoint={"load_path": loaded})
+    resumed_cfg = tiny_config(
+        tmp_path / "resumed",
+        training={**recipe, "global_batch_size": 32, "train_steps": 6, "warmup_steps": 1},
+        checkpoint={"load_path": loaded},
+    )
     resumed_cfg["data"]["path"] = cfg["data"]["path"]
     run_on_harness(resumed_cfg)
     resumed = step_records(resumed_cfg["checkpoint"]["save_path"])
@@ -168,7 +220,9 @@ def test_the_recipe_under_fsdp_follows_ddp(tmp_path):
     assert sorted(records["ddp"]) == sorted(records["fsdp"]) == list(range(1, FINAL + 1))
     for step, ddp in records["ddp"].items():
         fsdp = records["fsdp"][step]
-        assert fsdp["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-4) and fsdp["loss"] == pytest.approx(ddp["loss"], rel=1e-4), step
+        assert fsdp["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-4) and fsdp["loss"] == pytest.approx(
+            ddp["loss"], rel=1e-4
+        ), step
 
 
 @pytest.mark.invariant(6, 13)
@@ -178,15 +232,22 @@ def test_a_resume_into_another_optimizer_is_refused_on_the_driver(tmp_path):
     cfg = tiny_config(tmp_path, training={"train_steps": 4})
     run_on_harness(cfg)
     root = cfg["checkpoint"]["save_path"]
-    again = {**cfg, "training": {**cfg["training"], **RECIPE, "train_steps": 8}, "checkpoint": {**cfg["checkpoint"], "load_path": root}}
+    again = {
+        **cfg,
+        "training": {**cfg["training"], **RECIPE, "train_steps": 8},
+        "checkpoint": {**cfg["checkpoint"], "load_path": root},
+    }
     with pytest.raises(CheckpointError) as err:
         harness.run_job(again)
     assert str(err.value) == (
         f"{root}/iteration_00000004/metadata.json: iteration 4 holds the state of optimizer torch.optim.adamw:AdamW, but "
         "training.optimizer builds torch.optim.sgd:SGD; set checkpoint.no_load_optim: true to start torch.optim.sgd:SGD "
-        "from its weights, or set training.optimizer back")
-    assert json.loads((tmp_path / "ckpt" / "iteration_00000004" / "metadata.json").read_text())["ray_resume"]["optimizer"] == \
-        "torch.optim.adamw:AdamW"
+        "from its weights, or set training.optimizer back"
+    )
+    assert (
+        json.loads((tmp_path / "ckpt" / "iteration_00000004" / "metadata.json").read_text())["ray_resume"]["optimizer"]
+        == "torch.optim.adamw:AdamW"
+    )
     # As the message says: weights only, SGD from step 0 (a new save_path), its first loss the loaded weights'.
     losses = {}
     for name, load in (("from-weights", {"load_path": root, "no_load_optim": True}), ("fresh", {})):
@@ -198,12 +259,12 @@ def test_a_resume_into_another_optimizer_is_refused_on_the_driver(tmp_path):
     assert losses["from-weights"] != losses["fresh"]  # the same first batch, other weights
 
 
-
 def vector_loss(model, batch):
     """A loss that forgot to reduce: one value per token."""
     logits = model(batch["input_ids"][:, :-1])
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1).long(),
-                                             reduction="none")
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1).long(), reduction="none"
+    )
 
 
 @pytest.mark.invariant(13)
@@ -212,8 +273,11 @@ def test_a_loss_that_is_not_a_scalar_ends_the_job_in_one_line_without_a_retry(tm
     once: only the first attempt starts training, although max_failures would allow two more."""
     cfg = tiny_config(tmp_path)
     outcome = harness.run_job(cfg, loss=vector_loss)
-    assert re.fullmatch(r"rank [01]: training\.loss returned a torch\.float32 tensor of shape \[64\]; it must return a scalar "
-                        r"floating-point tensor \(reduce it over the batch, with \.mean\(\) say\)", outcome.error), outcome.error
+    assert re.fullmatch(
+        r"rank [01]: training\.loss returned a torch\.float32 tensor of shape \[64\]; it must return a scalar "
+        r"floating-point tensor \(reduce it over the batch, with \.mean\(\) say\)",
+        outcome.error,
+    ), outcome.error
     assert outcome.attempts == 2 and outcome.committed is None
     started = [r for r in read_metrics(cfg["checkpoint"]["save_path"]) if r.get("event") == "start"]
     assert {r["attempt"] for r in started} == {0}

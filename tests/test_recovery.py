@@ -55,7 +55,9 @@ def restore(root: Path, step: int, **checkpoint):
     """What a rank of a 1-rank group loads from `(root, step)`: its resume point."""
     model, opt = make_state(seed=4)
     cfg = Config.from_dict(tiny_config(root.parent, checkpoint=checkpoint))
-    return Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, opt, CommittedIteration(str(root), step), full=True)[0]
+    return Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(
+        model, opt, CommittedIteration(str(root), step), full=True
+    )[0]
 
 
 @pytest.mark.parametrize("stepped", [True, False])
@@ -85,7 +87,9 @@ def test_a_restore_reads_straight_into_the_live_tensors(root, monkeypatch, stepp
 
 def read_chars() -> int:
     """Bytes this process has read through read(2) and friends so far (/proc/self/io rchar)."""
-    return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar:")).split()[1])
+    return int(
+        next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar:")).split()[1]
+    )
 
 
 @pytest.mark.invariant(7, 12)
@@ -111,8 +115,9 @@ def test_the_driver_reads_metadata_not_shards_and_the_ranks_find_the_damage(tmp_
 
     big = GPT(vocab_size=32, seq_len=8, d_model=256, n_layers=2, n_heads=4)
     with caplog.at_level(logging.WARNING):
-        point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(big, MainParamsOptimizer(big, lr=1e-2, weight_decay=0.0),
-                                                                   CommittedIteration(str(root), 10), full=True)
+        point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(
+            big, MainParamsOptimizer(big, lr=1e-2, weight_decay=0.0), CommittedIteration(str(root), 10), full=True
+        )
     assert point.consumed_samples == 8 * 5 and point.source.endswith("iteration_00000005")
     assert "ckpt-opt-0000001-0000002.safetensors: xxh3-128 does not match metadata.json" in caplog.text
     assert "Resuming from iteration 5 instead" in caplog.text
@@ -185,8 +190,9 @@ def lie_about_offsets(directory: Path) -> None:
     data = shard.read_bytes()
     ours = meta["ray_resume"]
     bounds = block_bounds(len(data), 8 + len(raw), ours["block_size"])
-    ours["files"][shard.name].update(size=len(data), data_start=8 + len(raw),
-                                     digests=[xxhash.xxh3_128(data[lo:hi]).hexdigest() for lo, hi in bounds])
+    ours["files"][shard.name].update(
+        size=len(data), data_start=8 + len(raw), digests=[xxhash.xxh3_128(data[lo:hi]).hexdigest() for lo, hi in bounds]
+    )
     (directory / "metadata.json").write_text(json.dumps(meta))
 
 
@@ -197,10 +203,16 @@ def shape_mismatch(directory: Path) -> None:
     (directory / "metadata.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lie_about_offsets, "piece does not match metadata.json"),
-    (shape_mismatch, "tensor 'head.weight' is torch.float32 [16, 32] there but torch.float32 [32, 16] in the model"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lie_about_offsets, "piece does not match metadata.json"),
+        (
+            shape_mismatch,
+            "tensor 'head.weight' is torch.float32 [16, 32] there but torch.float32 [32, 16] in the model",
+        ),
+    ],
+)
 @pytest.mark.invariant(6, 7)
 def test_lying_shards_are_refused_by_name_through_the_loader(root, damage, message):
     damage(root / "iteration_00000010")
@@ -211,11 +223,20 @@ def test_lying_shards_are_refused_by_name_through_the_loader(root, damage, messa
     assert tree(root) == before
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda tmp: str(tmp / "nowhere"), "does not exist or is not a directory"),
-    (lambda tmp: (tmp / "file.txt").write_text("x") and str(tmp / "file.txt"), "does not exist or is not a directory"),
-    (lambda tmp: (tmp / "empty").mkdir() or str(tmp / "empty"), "holds neither latest_checkpointed_iteration.txt nor model.safetensors"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda tmp: str(tmp / "nowhere"), "does not exist or is not a directory"),
+        (
+            lambda tmp: (tmp / "file.txt").write_text("x") and str(tmp / "file.txt"),
+            "does not exist or is not a directory",
+        ),
+        (
+            lambda tmp: (tmp / "empty").mkdir() or str(tmp / "empty"),
+            "holds neither latest_checkpointed_iteration.txt nor model.safetensors",
+        ),
+    ],
+)
 @pytest.mark.invariant(6, 13)
 def test_bad_load_path_is_refused_by_key(tmp_path, make, message):
     path = make(tmp_path)
@@ -225,7 +246,9 @@ def test_bad_load_path_is_refused_by_key(tmp_path, make, message):
     assert "checkpoint.load_path" in str(err.value) and message in str(err.value)
 
 
-@pytest.mark.parametrize("fault", [None, {"phase": "after_optimizer_step", "step": 10, "rank": 1}], ids=["clean", "killed-before-a-commit"])
+@pytest.mark.parametrize(
+    "fault", [None, {"phase": "after_optimizer_step", "step": 10, "rank": 1}], ids=["clean", "killed-before-a-commit"]
+)
 @pytest.mark.invariant(7)
 def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_reference, fault):
     """The whole job (on the in-process harness): the driver names 12, the ranks find its damage,
@@ -245,10 +268,13 @@ def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_refer
     assert shard_bytes(root, FINAL) == shard_bytes(local_reference["root"], FINAL)  # redone from 8, the same bytes
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"seed": 8}, "data.seed 7 -> 8"),
-    ({"shuffle": False}, "data.shuffle true -> false"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"seed": 8}, "data.seed 7 -> 8"),
+        ({"shuffle": False}, "data.shuffle true -> false"),
+    ],
+)
 @pytest.mark.invariant(3, 13)
 def test_a_resume_on_other_data_is_refused_naming_the_change(tmp_path, local_reference, change, message):
     """The data order depends on the seed, shuffle, columns and dataset; common.json records them, and a
@@ -262,7 +288,9 @@ def test_a_resume_on_other_data_is_refused_naming_the_change(tmp_path, local_ref
     with pytest.raises(CheckpointError) as err:
         driver_checks(cfg)
     assert message in str(err.value) and "iteration 12 was trained on other data" in str(err.value)
-    assert "set data.allow_change: true" in str(err.value) and str(root / "iteration_00000012" / "common.json") in str(err.value)
+    assert "set data.allow_change: true" in str(err.value) and str(root / "iteration_00000012" / "common.json") in str(
+        err.value
+    )
     assert tree(root) == before
     cfg["data"]["allow_change"] = True
     assert driver_checks(cfg) == CommittedIteration(str(root), 12)
@@ -292,12 +320,24 @@ def test_fingerprint_changes_name_each_setting():
 
     units = [ReadUnit("/a/part-0.parquet", 0, 10), ReadUnit("/a/part-0.parquet", 1, 6)]
     saved = data_fingerprint(units, 7, True, {"x": "float32"})
-    assert fingerprint_changes(saved, data_fingerprint([ReadUnit("/elsewhere/part-0.parquet", u.row_group, u.num_rows) for u in units],
-                                                       7, True, {"x": "float32"})) == []
+    assert (
+        fingerprint_changes(
+            saved,
+            data_fingerprint(
+                [ReadUnit("/elsewhere/part-0.parquet", u.row_group, u.num_rows) for u in units],
+                7,
+                True,
+                {"x": "float32"},
+            ),
+        )
+        == []
+    )
     assert fingerprint_changes(saved, data_fingerprint(units, 7, True, {"x": "float32", "y": "int64"})) == [
-        'data.columns {"x": "float32"} -> {"x": "float32", "y": "int64"}']
+        'data.columns {"x": "float32"} -> {"x": "float32", "y": "int64"}'
+    ]
     assert fingerprint_changes(saved, data_fingerprint(units[::-1], 7, True, {"x": "float32"})) == [
-        "the dataset at data.path: 16 samples in 2 row groups -> 16 in 2 (other files or row groups)"]
+        "the dataset at data.path: 16 samples in 2 row groups -> 16 in 2 (other files or row groups)"
+    ]
 
 
 @pytest.mark.invariant(6, 13)
@@ -310,14 +350,27 @@ def test_weights_that_do_not_fit_the_model_are_refused_on_the_driver(tmp_path):
     root = str(tmp_path / "ckpt")
     with pytest.raises(CheckpointError) as err:
         harness.run_job(tiny_config(tmp_path, checkpoint={"save_path": str(tmp_path / "new"), "load_path": root}))
-    assert str(err.value) == (f"{root}/iteration_00000005/metadata.json: tensor 'tok.weight' is torch.float32 [32, 16] there but "
-                              "torch.float32 [64, 32] in the model; the model config differs from the one that saved it")
+    assert str(err.value) == (
+        f"{root}/iteration_00000005/metadata.json: tensor 'tok.weight' is torch.float32 [32, 16] there but "
+        "torch.float32 [64, 32] in the model; the model config differs from the one that saved it"
+    )
     assert cli.main(["export", root, str(tmp_path / "export")]) == 0
     with pytest.raises(CheckpointError) as err:
-        harness.run_job(tiny_config(tmp_path, checkpoint={"save_path": str(tmp_path / "new"), "load_path": str(tmp_path / "export"),
-                                                           "no_load_optim": True}))
-    assert str(err.value).startswith(f"{tmp_path / 'export'}: tensor 'tok.weight' is torch.float32 [32, 16] there but torch.float32 [64, 32]")
-    assert [p.name for p in (tmp_path / "new").iterdir()] == [LEASE_DIR]  # no rank ran: the driver took the lease, then refused
+        harness.run_job(
+            tiny_config(
+                tmp_path,
+                checkpoint={
+                    "save_path": str(tmp_path / "new"),
+                    "load_path": str(tmp_path / "export"),
+                    "no_load_optim": True,
+                },
+            )
+        )
+    assert str(err.value).startswith(
+        f"{tmp_path / 'export'}: tensor 'tok.weight' is torch.float32 [32, 16] there but torch.float32 [64, 32]"
+    )
+    # no rank ran: the driver took the lease, then refused
+    assert [p.name for p in (tmp_path / "new").iterdir()] == [LEASE_DIR]
 
 
 class Wrapped(torch.nn.Module):
@@ -338,7 +391,8 @@ def test_names_one_module_apart_get_a_hint(tmp_path):
     assert str(err.value) == (
         f"{root}/iteration_00000005/metadata.json: model tensor 'transformer.tok.weight' is missing (the model's names are the "
         "saved ones with 'transformer.' in front: your model holds the saved one as .transformer); the model config differs "
-        "from the one that saved it")
+        "from the one that saved it"
+    )
 
 
 @pytest.mark.invariant(6)
@@ -350,8 +404,11 @@ def test_a_restore_into_another_optimizer_class_is_refused_by_the_ranks_too(tmp_
     saved = json.loads(meta.read_text())
     saved["ray_resume"]["optimizer"] = "torch.optim.sgd:SGD"
     meta.write_text(json.dumps(saved))
-    with pytest.raises(CheckpointError, match=r"iteration 5 holds the state of optimizer torch.optim.sgd:SGD, but this job's "
-                                              r"optimizer is torch.optim.adamw:AdamW; set checkpoint.no_load_optim: true"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"iteration 5 holds the state of optimizer torch.optim.sgd:SGD, but this job's "
+        r"optimizer is torch.optim.adamw:AdamW; set checkpoint.no_load_optim: true",
+    ):
         restore(tmp_path / "ckpt", 5)
 
 
@@ -360,5 +417,6 @@ def test_the_prefix_hint_looks_past_names_outside_the_prefix():
 
     saved = {"transformer.wte.weight", "transformer.h.0.attn.weight", "lm_head.weight"}  # lm_head sorts first
     assert prefix_hint({"wte.weight", "h.0.attn.weight"}, saved) == (
-        " (the saved names are the model's with 'transformer.' in front: they are of a model that holds yours as .transformer)")
+        " (the saved names are the model's with 'transformer.' in front: they are of a model that holds yours as .transformer)"
+    )
     assert prefix_hint({"wte.weight"}, {"other.weight"}) == ""

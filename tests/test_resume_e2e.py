@@ -33,7 +33,8 @@ def test_uninterrupted_run_commits_every_interval(reference):
     assert (storage.read_bytes(paths.tracker_path(root))).decode().strip() == str(FINAL)
     # Every interval (4) was saved and committed, and nothing else: each iteration opens as a load opens it.
     assert sorted(p.name for p in Path(root).iterdir() if p.name.startswith("iteration_")) == [
-        paths.iteration_dirname(s) for s in (4, 8, FINAL)]
+        paths.iteration_dirname(s) for s in (4, 8, FINAL)
+    ]
     for step in (4, 8, FINAL):
         saved = open_iteration(storage, root, step)
         assert (saved.common["global_step"], saved.common["consumed_samples"]) == (step, 16 * step)
@@ -90,7 +91,10 @@ def test_a_user_mistake_a_rank_finds_ends_the_run_once_in_our_words(tmp_path, re
             train(cfg, loss=plugin_models.loss_per_token)
     finally:
         cloudpickle.unregister_pickle_by_value(plugin_models)
-    assert re.fullmatch(r"rank [01]: training\.loss returned a torch\.float32 tensor of shape \[64\]; it must return a "
-                        r"scalar floating-point tensor \(reduce it over the batch, with \.mean\(\) say\)", str(err.value))
+    assert re.fullmatch(
+        r"rank [01]: training\.loss returned a torch\.float32 tensor of shape \[64\]; it must return a "
+        r"scalar floating-point tensor \(reduce it over the batch, with \.mean\(\) say\)",
+        str(err.value),
+    )
     started = [r for r in read_metrics(cfg["checkpoint"]["save_path"]) if r.get("event") == "start"]
     assert {r["attempt"] for r in started} == {0}

@@ -59,7 +59,10 @@ def test_check_pooled_refuses_a_step_copied_twice_or_by_nobody(tmp_path):
     plans = [scale_sim.load_plan(it, new_world, r, fsdp=True, balanced=False) for r in range(new_world)]
     scale_sim.check_pooled(it, plans, new_world, fsdp=True)
     copy = next(p.pooled[0] for p in plans if p.pooled)
-    twice = [scale_sim.LoadPlan(p.rank, p.checked, p.received, p.takes, p.ranged, list(p.pooled), dict(p.allreduced)) for p in plans]
+    twice = [
+        scale_sim.LoadPlan(p.rank, p.checked, p.received, p.takes, p.ranged, list(p.pooled), dict(p.allreduced))
+        for p in plans
+    ]
     twice[(next(i for i, p in enumerate(plans) if copy in p.pooled) + 1) % new_world].pooled.append(copy)
     with pytest.raises(AssertionError, match="more than one rank"):
         scale_sim.check_pooled(it, twice, new_world, fsdp=True)
@@ -77,8 +80,15 @@ def test_format_4_split_layout_gives_every_element_one_rank_within_one_element_o
     there exactly once (also when the stream has fewer bytes than there are ranks) and `overlaps`
     every piece that holds a range."""
     rng = random.Random(seed)
-    specs = [TensorSpec(f"t{rng.randrange(10**6)}.{i}", "F32", tuple(rng.choice([0, 1, 2, 3, 5, 17, 40]) for _ in range(rng.randint(0, 3))),
-                        rng.choice([1, 2, 4, 8])) for i in range(rng.randint(0, 25))]
+    specs = [
+        TensorSpec(
+            f"t{rng.randrange(10**6)}.{i}",
+            "F32",
+            tuple(rng.choice([0, 1, 2, 3, 5, 17, 40]) for _ in range(rng.randint(0, 3))),
+            rng.choice([1, 2, 4, 8]),
+        )
+        for i in range(rng.randint(0, 25))
+    ]
     layouts = {s.name: "dim0" if s.shape and rng.random() < 0.3 else "split" for s in specs}
     for world in (1, 2, 3, 7, 64, rng.randint(1, 500)):
         placed = format4_pieces(specs, layouts, world)
@@ -97,8 +107,16 @@ def test_format_4_split_layout_gives_every_element_one_rank_within_one_element_o
                 expected = [(str(r), p) for r, p in pieces if p.start < start + numel and p.start + p.numel > start]
                 assert overlaps([(str(r), p) for r, p in pieces], start, numel) == expected
         split = sum(s.nbytes for s in specs if layouts[s.name] == "split")
-        dim0 = [sum(p.numel * s.itemsize for s in specs if layouts[s.name] == "dim0" for r, p in placed.get(s.name, []) if r == rank)
-                for rank in range(world)]
+        dim0 = [
+            sum(
+                p.numel * s.itemsize
+                for s in specs
+                if layouts[s.name] == "dim0"
+                for r, p in placed.get(s.name, [])
+                if r == rank
+            )
+            for rank in range(world)
+        ]
         assert all(abs(w - d - split / world) <= 8 for w, d in zip(written, dim0))  # within one element of its share
 
 
@@ -118,24 +136,49 @@ def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
             storage.write_atomic(paths.join(iter_dir, name), b"\0" * info.size)
     names = [n for m in manifests for n in m.files]
     calls = count_storage_calls(storage.backend)
-    assert storage.sizes(iter_dir, names + ["absent"]) == {**{n: sizes[n.split("-")[1]]["size"][int(n.split("-")[2])] for n in names}, "absent": None}
+    assert storage.sizes(iter_dir, names + ["absent"]) == {
+        **{n: sizes[n.split("-")[1]]["size"][int(n.split("-")[2])] for n in names},
+        "absent": None,
+    }
     # One listing for all 6 files; only the name it lacks is asked for by itself.
     assert calls == {"listings": 1, "sizes": [f"{iter_dir}/absent"]}
 
     short = paths.shard_filename("ckpt", "opt", 1, world)
     storage.write_atomic(paths.join(iter_dir, short), b"x")
     with pytest.raises(RuntimeError, match=short):
-        commit_iteration(storage, root, scale_sim.ITERATION, manifests, scale_sim.common_json(world), prefix="ckpt",
-                         config=scale_sim.SIM_CONFIG, job_id="t")
+        commit_iteration(
+            storage,
+            root,
+            scale_sim.ITERATION,
+            manifests,
+            scale_sim.common_json(world),
+            prefix="ckpt",
+            config=scale_sim.SIM_CONFIG,
+            job_id="t",
+        )
     assert storage.size(paths.tracker_path(root)) is None
 
     storage.write_atomic(paths.join(iter_dir, short), b"\0" * manifests[1].files[short].size)
     calls.update(listings=0, sizes=[])
-    meta = commit_iteration(storage, root, scale_sim.ITERATION, manifests, scale_sim.common_json(world), prefix="ckpt",
-                            config=scale_sim.SIM_CONFIG, job_id="t")
+    meta = commit_iteration(
+        storage,
+        root,
+        scale_sim.ITERATION,
+        manifests,
+        scale_sim.common_json(world),
+        prefix="ckpt",
+        config=scale_sim.SIM_CONFIG,
+        job_id="t",
+    )
     on_disk = parse_json(storage.read_bytes(paths.join(iter_dir, paths.METADATA)), "metadata.json")
-    parse_iteration({"common": parse_json(storage.read_bytes(paths.join(iter_dir, paths.COMMON)), "common.json"), "metadata": on_disk},
-                    root, scale_sim.ITERATION)
+    parse_iteration(
+        {
+            "common": parse_json(storage.read_bytes(paths.join(iter_dir, paths.COMMON)), "common.json"),
+            "metadata": on_disk,
+        },
+        root,
+        scale_sim.ITERATION,
+    )
     assert on_disk == meta and storage.read_bytes(paths.tracker_path(root)) == f"{scale_sim.ITERATION}\n".encode()
     # The commit checked every size from the listing (and listed once more to remove what it does not list).
     assert calls == {"listings": 2, "sizes": []}

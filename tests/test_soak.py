@@ -17,8 +17,13 @@ from benchmarks.soak import INVARIANTS, KINDS
 
 def soak(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--dir", str(tmp_path / "work"), "--out", str(out), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", "--dir", str(tmp_path / "work"), "--out", str(out), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 
@@ -48,6 +53,10 @@ def test_the_soak_fails_when_the_commit_is_not_fsynced(tmp_path):
 def test_the_soak_fails_when_the_data_cursor_is_off_by_one(tmp_path):
     """A resumed stream starts one step ahead: the first resume from a commit after step 0 trains on other
     samples, and the soak finds an iteration, a loss or a step's samples that are not the reference's."""
-    proc, report = soak(tmp_path, "--kinds", "rank_killed_after_step", "--mutate", "cursor_off_by_one", "--rounds", "5", "--seed", "3")
+    proc, report = soak(
+        tmp_path, "--kinds", "rank_killed_after_step", "--mutate", "cursor_off_by_one", "--rounds", "5", "--seed", "3"
+    )
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert report["failure"].startswith((INVARIANTS["bytes"], INVARIANTS["losses"], INVARIANTS["final_samples"])), report["failure"]
+    assert report["failure"].startswith((INVARIANTS["bytes"], INVARIANTS["losses"], INVARIANTS["final_samples"])), (
+        report["failure"]
+    )

@@ -56,7 +56,8 @@ def test_temporary_credentials_from_the_environment_or_the_config(s3, monkeypatc
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
     monkeypatch.setenv("AWS_SESSION_TOKEN", "env-token")
     from_env = storage_for("s3://ckpts/creds", endpoint)
-    assert _credentials(from_env) == {"access_key": None, "secret_key": None, "session_token": None}  # the chain's to find
+    # the chain's to find
+    assert _credentials(from_env) == {"access_key": None, "secret_key": None, "session_token": None}
     from_env.write_atomic("s3://ckpts/creds/env.json", b"{}")  # the chain found them: moto accepts the request
     assert from_env.read_bytes("s3://ckpts/creds/env.json") == b"{}"
     explicit = storage_for("s3://ckpts/creds", {**s3, "session_token": "cfg-token"})
@@ -71,7 +72,12 @@ def test_a_commit_on_object_storage_leaves_only_the_files_it_lists(s3):
     earlier, larger attempt and its unfinished common.json are deleted, the listed shards kept."""
     directory = "s3://ckpts/resave/iteration_00000008"
     storage = storage_for(directory, s3)
-    names = ["ckpt-model-0000000-0000002.safetensors", "ckpt-model-0000002-0000003.safetensors", "common.json", "metadata.json"]
+    names = [
+        "ckpt-model-0000000-0000002.safetensors",
+        "ckpt-model-0000002-0000003.safetensors",
+        "common.json",
+        "metadata.json",
+    ]
     for name in names:
         storage.write_atomic(f"{directory}/{name}", b"x")
     remove_unlisted(storage, directory, {"ckpt-model-0000000-0000002.safetensors"})
@@ -86,8 +92,13 @@ def test_small_files_go_to_object_storage_as_one_put(s3):
 
     storage = storage_for("s3://ckpts/puts", s3)
     storage.write_atomic("s3://ckpts/puts/latest_checkpointed_iteration.txt", b"5\n")
-    client = boto3.client("s3", endpoint_url=s3["endpoint_url"], region_name=s3["region"],
-                          aws_access_key_id=s3["access_key_id"], aws_secret_access_key=s3["secret_access_key"])
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3["endpoint_url"],
+        region_name=s3["region"],
+        aws_access_key_id=s3["access_key_id"],
+        aws_secret_access_key=s3["secret_access_key"],
+    )
     etag = client.head_object(Bucket="ckpts", Key="puts/latest_checkpointed_iteration.txt")["ETag"].strip('"')
     assert etag == hashlib.md5(b"5\n").hexdigest()
 
@@ -148,8 +159,11 @@ def test_exact_resume_on_object_storage(tmp_path, local_reference, s3):
     S3 through moto on loopback, one is killed, and the run ends as the local run does."""
     reference = local_reference
     root = "s3://ckpts/exact"
-    cfg = tiny_config(tmp_path, checkpoint={"save_path": root, "storage": s3},
-                      fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    cfg = tiny_config(
+        tmp_path,
+        checkpoint={"save_path": root, "storage": s3},
+        fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
+    )
     cfg["data"]["path"] = reference["data"]
     with TornReadWatcher(root, s3) as watcher:
         run_on_harness(cfg)
@@ -168,7 +182,9 @@ def test_exact_resume_on_object_storage(tmp_path, local_reference, s3):
     # Async saves to a (slow) object store: iteration 4 may still be in flight when rank 1
     # dies at step 6, and then the restart rightly begins at 0. Never at anything else.
     assert [r["step"] for r in records if r.get("event") == "start" and r["rank"] == 0] in ([0, 4], [0, 0])
-    assert {s: runs[-1]["loss"] for s, runs in per_step(records).items()} == {s: runs[0]["loss"] for s, runs in reference["steps"].items()}
+    assert {s: runs[-1]["loss"] for s, runs in per_step(records).items()} == {
+        s: runs[0]["loss"] for s, runs in reference["steps"].items()
+    }
 
 
 def iterations(root) -> list[int]:
@@ -186,17 +202,21 @@ def test_retention_keeps_this_jobs_newest_and_never_an_earlier_jobs(tmp_path, lo
     assert watcher.saw_whole_files_only(), (watcher.json_reads, watcher.torn)
     assert iterations(root) == [12, 14]  # 7 saves, the last 2 kept
 
-    second = tiny_config(tmp_path, training={"train_steps": 20},
-                         checkpoint={"save_interleaved_steps": 2, "save_max": 1, "load_path": str(root)})
+    second = tiny_config(
+        tmp_path,
+        training={"train_steps": 20},
+        checkpoint={"save_interleaved_steps": 2, "save_max": 1, "load_path": str(root)},
+    )
     second["data"]["path"] = local_reference["data"]
     run_on_harness(second)
     # The first job's iterations stay; of its own (16, 18, 20) the second keeps 1.
     assert iterations(root) == [12, 14, 20]
     assert (root / paths.TRACKER).read_text().strip() == "20"
     for step in (12, 14):
-        assert json.loads((root / paths.iteration_dirname(step) / "metadata.json").read_text())["ray_resume"]["job_id"] != \
-            json.loads((root / paths.iteration_dirname(20) / "metadata.json").read_text())["ray_resume"]["job_id"]
-
+        assert (
+            json.loads((root / paths.iteration_dirname(step) / "metadata.json").read_text())["ray_resume"]["job_id"]
+            != json.loads((root / paths.iteration_dirname(20) / "metadata.json").read_text())["ray_resume"]["job_id"]
+        )
 
 
 class StatFails:

@@ -79,17 +79,27 @@ def test_transient_faults_while_saving_and_loading_end_byte_identical(tmp_path, 
     ]
     assert harness.run_job(cfg, storage_faults=(saving, record)).error is None
     assert {(f["method"], f["error"]) for f in storage_faults.injected(record)} == {
-        ("write_durable", "EIO"), ("sizes", "reset"), ("write_atomic", "timeout")}
+        ("write_durable", "EIO"),
+        ("sizes", "reset"),
+        ("write_atomic", "timeout"),
+    }
     assert sum(f["method"] == "write_durable" for f in storage_faults.injected(record)) == 2  # one per rank
 
     loading = [
         {"op": "read", "nth": 1, "times": 2, "path_contains": ".safetensors"},
         {"op": "read", "nth": 1, "path_contains": "metadata.json"},
     ]
-    resume = {**cfg, "training": {**cfg["training"], "train_steps": FINAL}, "checkpoint": {**cfg["checkpoint"], "load_path": root}}
+    resume = {
+        **cfg,
+        "training": {**cfg["training"], "train_steps": FINAL},
+        "checkpoint": {**cfg["checkpoint"], "load_path": root},
+    }
     Path(record).unlink()
     assert harness.run_job(resume, storage_faults=(loading, record)).error is None
-    assert {(f["method"], f["error"]) for f in storage_faults.injected(record)} == {("open_read", "EIO"), ("read_bytes", "EIO")}
+    assert {(f["method"], f["error"]) for f in storage_faults.injected(record)} == {
+        ("open_read", "EIO"),
+        ("read_bytes", "EIO"),
+    }
     for step in (4, 8, FINAL):
         assert shard_bytes(root, step) == shard_bytes(local_reference["root"], step), step
 
@@ -114,15 +124,28 @@ def test_a_read_that_keeps_failing_fails_the_job_and_sets_nothing_aside(tmp_path
     assert not any(p.name.endswith(".damaged") or ".damaged-" in p.name for p in Path(root).iterdir())
 
 
-@pytest.mark.parametrize("exc, retry", [
-    (OSError("When reading information for key 'k' in bucket 'b': AWS Error SLOW_DOWN during HeadObject operation"), True),
-    (OSError("When uploading part: AWS Error NETWORK_CONNECTION during UploadPart operation: curlCode: 7"), True),
-    (OSError("When getting information for key 'k': AWS Error UNKNOWN (HTTP status 503) during HeadObject operation"), True),
-    (OSError("When getting information for key 'k': AWS Error ACCESS_DENIED during HeadObject operation"), False),
-    (FileNotFoundError(2, "no such file"), False),
-    (PermissionError(13, "denied"), False),
-    (ConnectionResetError(104, "reset"), True),
-])
+@pytest.mark.parametrize(
+    "exc, retry",
+    [
+        (
+            OSError(
+                "When reading information for key 'k' in bucket 'b': AWS Error SLOW_DOWN during HeadObject operation"
+            ),
+            True,
+        ),
+        (OSError("When uploading part: AWS Error NETWORK_CONNECTION during UploadPart operation: curlCode: 7"), True),
+        (
+            OSError(
+                "When getting information for key 'k': AWS Error UNKNOWN (HTTP status 503) during HeadObject operation"
+            ),
+            True,
+        ),
+        (OSError("When getting information for key 'k': AWS Error ACCESS_DENIED during HeadObject operation"), False),
+        (FileNotFoundError(2, "no such file"), False),
+        (PermissionError(13, "denied"), False),
+        (ConnectionResetError(104, "reset"), True),
+    ],
+)
 @pytest.mark.invariant(7)
 def test_which_errors_are_transient(exc, retry):
     """pyarrow's S3 errors carry no errno: what they say decides (its own retry strategy went first)."""

@@ -14,7 +14,16 @@ import torch
 
 import harness
 
-from conftest import FINAL, assert_resumed_once, driver_checks, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import (
+    FINAL,
+    assert_resumed_once,
+    driver_checks,
+    per_step,
+    read_metrics,
+    run_on_harness,
+    shard_bytes,
+    tiny_config,
+)
 from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.root import CommittedIteration, WeightsExport
@@ -37,7 +46,9 @@ def test_weights_only_load_refreshes_the_fp32_main_params(tmp_path):
     model = GPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2).to(torch.bfloat16)
     optimizer = MainParamsOptimizer(model, lr=1e-2, weight_decay=0.0)
     cfg = Config.from_dict(tiny_config(tmp_path))
-    Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, optimizer, CommittedIteration(str(tmp_path), 5), full=False)
+    Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(
+        model, optimizer, CommittedIteration(str(tmp_path), 5), full=False
+    )
     optimizer.zero_grad()
     optimizer.step()  # no gradients: Adam moves nothing, so the weights must stay the loaded ones
     for name, tensor in state.model_tensors(saved).items():
@@ -89,8 +100,13 @@ def test_export_with_a_mismatched_tensor_is_refused_by_name(tmp_path):
     other_opt = MainParamsOptimizer(other, lr=1e-2, weight_decay=0.0)
     before = {n: t.clone() for n, t in state.model_tensors(other).items()}
     cfg = Config.from_dict(tiny_config(tmp_path))
-    with pytest.raises(CheckpointError, match=r"tensor 'tok.weight' is torch.float32 \[32, 16\] there but torch.float32 \[40, 16\] in the model"):
-        Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(other, other_opt, WeightsExport(str(tmp_path / "export")), full=False)
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor 'tok.weight' is torch.float32 \[32, 16\] there but torch.float32 \[40, 16\] in the model",
+    ):
+        Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(
+            other, other_opt, WeightsExport(str(tmp_path / "export")), full=False
+        )
     assert all(torch.equal(before[n], t) for n, t in state.model_tensors(other).items())  # nothing half-loaded
 
 
@@ -102,13 +118,19 @@ def test_weights_only_onto_its_own_committed_root_is_refused_naming_save_path(tm
     root = str(tmp_path / "ckpt")
     before = tree(tmp_path / "ckpt")
     saved_model = {"vocab_size": 32, "seq_len": 8, "d_model": 16, "n_layers": 1, "n_heads": 2}  # make_state's
-    cfg = tiny_config(tmp_path, model=saved_model, checkpoint={"save_path": root, "load_path": root, "no_load_optim": True})
+    cfg = tiny_config(
+        tmp_path, model=saved_model, checkpoint={"save_path": root, "load_path": root, "no_load_optim": True}
+    )
     with pytest.raises(CheckpointError) as err:
         driver_checks(cfg)
     assert f"checkpoint.save_path {root!r} holds committed iteration 5" in str(err.value)
     assert "set checkpoint.save_path to a new directory" in str(err.value)
     assert tree(tmp_path / "ckpt") == before
-    fresh = tiny_config(tmp_path, model=saved_model, checkpoint={"save_path": str(tmp_path / "new"), "load_path": root, "no_load_optim": True})
+    fresh = tiny_config(
+        tmp_path,
+        model=saved_model,
+        checkpoint={"save_path": str(tmp_path / "new"), "load_path": root, "no_load_optim": True},
+    )
     assert driver_checks(fresh) == CommittedIteration(root, 5)  # scenario B: a new root
 
 
@@ -122,12 +144,16 @@ def test_export_then_load_as_weights_round_trips_bitwise(tmp_path):
     cfg = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(out), "no_load_optim": True}))
     assert resolve_source(cfg)[0] == WeightsExport(str(out))
     model, optimizer = make_state(seed=2)
-    point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(model, optimizer, WeightsExport(str(out)), full=False)
+    point, _ = Checkpointer(cfg.checkpoint, None, 0, 1, 0, None).restore(
+        model, optimizer, WeightsExport(str(out)), full=False
+    )
     assert point.bytes_read == (out / "model.safetensors").stat().st_size  # what "rank 0 read N bytes" says
     for name, tensor in state.model_tensors(saved).items():
         assert torch.equal(state.model_tensors(model)[name], tensor), name
     full = Config.from_dict(tiny_config(tmp_path, checkpoint={"load_path": str(out)}))
-    with pytest.raises(CheckpointError, match="is a weights-only safetensors export .* set checkpoint.no_load_optim: true"):
+    with pytest.raises(
+        CheckpointError, match="is a weights-only safetensors export .* set checkpoint.no_load_optim: true"
+    ):
         resolve_source(full)[0]
 
 
@@ -149,8 +175,11 @@ def first_batch_loss(local_reference, weights: dict) -> float:
 def test_scenario_b_starts_at_step_0_from_the_loaded_weights(tmp_path, local_reference):
     runs = []
     for name in ("b1", "b2"):
-        cfg = tiny_config(tmp_path / name, model={"dropout": 0.0},
-                          checkpoint={"load_path": local_reference["root"], "no_load_optim": True})
+        cfg = tiny_config(
+            tmp_path / name,
+            model={"dropout": 0.0},
+            checkpoint={"load_path": local_reference["root"], "no_load_optim": True},
+        )
         cfg["data"]["path"] = local_reference["data"]
         run_on_harness(cfg)
         runs.append(cfg["checkpoint"]["save_path"])
@@ -158,7 +187,8 @@ def test_scenario_b_starts_at_step_0_from_the_loaded_weights(tmp_path, local_ref
     start = [r for r in records if r.get("event") == "start" and r["rank"] == 0]
     assert [(r["step"], Path(r["source"]).name) for r in start] == [(0, "iteration_00000012")]
     steps = per_step(records)
-    assert min(steps) == 1 and steps[1][0]["ids"] == local_reference["steps"][1][0]["ids"]  # the first batch of the order
+    # the first batch of the order
+    assert min(steps) == 1 and steps[1][0]["ids"] == local_reference["steps"][1][0]["ids"]
     storage = LocalStorage()
     weights = load_state(storage, open_iteration(storage, local_reference["root"], FINAL), "model")
     assert steps[1][0]["loss"] == pytest.approx(first_batch_loss(local_reference, weights), rel=1e-5)

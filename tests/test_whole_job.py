@@ -20,10 +20,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import FINAL, REPO, SESSION_RAY, assert_same_as_reference, env_for_subprocess, read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import (
+    FINAL,
+    REPO,
+    SESSION_RAY,
+    assert_same_as_reference,
+    env_for_subprocess,
+    read_metrics,
+    run_on_harness,
+    shard_bytes,
+    tiny_config,
+)
 from ray_resume import forkserver
 from ray_resume.checkpoint import paths
-
 
 
 def write_config(tmp: Path, reference, **sections) -> Path:
@@ -37,8 +46,15 @@ def write_config(tmp: Path, reference, **sections) -> Path:
 def start(args: list[str], join_session_ray: bool = False, **kw) -> subprocess.Popen:
     """A child in its own process group, so that it and everything it spawned can be ended together;
     a driver on the session's Ray with `join_session_ray` (the console test's starts its own)."""
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env_for_subprocess(join_session_ray), **kw)
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env_for_subprocess(join_session_ray),
+        **kw,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -76,8 +92,22 @@ def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tm
     assert (Path(root) / "iteration_00000008" / "metadata.json").exists()
     assert tracker(root) == "4"
 
-    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--set", "fault=null",
-                              "--set", f"checkpoint.load_path={root}"], join_session_ray=True), timeout=300)
+    code, out = finish(
+        start(
+            [
+                sys.executable,
+                "-m",
+                "ray_resume.run",
+                str(config),
+                "--set",
+                "fault=null",
+                "--set",
+                f"checkpoint.load_path={root}",
+            ],
+            join_session_ray=True,
+        ),
+        timeout=300,
+    )
     assert code == 0, out[-3000:]
     assert f"resumed from {root}/iteration_00000004" in out  # never the half-committed 8
     assert "global_step 4, consumed samples 64; continuing at step 5" in out
@@ -94,8 +124,23 @@ def test_ray_job_submit_to_a_running_cluster(tmp_path, reference):
     job's entrypoint runs `python -m ray_resume.run` with RAY_ADDRESS set, which joins that cluster."""
     config = write_config(tmp_path, reference, scaling={"num_workers": 1}, training={"micro_batch_size": 8})
     ray_cli = str(Path(sys.executable).parent / "ray")  # the venv's, whether or not it is activated
-    submit = start([ray_cli, "job", "submit", "--address", SESSION_RAY["dashboard"], "--working-dir", str(REPO), "--",
-                    sys.executable, "-m", "ray_resume.run", str(config)], cwd=REPO)
+    submit = start(
+        [
+            ray_cli,
+            "job",
+            "submit",
+            "--address",
+            SESSION_RAY["dashboard"],
+            "--working-dir",
+            str(REPO),
+            "--",
+            sys.executable,
+            "-m",
+            "ray_resume.run",
+            str(config),
+        ],
+        cwd=REPO,
+    )
     code, out = finish(submit, timeout=400)
     assert code == 0, out[-4000:]
     assert "succeeded" in out and f"finished: last committed iteration {FINAL}" in out, out[-4000:]
@@ -105,8 +150,9 @@ def test_ray_job_submit_to_a_running_cluster(tmp_path, reference):
 
 
 def test_sigterm_to_the_driver_saves_commits_and_exits_143(tmp_path, reference):
-    config = write_config(tmp_path, reference, training={"train_steps": 200, "log_every": 2},
-                          checkpoint={"save_interleaved_steps": 1000})
+    config = write_config(
+        tmp_path, reference, training={"train_steps": 200, "log_every": 2}, checkpoint={"save_interleaved_steps": 1000}
+    )
     root = str(tmp_path / "ckpt")
     driver = start([sys.executable, "-m", "ray_resume.run", str(config)], join_session_ray=True)
     lines: list[str] = []
@@ -149,8 +195,13 @@ def test_the_console_of_a_run_that_loses_a_worker(tmp_path, reference):
     recovery in one line of ours, a summary, and the whole console within 3x the progress lines + 40.
     Saves are synchronous, so iteration 4 is certainly committed before step 5's all-reduce and the
     group resumes from it, by itself, to end with the uninterrupted run's bytes."""
-    config = write_config(tmp_path, reference, training={"log_every": 1}, checkpoint={"async_save": False},
-                          fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    config = write_config(
+        tmp_path,
+        reference,
+        training={"log_every": 1},
+        checkpoint={"async_save": False},
+        fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
+    )
     code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config)]), timeout=300)
     assert code == 0, out[-3000:]
     lines = [ANSI.sub("", line) for line in out.splitlines()]
@@ -164,16 +215,35 @@ def test_the_console_of_a_run_that_loses_a_worker(tmp_path, reference):
         assert count <= (2 if 4 < step <= reached else 1), (step, progress)
         assert count >= 1 or step > 8, (step, progress)
     assert not [line for line in lines if re.fullmatch(r"\(\w+ pid=\d+(, ip=[\d.]+)?\)\s*", line)]  # blank worker lines
-    for noise in ("Traceback", "Failed to query Ray Train Controller actor state", "multiple active Ray",
-                  "Starting execution of Dataset", "[FailurePolicy]", "Attempting to start training worker group"):
+    for noise in (
+        "Traceback",
+        "Failed to query Ray Train Controller actor state",
+        "multiple active Ray",
+        "Starting execution of Dataset",
+        "[FailurePolicy]",
+        "Attempting to start training worker group",
+    ):
         assert noise not in out, noise
     assert any(f"{FINAL} steps (1-{FINAL}) in " in line for line in lines)
     [began] = [line for line in lines if "s to the end of the first step (" in line]  # the start, part by part
-    assert all(re.search(rf"[(,] ?{part} \d+\.\d s", began) for part in ("checks", "Ray", "our actors", "new processes", "imports and setup",
-                                                 "build and restore", "first batch", "first step")), began
+    assert all(
+        re.search(rf"[(,] ?{part} \d+\.\d s", began)
+        for part in (
+            "checks",
+            "Ray",
+            "our actors",
+            "new processes",
+            "imports and setup",
+            "build and restore",
+            "first batch",
+            "first step",
+        )
+    ), began
     # Forks of the fork server say nothing more; where they were not (the suite run with it off), why.
     off = forkserver.why_off("auto")
-    assert re.search(r"first step \d+\.\d s" + re.escape("" if off is None else f"; fork server: off ({off})") + r"\)$", began), began
+    assert re.search(
+        r"first step \d+\.\d s" + re.escape("" if off is None else f"; fork server: off ({off})") + r"\)$", began
+    ), began
     assert any(f"1 restart: after step {reached}: resumed from 4" in line for line in lines)
     assert len(lines) <= 3 * len(progress) + 40, "\n".join(lines)
     root = str(tmp_path / "ckpt")

@@ -64,8 +64,17 @@ class Checkpointer:
         self.stalls: list[tuple[int, float]] = []  # (step, stall seconds) of every save, in order
         self.export_facts: dict | None = None  # rank 0: state.export_facts of the model, taken at its first save
 
-    def restore(self, model, optimizer, source: ResumeSource | None, *, full: bool, global_batch_size: int | None = None,
-                rank0_extras: bool = False, step: int | None = None) -> tuple[Start, dict[str, str]]:
+    def restore(
+        self,
+        model,
+        optimizer,
+        source: ResumeSource | None,
+        *,
+        full: bool,
+        global_batch_size: int | None = None,
+        rank0_extras: bool = False,
+        step: int | None = None,
+    ) -> tuple[Start, dict[str, str]]:
         """Load `source` into the live model (and optimizer); where to continue, and the rank's strings
         from its opt header (param groups, extra state).
 
@@ -87,18 +96,36 @@ class Checkpointer:
             return self._restore_dcp(model, optimizer, source.path, full=full, gbs=global_batch_size, step=step), {}
         storage = root_for(source.root, self.ckpt.storage).storage
         try:
-            return self._restore(storage, model, optimizer, source.root, source.step, full=full, gbs=global_batch_size,
-                                 rank0_extras=rank0_extras)
+            return self._restore(
+                storage,
+                model,
+                optimizer,
+                source.root,
+                source.step,
+                full=full,
+                gbs=global_batch_size,
+                rank0_extras=rank0_extras,
+            )
         except DamagedShards as exc:  # every rank gets here (the loader agrees), with the same step
             logger.warning("rank %d: %s", self.rank, exc)
             damage = str(exc)
-            older = decided_by_rank0(lambda: fall_back(storage, source.root, source.step, damage, fallback=self.ckpt.fallback).step,
-                                     self.rank, f"fall back from the damaged iteration {source.step}")
-            return self.restore(model, optimizer, CommittedIteration(source.root, older), full=full,
-                                global_batch_size=global_batch_size, rank0_extras=rank0_extras)
+            older = decided_by_rank0(
+                lambda: fall_back(storage, source.root, source.step, damage, fallback=self.ckpt.fallback).step,
+                self.rank,
+                f"fall back from the damaged iteration {source.step}",
+            )
+            return self.restore(
+                model,
+                optimizer,
+                CommittedIteration(source.root, older),
+                full=full,
+                global_batch_size=global_batch_size,
+                rank0_extras=rank0_extras,
+            )
 
-    def _restore(self, storage, model, optimizer, root: str, step: int, *, full: bool, gbs: int | None,
-                 rank0_extras: bool) -> tuple[Start, dict[str, str]]:
+    def _restore(
+        self, storage, model, optimizer, root: str, step: int, *, full: bool, gbs: int | None, rank0_extras: bool
+    ) -> tuple[Start, dict[str, str]]:
         try:
             it = open_shared(storage, root, step, self.rank, self.world_size)
         except CheckpointError as exc:
@@ -118,16 +145,32 @@ class Checkpointer:
             optimizer.reload_main_params_from_model()
             return Start(source=it.path, bytes_read=loader.bytes_read), {}
         if optimizer is None:
-            raise CheckpointError(f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only")
+            raise CheckpointError(
+                f"{it.path}: no optimizer was built to restore into; set checkpoint.no_load_optim: true to load weights only"
+            )
         extras = {}
-        refuse_optimizer_change(it, type(optimizer.optimizer), "this job's optimizer is {now}", "it from the weights",
-                                "build the optimizer that saved it", slots=optimizer_slots(optimizer.optimizer))
+        refuse_optimizer_change(
+            it,
+            type(optimizer.optimizer),
+            "this job's optimizer is {now}",
+            "it from the weights",
+            "build the optimizer that saved it",
+            slots=optimizer_slots(optimizer.optimizer),
+        )
         if it.has_optimizer:
-            specs = {n: spec for n, spec in it.specs(paths.OPTIM_KIND).items() if names.parse_state_name(n)[0] is not None}
+            specs = {
+                n: spec for n, spec in it.specs(paths.OPTIM_KIND).items() if names.parse_state_name(n)[0] is not None
+            }
             params = dict(optimizer.named_main())  # a slot is sharded like its parameter
             check_optimizer_state(specs, {n: tuple(p.shape) for n, p in params.items()}, where)
-            flat = self._load(loader, paths.OPTIM_KIND, specs, {n: params[names.parse_state_name(n)[0]] for n in specs},
-                              into=optimizer.state_tensors())  # slots that exist already (a live optimizer) load in place
+            flat = self._load(
+                loader,
+                paths.OPTIM_KIND,
+                specs,
+                {n: params[names.parse_state_name(n)[0]] for n in specs},
+                # slots that exist already (a live optimizer) load in place
+                into=optimizer.state_tensors(),
+            )
             tensors = {n: shaped(flat[n], specs[n]) for n in specs}
             if it.origin == "mindformers":
                 tensors = from_mindformers(tensors, it, loader, optimizer)
@@ -135,17 +178,25 @@ class Checkpointer:
             if optimizer.scaler:
                 optimizer.scaler.load({**it.ours, **it.common})
             if it.origin == "mindformers":
-                logger.warning("%s was written by MindFormers: it holds no RNG streams, which are reseeded, not restored", it.path)
+                logger.warning(
+                    "%s was written by MindFormers: it holds no RNG streams, which are reseeded, not restored", it.path
+                )
             elif it.world_size == self.world_size:
                 extras = load_rank_extras(loader.reader, self.rank)
                 state.restore_rng(extras)
             else:  # the RNG streams stay as they are
                 extras = load_rank_extras(loader.reader, 0) if rank0_extras else {}
-                logger.warning("world size changed (%d -> %d): RNG streams are reseeded, not restored", it.world_size, self.world_size)
+                logger.warning(
+                    "world size changed (%d -> %d): RNG streams are reseeded, not restored",
+                    it.world_size,
+                    self.world_size,
+                )
         else:
             # Only reachable on a restart inside a job saved with no_save_optim: keep
             # the progress, but the optimizer starts over (nothing else to resume).
-            logger.warning("%s has no optimizer state (no_save_optim): resuming weights and progress, fresh optimizer", it.path)
+            logger.warning(
+                "%s has no optimizer state (no_save_optim): resuming weights and progress, fresh optimizer", it.path
+            )
             optimizer.reload_main_params_from_model()
         step, consumed = self._progress(it, gbs)
         return Start(step, consumed, it.path, loader.bytes_read), extras
@@ -162,28 +213,45 @@ class Checkpointer:
             return Start(source=path, bytes_read=read)
         saved = optimizer_specs(path)
         now = class_path(type(optimizer.optimizer))
-        refuse_foreign_slots(saved, optimizer_slots(optimizer.optimizer), path, f"this job's optimizer is {now}",
-                             "it from the weights", "build the optimizer that saved it")
+        refuse_foreign_slots(
+            saved,
+            optimizer_slots(optimizer.optimizer),
+            path,
+            f"this job's optimizer is {now}",
+            "it from the weights",
+            "build the optimizer that saved it",
+        )
         params = dict(optimizer.named_main())
         check_optimizer_state(saved, {n: tuple(p.shape) for n, p in params.items()}, path)
-        slots = {n: torch.zeros_like(params[names.parse_state_name(n)[0]]) if spec.shape else torch.zeros((), dtype=DTYPES[spec.dtype])
-                 for n, spec in saved.items()}
+        slots = {
+            n: torch.zeros_like(params[names.parse_state_name(n)[0]])
+            if spec.shape
+            else torch.zeros((), dtype=DTYPES[spec.dtype])
+            for n, spec in saved.items()
+        }
         read, saved_step = load_dcp(path, live, slots)
         step = step if step is not None else saved_step
         if step is None:
-            raise CheckpointError(f"{path}: a DCP checkpoint without train_state.step: say the step it was taken at, "
-                                  "ck.restore(..., step=N), or set checkpoint.no_load_optim: true to start from its weights")
+            raise CheckpointError(
+                f"{path}: a DCP checkpoint without train_state.step: say the step it was taken at, "
+                "ck.restore(..., step=N), or set checkpoint.no_load_optim: true to start from its weights"
+            )
         tensors = {n: state.local_tensor(t) for n, t in slots.items()}
-        if getattr(optimizer, "mixed", False):  # a low-precision model's fp32 main params: DCP's holds none, so its weights
+        # a low-precision model's fp32 main params: DCP's holds none, so its weights
+        if getattr(optimizer, "mixed", False):
             optimizer.reload_main_params_from_model()
-            tensors |= {n: state.local_tensor(t) for n, t in optimizer.state_tensors().items()
-                        if names.parse_state_name(n)[1] == names.MAIN_PARAM}
+            tensors |= {
+                n: state.local_tensor(t)
+                for n, t in optimizer.state_tensors().items()
+                if names.parse_state_name(n)[1] == names.MAIN_PARAM
+            }
         optimizer.load_state_tensors(tensors)
         logger.warning("%s is a DCP checkpoint: it holds no RNG streams, which are reseeded, not restored", path)
         return Start(step, step * (gbs or 0), path, read)
 
-    def _load(self, loader: StateLoader, kind: str, specs: dict[str, TensorSpec], live: dict,
-              into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _load(
+        self, loader: StateLoader, kind: str, specs: dict[str, TensorSpec], live: dict, into: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """This rank's part of every tensor in `specs`: its dim-0 chunk where the live tensor is an FSDP shard, else all.
 
         Where `into` has a CPU tensor that holds exactly that part in the saved
@@ -192,8 +260,14 @@ class Checkpointer:
         sharded = {n for n, t in live.items() if is_fsdp_shard(specs[n], t)}
         ranges = {n: needed_range(specs[n], n in sharded, self.world_size, self.rank) for n in specs}
         targets = {n: state.local_tensor(into[n]).detach() for n in specs if torch.is_tensor(into.get(n))}
-        in_place = {n: t.view(-1) for n, t in targets.items() if t.device.type == "cpu" and t.is_contiguous()
-                    and DTYPE_TAGS.get(t.dtype) == specs[n].dtype and t.numel() == ranges[n][1]}
+        in_place = {
+            n: t.view(-1)
+            for n, t in targets.items()
+            if t.device.type == "cpu"
+            and t.is_contiguous()
+            and DTYPE_TAGS.get(t.dtype) == specs[n].dtype
+            and t.numel() == ranges[n][1]
+        }
         return loader.load(kind, ranges, shared=set(specs) - sharded, into=in_place)
 
     def _progress(self, it, gbs: int | None) -> tuple[int, int]:
@@ -211,8 +285,14 @@ class Checkpointer:
         step, leftover = divmod(consumed, gbs)
         logger.warning(
             "global_batch_size changed %d -> %d: resume step = %d x %d / %d = %s%s; data continues at sample %d",
-            saved_gbs, gbs, c["global_step"], saved_gbs, gbs, f"{consumed / gbs:g}",
-            f", rounded down to {step}" if leftover else "", consumed,
+            saved_gbs,
+            gbs,
+            c["global_step"],
+            saved_gbs,
+            gbs,
+            f"{consumed / gbs:g}",
+            f", rounded down to {step}" if leftover else "",
+            consumed,
         )
         return step, consumed
 
@@ -233,15 +313,21 @@ class Checkpointer:
         self.background.poll()
         start = time.perf_counter()
         waited = self.background.wait()  # a new save waits for the previous one (its buffers are reused)
-        states = {paths.MODEL_KIND: state.with_rank0_buffers(model, state.model_tensors(model), collective_device()),
-                  paths.OPTIM_KIND: None if self.ckpt.no_save_optim else optimizer.state_tensors()}
+        states = {
+            paths.MODEL_KIND: state.with_rank0_buffers(model, state.model_tensors(model), collective_device()),
+            paths.OPTIM_KIND: None if self.ckpt.no_save_optim else optimizer.state_tensors(),
+        }
         shards = shard_layouts(states, self.rank, self.world_size)
         rng = {**state.capture_rng(), **(extras or {})}  # on the training thread: the state at this step
         common = dict(common)
         if self.rank == 0 and self.export_facts is None:  # the model's structure does not change in a run
             self.export_facts = state.export_facts(model)
         if self.ckpt.async_save:
-            if self.writer is None and not self.stalls and writes_in_a_process(self.ckpt, sum(s.nbytes for s in shards)):
+            if (
+                self.writer is None
+                and not self.stalls
+                and writes_in_a_process(self.ckpt, sum(s.nbytes for s in shards))
+            ):
                 self._start_writer()  # `auto` decides at the first save (none stalled yet), by this rank's share
             if self.writer is not None:
                 self.writer.ensure_started()  # on this thread: the writer dies with it (writer_process)
@@ -252,17 +338,29 @@ class Checkpointer:
         stall = time.perf_counter() - start
         self.last_stall_s = stall
         self.stalls.append((step, stall))
-        logger.debug("rank %d: save of iteration %d blocked training %.3f s (%s; %.3f s of it waiting for the previous save)",
-                    self.rank, step, stall, "async" if self.ckpt.async_save else "sync", waited)
+        logger.debug(
+            "rank %d: save of iteration %d blocked training %.3f s (%s; %.3f s of it waiting for the previous save)",
+            self.rank,
+            step,
+            stall,
+            "async" if self.ckpt.async_save else "sync",
+            waited,
+        )
 
     def snapshot(self, step: int, model, optimizer, common: dict, extras: dict[str, str]) -> None:
         """Copy this rank's whole state at `step` and send it to its node's MemoryKeeper in the
         background (see checkpoint.memory)."""
         start = time.perf_counter()
         self.memory_sender.wait()  # at most one snapshot in flight: memory stays bounded
-        snap = {"tensors": {paths.MODEL_KIND: memory.pack(state.model_tensors(model)),
-                            paths.OPTIM_KIND: memory.pack(optimizer.state_tensors())},
-                "rng": state.capture_rng(), "extras": dict(extras), "common": dict(common)}
+        snap = {
+            "tensors": {
+                paths.MODEL_KIND: memory.pack(state.model_tensors(model)),
+                paths.OPTIM_KIND: memory.pack(optimizer.state_tensors()),
+            },
+            "rng": state.capture_rng(),
+            "extras": dict(extras),
+            "common": dict(common),
+        }
         if self.keeper is None:
             node = memory.node_id()
             self.keeper = (self.controller.keeper_for(node), node)
@@ -273,10 +371,14 @@ class Checkpointer:
                 self.controller.keep_snapshot(keeper, step, self.rank, snap)
                 self.controller.snapshotted(step, self.rank, self.world_size, node)
             except Exception as exc:  # the tier is a shortcut: without this snapshot a restart reads storage
-                logger.warning("rank %d: memory snapshot of step %d not kept (%s)", self.rank, step, str(exc).splitlines()[0][:160])
+                logger.warning(
+                    "rank %d: memory snapshot of step %d not kept (%s)", self.rank, step, str(exc).splitlines()[0][:160]
+                )
 
         self.memory_sender.submit(step, send)
-        logger.debug("rank %d: memory snapshot of step %d blocked training %.3f s", self.rank, step, time.perf_counter() - start)
+        logger.debug(
+            "rank %d: memory snapshot of step %d blocked training %.3f s", self.rank, step, time.perf_counter() - start
+        )
 
     def restore_snapshot(self, model, optimizer, step: int) -> tuple[Start, dict[str, str]] | None:
         """This rank's state from its memory snapshot of `step`; None on every rank if any rank's
@@ -286,12 +388,19 @@ class Checkpointer:
             try:
                 snap = memory.fetch(keeper, step, self.rank)
             except Exception as exc:  # the keeper died with its node: the replica, if there is one
-                logger.warning("rank %d: the %s of its memory snapshot of step %d is gone (%s)", self.rank,
-                               "replica" if i else "copy on its node", step, str(exc).splitlines()[0][:160])
+                logger.warning(
+                    "rank %d: the %s of its memory snapshot of step %d is gone (%s)",
+                    self.rank,
+                    "replica" if i else "copy on its node",
+                    step,
+                    str(exc).splitlines()[0][:160],
+                )
                 continue
             if snap is not None:
                 if i:
-                    logger.warning("rank %d: restoring step %d from the replica of its memory snapshot", self.rank, step)
+                    logger.warning(
+                        "rank %d: restoring step %d from the replica of its memory snapshot", self.rank, step
+                    )
                 break
         [everywhere] = smallest([int(snap is not None)])
         if not everywhere:
@@ -305,7 +414,9 @@ class Checkpointer:
         if optimizer.scaler:
             optimizer.scaler.load(common)
         state.restore_rng(snap["rng"])
-        return Start(common["global_step"], common["consumed_samples"], memory.MEMORY_SOURCE.format(step=step)), snap["extras"]
+        return Start(common["global_step"], common["consumed_samples"], memory.MEMORY_SOURCE.format(step=step)), snap[
+            "extras"
+        ]
 
     def close(self) -> float:
         """Wait for the save in flight (so its commit happens before the worker returns); seconds blocked.
@@ -326,17 +437,24 @@ class Checkpointer:
     def _write_and_report(self, step: int, shards, rng: dict[str, str], common: dict, writer=None) -> None:
         try:
             manifest = write_shards(
-                root_for(self.ckpt.save_path, self.ckpt.storage).storage, self.ckpt.save_path, step,
-                prefix=self.ckpt.prefix, rank=self.rank, world_size=self.world_size,
-                shards=shards, rank_extras=rng, checksum=self.ckpt.checksum,
-                on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step), writer=writer,
+                root_for(self.ckpt.save_path, self.ckpt.storage).storage,
+                self.ckpt.save_path,
+                step,
+                prefix=self.ckpt.prefix,
+                rank=self.rank,
+                world_size=self.world_size,
+                shards=shards,
+                rank_extras=rng,
+                checksum=self.ckpt.checksum,
+                on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step),
+                writer=writer,
             )
         except WriterDied as exc:  # that save is lost, never committed; the next one starts a new writer
-            logger.warning("rank %d: iteration %d is not saved: %s; the next save starts a new writer", self.rank, step, exc)
+            logger.warning(
+                "rank %d: iteration %d is not saved: %s; the next save starts a new writer", self.rank, step, exc
+            )
             return
         self.faults.maybe_kill("before_report", step)
         if self.rank == 0:
             manifest = dataclasses.replace(manifest, model=self.export_facts)
         self.controller.report(self.attempt, step, manifest, common)
-
-

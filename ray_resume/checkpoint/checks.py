@@ -12,12 +12,16 @@ from .plan import TensorSpec
 from .state import DTYPE_TAGS, DTYPES, class_path
 
 
-def check_weights(live: dict[str, torch.Tensor], saved: dict[str, TensorSpec], aliases: dict[str, str], where: str) -> None:
+def check_weights(
+    live: dict[str, torch.Tensor], saved: dict[str, TensorSpec], aliases: dict[str, str], where: str
+) -> None:
     """Names, shapes and dtypes of the saved weights against the model's, naming the first misfit."""
     for name, tensor in live.items():
         if name not in saved:
-            raise CheckpointError(f"{where}: model tensor {name!r} is missing{prefix_hint(set(live), set(saved) - set(aliases))}; "
-                                  "the model config differs from the one that saved it")
+            raise CheckpointError(
+                f"{where}: model tensor {name!r} is missing{prefix_hint(set(live), set(saved) - set(aliases))}; "
+                "the model config differs from the one that saved it"
+            )
         got = saved[name]
         if got.shape != tuple(tensor.shape) or got.dtype != DTYPE_TAGS.get(tensor.dtype):
             raise CheckpointError(
@@ -29,7 +33,6 @@ def check_weights(live: dict[str, torch.Tensor], saved: dict[str, TensorSpec], a
         raise CheckpointError(f"{where}: tensor {extra[0]!r} is not a tensor of the model")
 
 
-
 def refuse_optimizer_change(it, cls: type, ours: str, start: str, back: str, *, slots: set[str] | None) -> None:
     """Another optimizer class cannot take the saved state (AdamW's moments are not SGD's momentum):
     torch would load the foreign slots without a word. Refused (the driver says it for the built-in
@@ -39,11 +42,17 @@ def refuse_optimizer_change(it, cls: type, ours: str, start: str, back: str, *, 
     if saved is not None and saved != now:  # None: written before the class was kept, or by MindFormers
         raise CheckpointError(
             f"{paths.join(it.path, paths.METADATA)}: iteration {it.step} holds the state of optimizer {saved}, but "
-            f"{ours.format(now=now)}; set checkpoint.no_load_optim: true to start {start.format(now=now)}, or {back}")
+            f"{ours.format(now=now)}; set checkpoint.no_load_optim: true to start {start.format(now=now)}, or {back}"
+        )
     if it.origin == "mindformers" and it.has_optimizer:
-        refuse_foreign_slots(it.specs(paths.OPTIM_KIND), slots, f"{paths.join(it.path, paths.METADATA)}: iteration {it.step}",
-                             ours.format(now=now), start.format(now=now), back)
-
+        refuse_foreign_slots(
+            it.specs(paths.OPTIM_KIND),
+            slots,
+            f"{paths.join(it.path, paths.METADATA)}: iteration {it.step}",
+            ours.format(now=now),
+            start.format(now=now),
+            back,
+        )
 
 
 def refuse_foreign_slots(saved, slots: set[str] | None, where: str, ours: str, start: str, back: str) -> None:
@@ -54,9 +63,10 @@ def refuse_foreign_slots(saved, slots: set[str] | None, where: str, ours: str, s
     for name in saved:
         param, slot = names.parse_state_name(name)
         if param is not None and slot not in slots | {names.MAIN_PARAM}:
-            raise CheckpointError(f"{where} holds optimizer state {name!r} (torch's {slot!r}), but {ours}, which keeps "
-                                  f"{sorted(slots)}; set checkpoint.no_load_optim: true to start {start}, or {back}")
-
+            raise CheckpointError(
+                f"{where} holds optimizer state {name!r} (torch's {slot!r}), but {ours}, which keeps "
+                f"{sorted(slots)}; set checkpoint.no_load_optim: true to start {start}, or {back}"
+            )
 
 
 def check_optimizer_state(saved: dict[str, TensorSpec], params: dict[str, tuple[int, ...]], where: str) -> None:
@@ -65,23 +75,33 @@ def check_optimizer_state(saved: dict[str, TensorSpec], params: dict[str, tuple[
     for name, spec in saved.items():
         param, slot = names.parse_state_name(name)
         if param not in params:
-            raise CheckpointError(f"{where}: optimizer tensor {name!r} is of parameter {param!r}, which the model lacks; "
-                                  "the model config differs from the one that saved it")
+            raise CheckpointError(
+                f"{where}: optimizer tensor {name!r} is of parameter {param!r}, which the model lacks; "
+                "the model config differs from the one that saved it"
+            )
         if spec.shape and spec.shape != params[param]:
-            raise CheckpointError(f"{where}: optimizer tensor {name!r} is {list(spec.shape)} there but parameter {param!r} is "
-                                  f"{list(params[param])} in the model; the model config differs from the one that saved it")
-
+            raise CheckpointError(
+                f"{where}: optimizer tensor {name!r} is {list(spec.shape)} there but parameter {param!r} is "
+                f"{list(params[param])} in the model; the model config differs from the one that saved it"
+            )
 
 
 def prefix_hint(model_names: set[str], saved_names: set[str]) -> str:
     """Where the two sets of names differ by one leading module path (`transformer.` and none, as
     between a Hugging Face `GPT2LMHeadModel` and its `GPT2Model`), a sentence saying so."""
     for longer, shorter, says in (
-        (saved_names, model_names, "the saved names are the model's with {p!r} in front: they are of a model that holds yours as .{m}"),
-        (model_names, saved_names, "the model's names are the saved ones with {p!r} in front: your model holds the saved one as .{m}"),
+        (
+            saved_names,
+            model_names,
+            "the saved names are the model's with {p!r} in front: they are of a model that holds yours as .{m}",
+        ),
+        (
+            model_names,
+            saved_names,
+            "the model's names are the saved ones with {p!r} in front: your model holds the saved one as .{m}",
+        ),
     ):
         for prefix in sorted({n.split(".", 1)[0] + "." for n in longer if "." in n}):  # every leading module's
-            if shorter and {n[len(prefix):] for n in longer if n.startswith(prefix)} >= shorter:
+            if shorter and {n[len(prefix) :] for n in longer if n.startswith(prefix)} >= shorter:
                 return " (" + says.format(p=prefix, m=prefix[:-1]) + ")"
     return ""
-

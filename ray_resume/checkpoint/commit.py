@@ -49,7 +49,9 @@ def commit_iteration(
     world = len(manifests)
     for rank, manifest in enumerate(manifests):
         if manifest.rank != rank or manifest.world_size != world:
-            raise RuntimeError(f"manifest {rank} is from rank {manifest.rank} of {manifest.world_size}, expected rank {rank} of {world}")
+            raise RuntimeError(
+                f"manifest {rank} is from rank {manifest.rank} of {manifest.world_size}, expected rank {rank} of {world}"
+            )
     iter_dir = paths.iteration_dir(root, iteration)
     reported = {name: (manifest.rank, info.size) for manifest in manifests for name, info in manifest.files.items()}
     on_storage = storage.sizes(iter_dir, list(reported))
@@ -58,7 +60,8 @@ def commit_iteration(
             raise RuntimeError(f"rank {rank} reported {name} with {size} bytes, storage has {on_storage[name]}")
     common, ours = split_common(common)
     metadata = build_metadata(iteration, prefix, manifests, {**ours, "job_id": job_id, "saved_at": time.time()})
-    parse_iteration({"common": common, "metadata": metadata}, root, iteration)  # refuse to commit what a reader would refuse
+    # refuse to commit what a reader would refuse
+    parse_iteration({"common": common, "metadata": metadata}, root, iteration)
     fence()
     remove_unlisted(storage, iter_dir, set(reported))
     storage.write_atomic(paths.join(iter_dir, paths.METADATA), dumps(metadata))
@@ -94,7 +97,6 @@ def split_common(reported: dict) -> tuple[dict, dict]:
     return common, {k: v for k, v in reported.items() if k not in COMMON_FIELDS}
 
 
-
 def build_metadata(iteration: int, prefix: str, manifests: list[Manifest], facts: dict) -> dict:
     """metadata.json from every rank's manifest (ordered by rank): MindFormers' schema for every tensor
     and chunk, and ours (the files and their digests, `facts`) under `ray_resume`."""
@@ -113,21 +115,43 @@ def build_metadata(iteration: int, prefix: str, manifests: list[Manifest], facts
             parts = sorted(chunks.get(name, []))
             cut = len(parts) > 1 and len({rows for _, rows, _, _ in parts}) == 1
             state[name] = {
-                "properties": {"dtype": names.mindspore_dtype(dtype), "replica_id": 0, "allow_shape_mismatch": False,
-                               "allow_to_save": True},
+                "properties": {
+                    "dtype": names.mindspore_dtype(dtype),
+                    "replica_id": 0,
+                    "allow_shape_mismatch": False,
+                    "allow_to_save": True,
+                },
                 "global_shape": shape,
                 "axis_fragmentations": [len(parts)] + [1] * (len(shape) - 1) if shape else [],
-                "layout": {"device_matrix": [len(parts)], "tensor_map": [0] + [-1] * (len(shape) - 1),
-                           "interleaved_parallel": False, "alias_name": [LAYOUT_ALIAS],
-                           "rank_list": [rank for _, _, rank, _ in parts]} if cut else None,
+                "layout": {
+                    "device_matrix": [len(parts)],
+                    "tensor_map": [0] + [-1] * (len(shape) - 1),
+                    "interleaved_parallel": False,
+                    "alias_name": [LAYOUT_ALIAS],
+                    "rank_list": [rank for _, _, rank, _ in parts],
+                }
+                if cut
+                else None,
                 "chunk": [],
             }
             for first, rows, rank, file in parts:
                 offset = [first] + [0] * (len(shape) - 1) if shape else []
-                state[name]["chunk"].append({"global_offset": offset, "local_shape": [rows, *shape[1:]] if shape else []})
+                state[name]["chunk"].append(
+                    {"global_offset": offset, "local_shape": [rows, *shape[1:]] if shape else []}
+                )
                 storage[shard_id(name, offset)] = [{"file_name": file, "storage_rank": rank, "rank_group": [rank]}]
     model = {"model": manifests[0].model} if manifests[0].model else {}  # rank 0's state.export_facts
-    return {"state_dict_metadata": state, "storage_data": storage, "ray_resume": {
-        "format_version": paths.FORMAT_VERSION, "iteration": iteration, "world_size": world, "prefix": prefix,
-        "block_size": manifests[0].block_size, "files": files, **model, **facts}}
-
+    return {
+        "state_dict_metadata": state,
+        "storage_data": storage,
+        "ray_resume": {
+            "format_version": paths.FORMAT_VERSION,
+            "iteration": iteration,
+            "world_size": world,
+            "prefix": prefix,
+            "block_size": manifests[0].block_size,
+            "files": files,
+            **model,
+            **facts,
+        },
+    }

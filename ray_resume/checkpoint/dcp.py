@@ -33,7 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, Metadata, StorageReader
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from . import names, paths
@@ -92,8 +98,9 @@ class Reader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return paths.parse_iteration_dirname(os.path.basename(os.fspath(checkpoint_id).rstrip("/"))) is not None or \
-            os.path.exists(paths.tracker_path(os.fspath(checkpoint_id)))
+        return paths.parse_iteration_dirname(
+            os.path.basename(os.fspath(checkpoint_id).rstrip("/"))
+        ) is not None or os.path.exists(paths.tracker_path(os.fspath(checkpoint_id)))
 
     def read_metadata(self, *args) -> Metadata:  # no **kwargs: DCP then asks no per-rank metadata after a failure
         """DCP's Metadata of the chosen iteration (every rank asks for it)."""
@@ -106,16 +113,26 @@ class Reader(StorageReader):
                     continue
                 chunks = [Chunk(file, stored.spec, piece) for file, piece in stored.pieces]
                 state[fqn] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=DTYPES[stored.spec.dtype]), size=torch.Size(stored.spec.shape),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offset), sizes=torch.Size(c.shape)) for c in chunks])
+                    properties=TensorProperties(dtype=DTYPES[stored.spec.dtype]),
+                    size=torch.Size(stored.spec.shape),
+                    chunks=[
+                        ChunkStorageMetadata(offsets=torch.Size(c.offset), sizes=torch.Size(c.shape)) for c in chunks
+                    ],
+                )
                 self.chunks |= {MetadataIndex(fqn, c.offset): c for c in chunks}
         for alias, first in (it.ours.get("model") or {}).get("tied", {}).items():  # a tied weight, stored once
             if f"{MODEL}.{first}" in state:
                 state[f"{MODEL}.{alias}"] = state[f"{MODEL}.{first}"]
-                self.chunks |= {MetadataIndex(f"{MODEL}.{alias}", index.offset): c for index, c in self.chunks.items()
-                                if index.fqn == f"{MODEL}.{first}"}
-        return Metadata(state_dict_metadata=state, storage_data=dict(self.chunks),
-                        storage_meta=StorageMeta(checkpoint_id=it.path, load_id=uuid.uuid4().hex))
+                self.chunks |= {
+                    MetadataIndex(f"{MODEL}.{alias}", index.offset): c
+                    for index, c in self.chunks.items()
+                    if index.fqn == f"{MODEL}.{first}"
+                }
+        return Metadata(
+            state_dict_metadata=state,
+            storage_data=dict(self.chunks),
+            storage_meta=StorageMeta(checkpoint_id=it.path, load_id=uuid.uuid4().hex),
+        )
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         self.chunks = dict(metadata.storage_data)
@@ -137,11 +154,16 @@ class Reader(StorageReader):
             start = chunk.piece.start + first * chunk.spec.row_numel
             rows_read = torch.empty(rows * chunk.spec.row_numel, dtype=DTYPES[chunk.spec.dtype])
             by_file.setdefault(chunk.file, []).append(
-                (item, chunk, rows_read, Request(chunk.piece, chunk.spec, start, start + rows_read.numel(), rows_read)))
+                (item, chunk, rows_read, Request(chunk.piece, chunk.spec, start, start + rows_read.numel(), rows_read))
+            )
         for file, items in by_file.items():
             requests = [request for *_, request in items]
             spans = reader.spans(file, requests)
-            needed = {0} | {i for i, (lo, hi, _) in enumerate(reader.blocks(file)) if any(first < hi and lo < last for first, last, _ in spans)}
+            needed = {0} | {
+                i
+                for i, (lo, hi, _) in enumerate(reader.blocks(file))
+                if any(first < hi and lo < last for first, last, _ in spans)
+            }
             reader.read_checked(file, requests, blocks=sorted(needed))
             for item, chunk, rows_read, _ in items:
                 source = rows_read.view((item.lengths[0], *chunk.shape[1:]) if chunk.shape else ())
@@ -173,8 +195,10 @@ class Reader(StorageReader):
         if committed is None:
             raise CheckpointError(f"{paths.tracker_path(root)}: no committed iteration to read (no tracker)")
         if step is not None and step > committed:
-            raise CheckpointError(f"{paths.iteration_dir(root, step)}: iteration {step} is not committed (the tracker names "
-                                  f"{committed}); read {committed} or an older one")
+            raise CheckpointError(
+                f"{paths.iteration_dir(root, step)}: iteration {step} is not committed (the tracker names "
+                f"{committed}); read {committed} or an older one"
+            )
         self.step = committed if step is None else step
         self.iteration = self._root().iteration(self.step)
         return self.iteration
@@ -189,11 +213,26 @@ def _split(path: str) -> tuple[str, int | None]:
 # ----------------------------------------------------------------------------- DCP's checkpoints, read
 DCP_METADATA = ".metadata"  # what `dcp.save` writes beside its `__R_I.distcp` files
 STEP_DIR = re.compile(r"^step-(\d+)$")  # torchtitan's checkpoint directories
-_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-    "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
 
 
 def dcp_checkpoint(path: str) -> str | None:
@@ -204,8 +243,11 @@ def dcp_checkpoint(path: str) -> str | None:
     path = path.removeprefix("file://")
     if os.path.isfile(os.path.join(path, DCP_METADATA)):
         return path
-    steps = sorted(int(m[1]) for n in (os.listdir(path) if os.path.isdir(path) else ())
-                   if (m := STEP_DIR.match(n)) and os.path.isfile(os.path.join(path, n, DCP_METADATA)))
+    steps = sorted(
+        int(m[1])
+        for n in (os.listdir(path) if os.path.isdir(path) else ())
+        if (m := STEP_DIR.match(n)) and os.path.isfile(os.path.join(path, n, DCP_METADATA))
+    )
     return os.path.join(path, f"step-{steps[-1]}") if steps else None
 
 
@@ -218,10 +260,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str):
-        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _METADATA_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
-        raise CheckpointError(f"{self.where}: refers to {module}.{name}, which DCP's metadata never holds; not read "
-                              "(unpickling it could run code): this is not a checkpoint torch.distributed.checkpoint wrote")
+        raise CheckpointError(
+            f"{self.where}: refers to {module}.{name}, which DCP's metadata never holds; not read "
+            "(unpickling it could run code): this is not a checkpoint torch.distributed.checkpoint wrote"
+        )
 
 
 def read_dcp_metadata(path: str) -> Metadata:
@@ -279,10 +325,14 @@ def weight_specs(path: str, metadata: Metadata | None = None) -> dict[str, Tenso
     """The model tensors of the DCP checkpoint at `path` (`Layout`), as our specs, by name."""
     metadata = metadata or read_dcp_metadata(path)
     prefix = layout(metadata).model
-    out = {name: spec for name, spec in _specs(metadata, prefix).items() if prefix or name.split(".")[0] not in NOT_MODEL}
+    out = {
+        name: spec for name, spec in _specs(metadata, prefix).items() if prefix or name.split(".")[0] not in NOT_MODEL
+    }
     if not out:
-        raise CheckpointError(f"{path}: holds no model tensor; ray_resume reads what torchtitan saves, the model's "
-                              f"state dict under {MODEL!r} or at the top")
+        raise CheckpointError(
+            f"{path}: holds no model tensor; ray_resume reads what torchtitan saves, the model's "
+            f"state dict under {MODEL!r} or at the top"
+        )
     return out
 
 
@@ -299,7 +349,9 @@ def optimizer_specs(path: str, metadata: Metadata | None = None) -> dict[str, Te
 def holds_step(metadata: Metadata) -> bool:
     """Whether the checkpoint says its step: `train_state.step`, a 0-d integer (torchtitan's TrainState)."""
     step = metadata.state_dict_metadata.get(TRAIN_STATE_STEP)
-    return isinstance(step, TensorStorageMetadata) and not len(step.size) and not step.properties.dtype.is_floating_point
+    return (
+        isinstance(step, TensorStorageMetadata) and not len(step.size) and not step.properties.dtype.is_floating_point
+    )
 
 
 def full_resume_problem(path: str, step_given: bool = False) -> str | None:
@@ -317,9 +369,13 @@ def _specs(metadata: Metadata, prefix: str) -> dict[str, TensorSpec]:
     out = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata):
-            name = fqn[len(prefix):]
-            out[name] = TensorSpec(name, DTYPE_TAGS.get(md.properties.dtype, str(md.properties.dtype)), tuple(md.size),
-                                   md.properties.dtype.itemsize)
+            name = fqn[len(prefix) :]
+            out[name] = TensorSpec(
+                name,
+                DTYPE_TAGS.get(md.properties.dtype, str(md.properties.dtype)),
+                tuple(md.size),
+                md.properties.dtype.itemsize,
+            )
     return out
 
 
@@ -334,15 +390,18 @@ class DcpReader(FileSystemReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = read_dcp_metadata(self.dcp_path)  # shared: this load's id goes on a copy
-        return dataclasses.replace(metadata, storage_meta=dataclasses.replace(metadata.storage_meta or StorageMeta(),
-                                                                              load_id=self.load_id))
+        return dataclasses.replace(
+            metadata, storage_meta=dataclasses.replace(metadata.storage_meta or StorageMeta(), load_id=self.load_id)
+        )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         self.bytes_read += sum(self.storage_data[index].length for index in {item.storage_index for item in plan.items})
         return super().read_data(plan, planner)
 
 
-def load_dcp(path: str, live: dict[str, torch.Tensor], slots: dict[str, torch.Tensor] | None = None) -> tuple[int, int | None]:
+def load_dcp(
+    path: str, live: dict[str, torch.Tensor], slots: dict[str, torch.Tensor] | None = None
+) -> tuple[int, int | None]:
     """Fill the model's tensors `live` (plain, or this rank's DTensor shards), and the optimizer
     `slots` given (named as `names.state_name` names them, shaped like their parameters), from the
     DCP checkpoint at `path`, in place, resharded by DCP's planner; (bytes this rank read, the
@@ -362,12 +421,15 @@ def load_dcp(path: str, live: dict[str, torch.Tensor], slots: dict[str, torch.Te
     reader = DcpReader(path)
     try:
         dcp.load(wanted, storage_reader=reader)
-    except BaseException as exc:  # DCP's CheckpointException (a BaseException) or its AssertionError, of what a rank met
+    # DCP's CheckpointException (a BaseException) or its AssertionError, of what a rank met
+    except BaseException as exc:
         if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
             raise
         why = next((line.strip() for line in reversed(str(exc).splitlines()) if line.strip()), type(exc).__name__)
-        raise CheckpointError(f"{path}: torch.distributed.checkpoint could not load it ({why}); "
-                              f"`ray-resume verify {path}` checks its files") from None
+        raise CheckpointError(
+            f"{path}: torch.distributed.checkpoint could not load it ({why}); "
+            f"`ray-resume verify {path}` checks its files"
+        ) from None
     return reader.bytes_read, (None if step is None else int(step))
 
 
@@ -376,8 +438,15 @@ def describe(path: str) -> dict:
     entries, its files, and what does not hold (a file missing, or shorter than an item it holds).
     DCP keeps no digests: its bytes themselves cannot be checked."""
     metadata = read_dcp_metadata(path)
-    tensors = {fqn: {"dtype": str(md.properties.dtype).removeprefix("torch."), "shape": list(md.size), "chunks": len(md.chunks)}
-               for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    tensors = {
+        fqn: {
+            "dtype": str(md.properties.dtype).removeprefix("torch."),
+            "shape": list(md.size),
+            "chunks": len(md.chunks),
+        }
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
     files, problems = {}, []
     for index, info in metadata.storage_data.items():
         name = str(info.relative_path)
@@ -387,7 +456,15 @@ def describe(path: str) -> dict:
         files[name]["items"] += 1
         size = files[name]["size"]
         if size is None or info.offset + info.length > size:
-            problems.append(f"{file}: {'missing' if size is None else f'{size} bytes'}, but {index.fqn} is stored at bytes "
-                            f"{info.offset}-{info.offset + info.length}")
-    return {"path": path, "tensors": tensors, "other": sorted(set(metadata.state_dict_metadata) - set(tensors)),
-            "files": files, "problems": problems, "ok": not problems}
+            problems.append(
+                f"{file}: {'missing' if size is None else f'{size} bytes'}, but {index.fqn} is stored at bytes "
+                f"{info.offset}-{info.offset + info.length}"
+            )
+    return {
+        "path": path,
+        "tensors": tensors,
+        "other": sorted(set(metadata.state_dict_metadata) - set(tensors)),
+        "files": files,
+        "problems": problems,
+        "ok": not problems,
+    }

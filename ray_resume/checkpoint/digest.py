@@ -48,8 +48,10 @@ def hexdigest(checksum: str, data) -> str:
 @functools.cache
 def _hashers() -> tuple[ThreadPoolExecutor, ...]:
     # One worker each: a block always goes to the same one, so its updates run in order.
-    return tuple(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hash{i}")
-                 for i in range(max(1, min(MAX_HASH_THREADS, os.cpu_count() or 1))))
+    return tuple(
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hash{i}")
+        for i in range(max(1, min(MAX_HASH_THREADS, os.cpu_count() or 1)))
+    )
 
 
 # A forked child has no copy of the hashing threads; it starts its own.
@@ -98,5 +100,7 @@ class BlockDigests:
             future.result()  # an update's error surfaces here
         self._queued.clear()
         if self._block != len(self._ends):
-            raise ValueError(f"the stream ended at byte {self._pos}, inside the checksum block that ends at {self._ends[self._block]}")
+            raise ValueError(
+                f"the stream ended at byte {self._pos}, inside the checksum block that ends at {self._ends[self._block]}"
+            )
         return [d.hexdigest() for d in self._digests]

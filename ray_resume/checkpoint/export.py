@@ -57,7 +57,9 @@ def read_export(storage: Storage, path: str) -> tuple[dict[str, torch.Tensor], i
         out.update(parse_shard(data, file))
     if weight_map is not None and set(weight_map) != set(out):
         missing = sorted(set(weight_map) - set(out)) or sorted(set(out) - set(weight_map))
-        raise CheckpointError(f"{paths.join(path, EXPORT_INDEX)}: weight_map and the shard files disagree about tensor {missing[0]!r}")
+        raise CheckpointError(
+            f"{paths.join(path, EXPORT_INDEX)}: weight_map and the shard files disagree about tensor {missing[0]!r}"
+        )
     return out, read
 
 
@@ -67,7 +69,9 @@ def export_specs(storage: Storage, path: str) -> dict[str, TensorSpec]:
     for file in export_files(storage, path)[0]:
         size = storage.size(file)
         if size < 8:
-            raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, no room for its header's length)")
+            raise CheckpointError(
+                f"{file}: not a valid safetensors file ({size} bytes, no room for its header's length)"
+            )
         (length,) = struct.unpack("<Q", storage.read_range(file, 0, 8))
         if not 8 + length <= size or length > MAX_HEADER:
             raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, a header of {length})")

@@ -38,8 +38,11 @@ def checked_iteration(storage, root: str, step: int) -> Iteration:
         listed = it.files[name].size
         if actual != listed:
             path = paths.join(it.path, name)
-            raise CheckpointError(f"{path}: shard listed in metadata.json is missing" if actual is None else
-                                  f"{path}: size is {actual} bytes, metadata.json says {listed}; the shard is truncated or replaced")
+            raise CheckpointError(
+                f"{path}: shard listed in metadata.json is missing"
+                if actual is None
+                else f"{path}: size is {actual} bytes, metadata.json says {listed}; the shard is truncated or replaced"
+            )
     return it
 
 
@@ -85,9 +88,15 @@ def fall_back(storage, root: str, damaged: int | None, failure: CheckpointError 
             "resume from the newest of them, or repair the damaged one"
         )
     if not valid:
-        raise CheckpointError(f"{failure}; and no older iteration under {root} checks out, so there is nothing safe to resume")
+        raise CheckpointError(
+            f"{failure}; and no older iteration under {root} checks out, so there is nothing safe to resume"
+        )
     chosen = valid[0]
-    logger.warning("CHECKPOINT FALLBACK: %s. Resuming from iteration %d instead, the newest older one that checks out.", failure, chosen.step)
+    logger.warning(
+        "CHECKPOINT FALLBACK: %s. Resuming from iteration %d instead, the newest older one that checks out.",
+        failure,
+        chosen.step,
+    )
     if damaged is not None and not isinstance(failure, AbnormalIteration):
         set_aside(storage, root, damaged)
     return chosen

@@ -87,7 +87,9 @@ class Lease:
         return (generations[-1], self._read(generations[-1])) if generations else None
 
     def _data(self) -> bytes:
-        return json.dumps({**self.record, "generation": self.generation, "expires_at": time.time() + self.ttl_s}).encode()
+        return json.dumps(
+            {**self.record, "generation": self.generation, "expires_at": time.time() + self.ttl_s}
+        ).encode()
 
     def acquire(self) -> None:
         """Take the lease (create the next generation), or raise naming the live job that holds it."""
@@ -108,7 +110,9 @@ class Lease:
             logger.warning("taking over the expired lease of job %s on %s", held.get("job_id"), self.root)
         self.generation = generation + 1
         if not self._create(self._path(self.generation), self._data()):
-            raise CheckpointError(f"{self._path(self.generation)}: another job took the lease of {self.root!r} at the same moment; try again")
+            raise CheckpointError(
+                f"{self._path(self.generation)}: another job took the lease of {self.root!r} at the same moment; try again"
+            )
         for old in self._generations():  # the series stays one file long
             if old < self.generation:
                 self.storage.remove(self._path(old))
@@ -135,12 +139,16 @@ class Lease:
         newest = self._newest()
         if newest is None or newest[1].get("job_id") != self.job_id:
             holder = newest[1].get("job_id") if newest else None
-            raise LeaseLost(f"this job ({self.job_id}) no longer holds the writer lease of {self.root}"
-                            + (f": job {holder} took it over" if holder else ": it was removed"))
+            raise LeaseLost(
+                f"this job ({self.job_id}) no longer holds the writer lease of {self.root}"
+                + (f": job {holder} took it over" if holder else ": it was removed")
+            )
         left = newest[1].get("expires_at", 0) - time.time()
         if left < self.ttl_s / 3:
-            raise LeaseLost(f"the writer lease of {self.root} runs out in {left:.0f} s (renewals are failing); "
-                            "committing now could race a job that takes it over")
+            raise LeaseLost(
+                f"the writer lease of {self.root} runs out in {left:.0f} s (renewals are failing); "
+                "committing now could race a job that takes it over"
+            )
 
     def renew(self) -> None:
         """Extend this job's generation while it is the newest; otherwise the lease is lost (leave it)."""
@@ -157,7 +165,9 @@ class Lease:
                 try:
                     self.renew()
                 except LeaseLost:
-                    logger.error("the writer lease of %s was taken by another job; this job's commits will fail", self.root)
+                    logger.error(
+                        "the writer lease of %s was taken by another job; this job's commits will fail", self.root
+                    )
                     return
                 except OSError:
                     logger.exception("could not renew the writer lease of %s", self.root)

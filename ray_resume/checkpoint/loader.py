@@ -70,8 +70,12 @@ def balanced_owners(it: Iteration, kinds, world_size: int) -> dict[tuple[str, in
     rank, block), are divided in one go, not kind by kind: per kind, the
     same ranks would draw the extra block of each kind.
     """
-    blocks = [(f, i, hi - lo) for kind in kinds for f in it.shard_files(kind)
-              for i, (lo, hi, _) in enumerate(it.files[f].blocks(it.block_size))]
+    blocks = [
+        (f, i, hi - lo)
+        for kind in kinds
+        for f in it.shard_files(kind)
+        for i, (lo, hi, _) in enumerate(it.files[f].blocks(it.block_size))
+    ]
     owners = divide_blocks([size for _, _, size in blocks], world_size)
     return {(f, i): owner for (f, i, _), owner in zip(blocks, owners)}
 
@@ -189,8 +193,14 @@ class StateLoader:
     def bytes_read(self) -> int:
         return self.reader.bytes_read
 
-    def load(self, kind: str, ranges: dict[str, tuple[int, int]], *, shared: set[str],
-             into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def load(
+        self,
+        kind: str,
+        ranges: dict[str, tuple[int, int]],
+        *,
+        shared: set[str],
+        into: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Flat tensors holding elements [start, start + numel) of each named tensor.
 
         `into` holds flat CPU tensors of the right dtype and size to fill in
@@ -211,7 +221,9 @@ class StateLoader:
         balanced = self.balanced and replicated
         pooled = set() if replicated or self.world_size == 1 or not dist.is_initialized() else shared & set(ranges)
         packed, pool = self._pool(kind, {n: ranges[n] for n in sorted(pooled)})  # same layout on every rank
-        dests, reads = plan_reads(self.it, kind, ranges, {**{n: t for n, t in (into or {}).items() if n in ranges}, **pool})
+        dests, reads = plan_reads(
+            self.it, kind, ranges, {**{n: t for n, t in (into or {}).items() if n in ranges}, **pool}
+        )
         files = self.it.shard_files(kind)
         dealt = self.dealt() if balanced else {}
         error = None
@@ -296,14 +308,18 @@ def is_fsdp_shard(spec: TensorSpec, live: torch.Tensor | None) -> bool:
     return live is not None and state.dim0_sharded(live) and tuple(live.shape) == spec.shape
 
 
-
 def load_weights(model, weights: dict[str, torch.Tensor], where: str, rank: int = 0, world_size: int = 1) -> None:
     """Load whole tensors `weights` (an export) into `model`, this rank's shards of them under FSDP."""
     live = state.model_tensors(model)
     specs = {n: TensorSpec(n, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size()) for n, t in weights.items()}
     check_weights(live, specs, state.tied_aliases(model), where)
-    assign(live, {n: _elements(weights[n], needed_range(specs[n], is_fsdp_shard(specs[n], t), world_size, rank)) for n, t in live.items()})
-
+    assign(
+        live,
+        {
+            n: _elements(weights[n], needed_range(specs[n], is_fsdp_shard(specs[n], t), world_size, rank))
+            for n, t in live.items()
+        },
+    )
 
 
 def from_mindformers(tensors: dict[str, torch.Tensor], it, loader: StateLoader, optimizer) -> dict[str, torch.Tensor]:
@@ -311,7 +327,9 @@ def from_mindformers(tensors: dict[str, torch.Tensor], it, loader: StateLoader, 
     for every parameter (`global_step`, else common.json's): each parameter with moments gets it as
     torch's `step`. Without main params (saved by an fp32 model) a low-precision model's are its weights."""
     if names.GLOBAL_STEP in it.tensors[paths.OPTIM_KIND]:
-        whole = loader.load(paths.OPTIM_KIND, {names.GLOBAL_STEP: (0, 1)}, shared={names.GLOBAL_STEP})[names.GLOBAL_STEP]
+        whole = loader.load(paths.OPTIM_KIND, {names.GLOBAL_STEP: (0, 1)}, shared={names.GLOBAL_STEP})[
+            names.GLOBAL_STEP
+        ]
         count = float(whole.reshape(-1)[0].item())
     else:
         count = float(it.common["global_step"])
@@ -323,12 +341,15 @@ def from_mindformers(tensors: dict[str, torch.Tensor], it, loader: StateLoader, 
             out[step] = torch.tensor(count, dtype=torch.float32)
     mains = [n for n, _ in optimizer.named_main() if names.state_name(n, names.MAIN_PARAM) not in out]
     if getattr(optimizer, "mixed", False) and mains:
-        logger.warning("%s holds no fp32 main params (saved by an fp32 model): they start from the loaded weights", it.path)
+        logger.warning(
+            "%s holds no fp32 main params (saved by an fp32 model): they start from the loaded weights", it.path
+        )
         with torch.no_grad():
             for name, main in optimizer.named_main():
-                out[names.state_name(name, names.MAIN_PARAM)] = state.local_tensor(dict(optimizer.named)[name]).detach().float()
+                out[names.state_name(name, names.MAIN_PARAM)] = (
+                    state.local_tensor(dict(optimizer.named)[name]).detach().float()
+                )
     return out
-
 
 
 def assign(live: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
@@ -340,14 +361,11 @@ def assign(live: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> No
                 local.copy_(loaded[name].view(local.shape))
 
 
-
 def _elements(t: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
     start, numel = r
     return t.reshape(-1)[start : start + numel]
 
 
-
 def shaped(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A loaded range in its tensor's shape: the whole tensor, or a dim-0 chunk of rows."""
     return flat.reshape(spec.shape) if flat.numel() == spec.numel else flat.reshape(-1, *spec.shape[1:])
-

@@ -53,7 +53,11 @@ def pack(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], np
     for name, t in tensors.items():
         local = local_tensor(t).detach()
         copy = local.to("cpu", copy=True).contiguous()
-        out[name] = (str(copy.dtype).removeprefix("torch."), list(copy.shape), copy.reshape(-1).view(torch.uint8).numpy())
+        out[name] = (
+            str(copy.dtype).removeprefix("torch."),
+            list(copy.shape),
+            copy.reshape(-1).view(torch.uint8).numpy(),
+        )
     return out
 
 
@@ -72,8 +76,10 @@ def fetch(keeper, step: int, rank: int) -> dict | None:
 
 def unpack(packed: dict[str, tuple[str, list[int], np.ndarray]]) -> dict[str, torch.Tensor]:
     """The tensors `pack` copied (the object store's arrays are read-only: copied once more)."""
-    return {name: torch.from_numpy(np.array(data)).view(getattr(torch, dtype)).reshape(shape)
-            for name, (dtype, shape, data) in packed.items()}
+    return {
+        name: torch.from_numpy(np.array(data)).view(getattr(torch, dtype)).reshape(shape)
+        for name, (dtype, shape, data) in packed.items()
+    }
 
 
 class MemoryKeeper:
@@ -96,7 +102,8 @@ class MemoryKeeper:
             from ..calls import tell
 
             tell(self.controller, "replicated", step, rank, node_id())
-        elif self.peer is not None:  # the ref, resolved on the peer's node: the object travels there, off every rank's path
+        # the ref, resolved on the peer's node: the object travels there, off every rank's path
+        elif self.peer is not None:
             self.peer.keep_snapshot.remote(step, rank, held[0], True)
 
     def snapshot(self, step: int, rank: int) -> list | None:
@@ -110,4 +117,3 @@ class MemoryKeeper:
 
     def held_steps(self) -> list[tuple[int, int]]:
         return sorted(self.held)
-

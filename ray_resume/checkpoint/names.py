@@ -19,8 +19,15 @@ GLOBAL_STEP = "global_step"  # MindFormers' optimizer step count: one for all pa
 
 # safetensors dtype tag -> (bytes per element, MindSpore's name, which MindFormers' metadata.json uses)
 DTYPES = {
-    "F64": (8, "Float64"), "F32": (4, "Float32"), "F16": (2, "Float16"), "BF16": (2, "BFloat16"),
-    "I64": (8, "Int64"), "I32": (4, "Int32"), "I16": (2, "Int16"), "I8": (1, "Int8"), "U8": (1, "UInt8"),
+    "F64": (8, "Float64"),
+    "F32": (4, "Float32"),
+    "F16": (2, "Float16"),
+    "BF16": (2, "BFloat16"),
+    "I64": (8, "Int64"),
+    "I32": (4, "Int32"),
+    "I16": (2, "Int16"),
+    "I8": (1, "Int8"),
+    "U8": (1, "UInt8"),
     "BOOL": (1, "Bool"),
 }
 TAG_OF_MINDSPORE = {ms.lower(): tag for tag, (_, ms) in DTYPES.items()}

@@ -11,8 +11,22 @@ from __future__ import annotations
 from . import names, paths
 from ..errors import CheckpointError
 from .plan import Piece, TensorSpec, format4_pieces
-from .schema import (CKPT_NORMAL, COMMON_FIELDS, Entry, Iteration, Stored, StoredFile, check_step, chunks_of, common_of,
-                     listed_files, place_entries, check_fields, local_shape, parse_ours)
+from .schema import (
+    CKPT_NORMAL,
+    COMMON_FIELDS,
+    Entry,
+    Iteration,
+    Stored,
+    StoredFile,
+    check_step,
+    chunks_of,
+    common_of,
+    listed_files,
+    place_entries,
+    check_fields,
+    local_shape,
+    parse_ours,
+)
 
 
 def parse_iteration(raw: dict, root: str, step: int) -> Iteration:
@@ -27,9 +41,26 @@ def parse_iteration(raw: dict, root: str, step: int) -> Iteration:
     return _parse_mindformers(raw, root, step, directory)
 
 
-FORMAT4_FIELDS = {"format_version": int, "iteration": int, "world_size": int, "block_size": int, "files": dict, "tensors": dict}
-FORMAT4_COMMON = {"global_step": int, "global_batch_size": int, "step_num": int, "epoch_num": int, "loss_scale": (int, float),
-                  "ckpt_status": str, "consumed_samples": int, "world_size": int, "has_optimizer": bool, "job_id": str}
+FORMAT4_FIELDS = {
+    "format_version": int,
+    "iteration": int,
+    "world_size": int,
+    "block_size": int,
+    "files": dict,
+    "tensors": dict,
+}
+FORMAT4_COMMON = {
+    "global_step": int,
+    "global_batch_size": int,
+    "step_num": int,
+    "epoch_num": int,
+    "loss_scale": (int, float),
+    "ckpt_status": str,
+    "consumed_samples": int,
+    "world_size": int,
+    "has_optimizer": bool,
+    "job_id": str,
+}
 FORMAT4_LAYOUTS = ("split", "dim0")
 
 
@@ -39,17 +70,27 @@ def _parse_format4(raw: dict, root: str, step: int, directory: str) -> Iteration
     meta, old = raw["metadata"], raw["common"]
     check_fields(meta, {"format_version": int}, meta_file)
     if meta["format_version"] != 4:
-        raise CheckpointError(f"{meta_file}: format_version {meta['format_version']} is not supported by this ray_resume "
-                              f"(it reads 4 and {paths.FORMAT_VERSION}); use the ray_resume release that wrote it")
+        raise CheckpointError(
+            f"{meta_file}: format_version {meta['format_version']} is not supported by this ray_resume "
+            f"(it reads 4 and {paths.FORMAT_VERSION}); use the ray_resume release that wrote it"
+        )
     check_fields(meta, FORMAT4_FIELDS, meta_file)
     check_fields(old, {**FORMAT4_COMMON, "format_version": int}, common_file)
     if old["ckpt_status"] != "ok":
-        raise CheckpointError(f"{common_file}: ckpt_status is {old['ckpt_status']!r}, not 'ok'; this iteration is not complete")
+        raise CheckpointError(
+            f"{common_file}: ckpt_status is {old['ckpt_status']!r}, not 'ok'; this iteration is not complete"
+        )
     if meta["iteration"] != step:
         raise CheckpointError(f"{meta_file}: iteration {meta['iteration']} is not this directory's iteration {step}")
     if old["world_size"] != meta["world_size"]:
-        raise CheckpointError(f"{common_file}: world_size {old['world_size']}, but metadata.json lists the shards of {meta['world_size']} ranks")
-    common = common_of({**{k: old[k] for k in COMMON_FIELDS if k != "ckpt_status"}, "ckpt_status": CKPT_NORMAL}, common_file, exact=False)
+        raise CheckpointError(
+            f"{common_file}: world_size {old['world_size']}, but metadata.json lists the shards of {meta['world_size']} ranks"
+        )
+    common = common_of(
+        {**{k: old[k] for k in COMMON_FIELDS if k != "ckpt_status"}, "ckpt_status": CKPT_NORMAL},
+        common_file,
+        exact=False,
+    )
     check_step(common, step, common_file)
     ours = {"world_size": meta["world_size"], "block_size": meta["block_size"]}
     files = listed_files(meta["files"], ours, meta_file, prefix=meta.get("prefix", "ckpt"))
@@ -60,18 +101,26 @@ def _parse_format4(raw: dict, root: str, step: int, directory: str) -> Iteration
         specs, layouts = [], {}
         for name, t in by_name.items():
             label = f"{meta_file}: tensors.{kind}[{name!r}]"
-            if not isinstance(t, dict) or t.get("dtype") not in names.DTYPES or not isinstance(t.get("shape"), list) \
-                    or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in t["shape"]):
+            if (
+                not isinstance(t, dict)
+                or t.get("dtype") not in names.DTYPES
+                or not isinstance(t.get("shape"), list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in t["shape"])
+            ):
                 raise CheckpointError(f"{label} needs a known 'dtype' and a 'shape' list of non-negative integers")
             if t.get("layout") not in FORMAT4_LAYOUTS or (t["layout"] == "dim0" and not t["shape"]):
-                raise CheckpointError(f"{label}: 'layout' must be one of {list(FORMAT4_LAYOUTS)} (dim0 needs a shape), got {t.get('layout')!r}")
+                raise CheckpointError(
+                    f"{label}: 'layout' must be one of {list(FORMAT4_LAYOUTS)} (dim0 needs a shape), got {t.get('layout')!r}"
+                )
             specs.append(TensorSpec(name, t["dtype"], tuple(t["shape"]), names.itemsize(t["dtype"])))
             layouts[name] = t["layout"]
         world = meta["world_size"]
         shard = {r: paths.shard_filename(meta.get("prefix", "ckpt"), kind, r, world) for r in range(world)}
         missing = sorted(set(shard.values()) - set(files))
         if missing:
-            raise CheckpointError(f"{meta_file}: shard {missing[0]!r} is not listed in 'files'; the iteration is incomplete")
+            raise CheckpointError(
+                f"{meta_file}: shard {missing[0]!r} is not listed in 'files'; the iteration is incomplete"
+            )
         placed = format4_pieces(specs, layouts, world)
         tensors[kind] = {}
         for s in specs:  # optimizer state under today's names (`{param}.{slot}` then): the pieces keep the files' keys
@@ -79,14 +128,24 @@ def _parse_format4(raw: dict, root: str, step: int, directory: str) -> Iteration
             pieces = tuple((shard[r], p) for r, p in sorted(placed.get(s.name, []), key=lambda rp: rp[1].start))
             tensors[kind][name] = Stored(TensorSpec(name, s.dtype, s.shape, s.itemsize), pieces)
     if old["has_optimizer"] != (paths.OPTIM_KIND in tensors):
-        raise CheckpointError(f"{common_file}: has_optimizer is {str(old['has_optimizer']).lower()}, but metadata.json "
-                              f"{'lists' if paths.OPTIM_KIND in tensors else 'lists no'} optimizer state")
+        raise CheckpointError(
+            f"{common_file}: has_optimizer is {str(old['has_optimizer']).lower()}, but metadata.json "
+            f"{'lists' if paths.OPTIM_KIND in tensors else 'lists no'} optimizer state"
+        )
     for name in files:
         if files[name].kind not in tensors:
-            raise CheckpointError(f"{meta_file}: files[{name!r}] is not a shard of this {meta['world_size']}-rank iteration")
+            raise CheckpointError(
+                f"{meta_file}: files[{name!r}] is not a shard of this {meta['world_size']}-rank iteration"
+            )
     place_entries(files, tensors, directory, flat=True)
-    facts = {k: v for k, v in old.items() if k not in COMMON_FIELDS and k not in ("format_version", "ckpt_status", "has_optimizer")}
-    return Iteration(root, step, directory, common, facts, "ray_resume", meta["world_size"], meta["block_size"], files, tensors, raw)
+    facts = {
+        k: v
+        for k, v in old.items()
+        if k not in COMMON_FIELDS and k not in ("format_version", "ckpt_status", "has_optimizer")
+    }
+    return Iteration(
+        root, step, directory, common, facts, "ray_resume", meta["world_size"], meta["block_size"], files, tensors, raw
+    )
 
 
 def _parse_mindformers(raw: dict, root: str, step: int, directory: str) -> Iteration:
@@ -94,15 +153,21 @@ def _parse_mindformers(raw: dict, root: str, step: int, directory: str) -> Itera
     headers), placed by its metadata.json, or, with none (one card), each file holding whole tensors."""
     common_file, meta_file = paths.join(directory, paths.COMMON), paths.join(directory, paths.METADATA)
     common = dict(raw["common"])
-    if common.get("consumed_samples") is None and isinstance(common.get("global_step"), int) \
-            and isinstance(common.get("global_batch_size"), int):
-        common["consumed_samples"] = common["global_step"] * common["global_batch_size"]  # not kept by every MindFormers trainer
+    if (
+        common.get("consumed_samples") is None
+        and isinstance(common.get("global_step"), int)
+        and isinstance(common.get("global_batch_size"), int)
+    ):
+        # not kept by every MindFormers trainer
+        common["consumed_samples"] = common["global_step"] * common["global_batch_size"]
     common = common_of(common, common_file, exact=False)
     check_step(common, step, common_file)
     headers = raw.get("headers") or {}
     if not headers:
-        raise CheckpointError(f"{directory}: holds no shard file ({{prefix-}}model|opt-RANK-WORLD.safetensors); "
-                              "not a MindFormers checkpoint either")
+        raise CheckpointError(
+            f"{directory}: holds no shard file ({{prefix-}}model|opt-RANK-WORLD.safetensors); "
+            "not a MindFormers checkpoint either"
+        )
     files: dict[str, StoredFile] = {}
     worlds = set()
     for name, h in sorted(headers.items()):
@@ -116,9 +181,18 @@ def _parse_mindformers(raw: dict, root: str, step: int, directory: str) -> Itera
     (world,) = worlds
     meta = raw.get("metadata")
     if meta is not None:
-        tensors = chunks_of(meta, meta_file, lambda entries: next(
-            (e["file_name"] for e in sorted((e for e in entries if isinstance(e, dict)), key=lambda e: e.get("storage_rank", 0))
-             if e.get("file_name") in files), None))
+        tensors = chunks_of(
+            meta,
+            meta_file,
+            lambda entries: next(
+                (
+                    e["file_name"]
+                    for e in sorted((e for e in entries if isinstance(e, dict)), key=lambda e: e.get("storage_rank", 0))
+                    if e.get("file_name") in files
+                ),
+                None,
+            ),
+        )
         for kind, by_name in tensors.items():
             for name, stored in by_name.items():
                 for file, piece in stored.pieces:
@@ -128,8 +202,10 @@ def _parse_mindformers(raw: dict, root: str, step: int, directory: str) -> Itera
         for name, f in files.items():
             for tensor, e in f.entries.items():
                 if any(tensor in by_name for by_name in tensors.values()):
-                    raise CheckpointError(f"{paths.join(directory, name)}: tensor {tensor!r} is in another shard file too; "
-                                          "without metadata.json each must be in one")
+                    raise CheckpointError(
+                        f"{paths.join(directory, name)}: tensor {tensor!r} is in another shard file too; "
+                        "without metadata.json each must be in one"
+                    )
                 spec = TensorSpec(tensor, e.dtype, e.shape, names.itemsize(e.dtype))
                 tensors.setdefault(f.kind, {})[tensor] = Stored(spec, ((name, Piece(tensor, 0, spec.numel)),))
     return Iteration(root, step, directory, common, {}, "mindformers", world, 0, files, tensors, raw)
@@ -145,8 +221,13 @@ def _header_file(name: str, shard: dict, h: dict, where: str) -> StoredFile:
     for tensor, t in header.items():
         if tensor == "__metadata__":
             continue
-        ok = isinstance(t, dict) and t.get("dtype") in names.DTYPES and isinstance(t.get("shape"), list) \
-            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+        ok = (
+            isinstance(t, dict)
+            and t.get("dtype") in names.DTYPES
+            and isinstance(t.get("shape"), list)
+            and isinstance(t.get("data_offsets"), list)
+            and len(t["data_offsets"]) == 2
+        )
         if ok:
             begin, end = t["data_offsets"]
             shape = tuple(t["shape"])
@@ -155,8 +236,10 @@ def _header_file(name: str, shard: dict, h: dict, where: str) -> StoredFile:
                 numel *= d
             ok = 0 <= begin <= end <= size - data_start and end - begin == numel * names.itemsize(t["dtype"])
         if not ok:
-            raise CheckpointError(f"{where}[{tensor!r}]: the safetensors header does not place it inside the file "
-                                  "(dtype, shape and data_offsets disagree)")
+            raise CheckpointError(
+                f"{where}[{tensor!r}]: the safetensors header does not place it inside the file "
+                "(dtype, shape and data_offsets disagree)"
+            )
         f.entries[tensor] = Entry(begin, end - begin, t["dtype"], shape)
     return f
 
@@ -165,5 +248,7 @@ def _check_header_entry(f: StoredFile, spec: TensorSpec, piece: Piece, where: st
     e = f.entries.get(spec.name)
     if e is None or e.dtype != spec.dtype or e.shape != local_shape(spec, piece):
         got = "is missing" if e is None else f"is {e.dtype} {list(e.shape)}"
-        raise CheckpointError(f"{where}[{spec.name!r}]: {got} there, but metadata.json has a chunk of "
-                              f"{spec.dtype} {list(local_shape(spec, piece))}")
+        raise CheckpointError(
+            f"{where}[{spec.name!r}]: {got} there, but metadata.json has a chunk of "
+            f"{spec.dtype} {list(local_shape(spec, piece))}"
+        )

@@ -30,7 +30,9 @@ FORMAT_VERSION = 5
 
 _ITERATION_RE = re.compile(r"^iteration_(\d{8})$")
 # MindFormers names its shards the same way, the prefix optional (`model-0000000-0000001.safetensors`).
-_SHARD_RE = re.compile(r"^(?:(?P<prefix>[A-Za-z0-9._-]+)-)?(?P<kind>model|opt)-(?P<rank>\d{7})-(?P<world>\d{7})\.safetensors$")
+_SHARD_RE = re.compile(
+    r"^(?:(?P<prefix>[A-Za-z0-9._-]+)-)?(?P<kind>model|opt)-(?P<rank>\d{7})-(?P<world>\d{7})\.safetensors$"
+)
 
 
 def join(*parts: str) -> str:

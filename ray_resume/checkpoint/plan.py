@@ -152,9 +152,14 @@ class SavePlan:
         """The pieces `rank` writes of `kind`: its replicated parts, then its rows of each sharded tensor."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not in a world of {self.world_size}")
-        own = [dim0_piece(s, self.world_size, rank) for name, s in self.specs[kind].items() if name not in self._placed[kind]]
-        return self._replicated_shares.get((kind, rank), []) + [p for p in own if p.numel or (rank == 0 and not p.numel
-                                                                                                  and not self.specs[kind][p.name].numel)]
+        own = [
+            dim0_piece(s, self.world_size, rank)
+            for name, s in self.specs[kind].items()
+            if name not in self._placed[kind]
+        ]
+        return self._replicated_shares.get((kind, rank), []) + [
+            p for p in own if p.numel or (rank == 0 and not p.numel and not self.specs[kind][p.name].numel)
+        ]
 
 
 def overlaps(pieces: list[tuple[str, Piece]], start: int, numel: int) -> list[tuple[str, Piece]]:
@@ -181,7 +186,9 @@ def needed_range(spec: TensorSpec, sharded: bool, world_size: int, rank: int) ->
     return piece.start, piece.numel
 
 
-def format4_pieces(specs: list[TensorSpec], layouts: dict[str, str], world_size: int) -> dict[str, list[tuple[int, Piece]]]:
+def format4_pieces(
+    specs: list[TensorSpec], layouts: dict[str, str], world_size: int
+) -> dict[str, list[tuple[int, Piece]]]:
     """Where format 4 put every piece (read-only: roots written before format 5). `dim0` tensors as
     FSDP2 shards them; `split` ones, sorted by name, laid end to end as one byte stream cut in
     `world_size` equal byte ranges, each element with the rank whose range holds its first byte."""
@@ -195,7 +202,11 @@ def format4_pieces(specs: list[TensorSpec], layouts: dict[str, str], world_size:
         while element < spec.numel:
             rank = min(world_size - 1, bisect.bisect_right(bounds, offset + element * spec.itemsize) - 1)
             end_byte = bounds[rank + 1] - offset
-            end = spec.numel if rank == world_size - 1 else min(spec.numel, max(element + 1, -(-end_byte // spec.itemsize)))
+            end = (
+                spec.numel
+                if rank == world_size - 1
+                else min(spec.numel, max(element + 1, -(-end_byte // spec.itemsize)))
+            )
             out.setdefault(spec.name, []).append((rank, Piece(spec.name, element, end - element)))
             element = end
         offset += spec.nbytes

@@ -40,7 +40,9 @@ def read_tracker(storage: Storage, root: str) -> int | None:
         return None
     text = storage.read_bytes(path).decode(errors="replace").strip()
     if not text:
-        raise CheckpointError(f"{path}: tracker is empty; write the newest complete iteration number into it or remove it")
+        raise CheckpointError(
+            f"{path}: tracker is empty; write the newest complete iteration number into it or remove it"
+        )
     if not text.isdigit():
         raise CheckpointError(f"{path}: tracker must hold a non-negative iteration number, got {text[:40]!r}")
     return int(text)
@@ -67,13 +69,17 @@ def open_iteration(storage: Storage, root: str, step: int) -> Iteration:
         file = paths.join(path, name)
         raw[key] = parse_json(storage.read_bytes(file), file) if storage.exists(file) else None
     if raw["common"] is None:
-        raise CheckpointError(f"{paths.join(path, paths.COMMON)}: missing; iteration {step} was never committed or was damaged")
+        raise CheckpointError(
+            f"{paths.join(path, paths.COMMON)}: missing; iteration {step} was never committed or was damaged"
+        )
     ours = raw["metadata"] is not None and ("ray_resume" in raw["metadata"] or "format_version" in raw["metadata"])
     if not ours:  # written by MindFormers: its shards are described by their headers
         raw["headers"] = read_headers(storage, path)
         if raw["metadata"] is None and any(paths.parse_shard_filename(n)["world"] != 1 for n in raw["headers"]):
-            raise CheckpointError(f"{paths.join(path, paths.METADATA)}: missing; iteration {step} was never committed or was "
-                                  "damaged (only a one-card MindFormers checkpoint goes without it)")
+            raise CheckpointError(
+                f"{paths.join(path, paths.METADATA)}: missing; iteration {step} was never committed or was "
+                "damaged (only a one-card MindFormers checkpoint goes without it)"
+            )
     return parse_iteration(raw, root, step)
 
 
@@ -86,11 +92,17 @@ def read_headers(storage: Storage, directory: str) -> dict[str, dict]:
         file = paths.join(directory, name)
         size = storage.size(file)
         if size is None or size < 8:
-            raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, no room for its header's length)")
+            raise CheckpointError(
+                f"{file}: not a valid safetensors file ({size} bytes, no room for its header's length)"
+            )
         (length,) = struct.unpack("<Q", storage.read_range(file, 0, 8))
         if not 8 + length <= size or length > MAX_HEADER:
             raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, a header of {length})")
-        out[name] = {"size": size, "data_start": 8 + length, "header": parse_json(storage.read_range(file, 8, length), file)}
+        out[name] = {
+            "size": size,
+            "data_start": 8 + length,
+            "header": parse_json(storage.read_range(file, 8, length), file),
+        }
     return out
 
 
@@ -114,7 +126,9 @@ def check_no_extra_shards(storage: Storage, it: Iteration) -> None:
         return
     for name in storage.listdir(it.path):
         if paths.parse_shard_filename(name) and name not in it.files:
-            raise CheckpointError(f"{paths.join(it.path, name)}: shard file not listed in metadata.json; remove it or restore the matching metadata.json")
+            raise CheckpointError(
+                f"{paths.join(it.path, name)}: shard file not listed in metadata.json; remove it or restore the matching metadata.json"
+            )
 
 
 @dataclass(frozen=True)
@@ -168,7 +182,9 @@ class ShardReader:
         if actual is None:
             raise CheckpointError(f"{path}: shard listed in metadata.json is missing")
         if actual != size:
-            raise CheckpointError(f"{path}: size is {actual} bytes, metadata.json says {size}; the shard is truncated or replaced")
+            raise CheckpointError(
+                f"{path}: size is {actual} bytes, metadata.json says {size}; the shard is truncated or replaced"
+            )
         return size
 
     def spans(self, file: str, requests: list[Request]) -> list[tuple[int, int, Request]]:
@@ -191,14 +207,24 @@ class ShardReader:
         path, stored = self.path(file), self.file(file)
         (length,) = struct.unpack("<Q", head[:8])
         if 8 + length != len(head):
-            raise CheckpointError(f"{path}: safetensors header length {length} disagrees with data_start {len(head)} in metadata.json")
+            raise CheckpointError(
+                f"{path}: safetensors header length {length} disagrees with data_start {len(head)} in metadata.json"
+            )
         header = parse_json(head[8:], path)
         for name, e in stored.entries.items():
-            if header.get(name) != {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.offset, e.offset + e.nbytes]}:
-                raise CheckpointError(f"{path}[{name!r}]: piece does not match metadata.json (dtype, shape or position)")
+            if header.get(name) != {
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "data_offsets": [e.offset, e.offset + e.nbytes],
+            }:
+                raise CheckpointError(
+                    f"{path}[{name!r}]: piece does not match metadata.json (dtype, shape or position)"
+                )
         extra = sorted(set(header) - set(stored.entries) - {"__metadata__"})
         if extra:
-            raise CheckpointError(f"{path}[{extra[0]!r}]: the header holds a tensor that metadata.json does not place in this file")
+            raise CheckpointError(
+                f"{path}[{extra[0]!r}]: the header holds a tensor that metadata.json does not place in this file"
+            )
         self._headers[file] = header
         return header
 
@@ -213,8 +239,10 @@ class ShardReader:
     def check_block(self, file: str, index: int, digest: str) -> None:
         lo, hi, expected = self.blocks(file)[index]
         if digest != expected:
-            raise CheckpointError(f"{self.path(file)}: {self.checksum(file)} does not match metadata.json (checksum block {index}, "
-                                  f"bytes {lo}-{hi}); the shard is corrupt")
+            raise CheckpointError(
+                f"{self.path(file)}: {self.checksum(file)} does not match metadata.json (checksum block {index}, "
+                f"bytes {lo}-{hi}); the shard is corrupt"
+            )
 
     def read_checked(self, file: str, requests: list[Request], blocks: list[int] | None = None) -> None:
         """Read checksum blocks `blocks` (all by default), checking each; requested bytes in them land in their tensors.
@@ -265,7 +293,9 @@ class ShardReader:
                     self.check_header(file, head)
                 self.bytes_read += hi - lo
 
-    def _stream(self, f, file: str, lo: int, hi: int, spans, digest: BlockDigests, scratch: _ScratchBlocks) -> bytes | None:
+    def _stream(
+        self, f, file: str, lo: int, hi: int, spans, digest: BlockDigests, scratch: _ScratchBlocks
+    ) -> bytes | None:
         """Bytes [lo, hi) of `f` into the spans' tensors (scratch elsewhere), all hashed; the header bytes when lo is 0."""
         path = self.path(file)
         f.seek(lo)
@@ -294,6 +324,7 @@ class ShardReader:
 
     def read_ranges(self, file: str, requests: list[Request]) -> None:
         """Fetch only the requested byte ranges, unchecked (see the class doc): no header, no size check."""
+
         def read():
             with self.storage.open_read(self.path(file)) as f:
                 for first, last, r in self.spans(file, requests):
@@ -356,8 +387,9 @@ def _writable_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(bytearray())
 
 
-def plan_reads(it: Iteration, kind: str, ranges: dict[str, tuple[int, int]],
-               dests: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, list[Request]]]:
+def plan_reads(
+    it: Iteration, kind: str, ranges: dict[str, tuple[int, int]], dests: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, list[Request]]]:
     """Destination tensors for the element `ranges` wanted of each tensor (new ones unless given
     in `dests`), and the reads (by file) that fill them."""
     if kind not in it.tensors:

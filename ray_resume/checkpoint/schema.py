@@ -33,8 +33,13 @@ from .plan import Piece, TensorSpec, rows_piece
 # null where the loop that saved did not say (a train_func of yours need not count epochs or samples).
 _COUNT = (int, type(None))
 COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "epoch_num": _COUNT, "step_num": _COUNT, "global_step": int, "loss_scale": (int, float), "global_batch_size": _COUNT,
-    "consumed_samples": _COUNT, "ckpt_status": int,
+    "epoch_num": _COUNT,
+    "step_num": _COUNT,
+    "global_step": int,
+    "loss_scale": (int, float),
+    "global_batch_size": _COUNT,
+    "consumed_samples": _COUNT,
+    "ckpt_status": int,
 }
 CKPT_NORMAL, CKPT_ABNORMAL = 0, 1  # MindFormers' CkptHealthStatus
 LAYOUT_ALIAS = "dp"  # the device-matrix axis name of a cut in equal dim-0 parts
@@ -72,8 +77,18 @@ def parse_json(data: bytes, where: str) -> dict:
 
 def _kind_name(kind: Any) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "an object",
-                        list: "a list", type(None): "null"}[k] for k in kinds)
+    return " or ".join(
+        {
+            int: "an integer",
+            float: "a number",
+            str: "a string",
+            bool: "true/false",
+            dict: "an object",
+            list: "a list",
+            type(None): "null",
+        }[k]
+        for k in kinds
+    )
 
 
 def check_fields(obj: dict, fields: dict[str, Any], where: str) -> None:
@@ -159,11 +174,15 @@ def common_of(common: dict, where: str, *, exact: bool) -> dict:
     check_fields(common, COMMON_FIELDS, where)
     if exact and set(common) != set(COMMON_FIELDS):
         extra = sorted(set(common) - set(COMMON_FIELDS))[0]
-        raise CheckpointError(f"{where}: field {extra!r} is not one of MindFormers' CommonInfo, whose loader refuses it")
+        raise CheckpointError(
+            f"{where}: field {extra!r} is not one of MindFormers' CommonInfo, whose loader refuses it"
+        )
     if common["ckpt_status"] != CKPT_NORMAL:
         why = "abnormal" if common["ckpt_status"] == CKPT_ABNORMAL else "unknown"
-        raise AbnormalIteration(f"{where}: ckpt_status is {common['ckpt_status']} ({why}, not {CKPT_NORMAL}: normal); "
-                                "MindFormers passes such an iteration over, and so does ray_resume")
+        raise AbnormalIteration(
+            f"{where}: ckpt_status is {common['ckpt_status']} ({why}, not {CKPT_NORMAL}: normal); "
+            "MindFormers passes such an iteration over, and so does ray_resume"
+        )
     for key in ("global_step", "consumed_samples", "global_batch_size"):
         if common[key] is not None and common[key] < (1 if key == "global_batch_size" else 0):
             raise CheckpointError(f"{where}: field {key!r} has the impossible value {common[key]}")
@@ -186,13 +205,20 @@ def _check_file_entry(info: Any, block_size: int, label: str) -> None:
         raise CheckpointError(f"{label} needs 8 <= data_start <= size, a header of at most {MAX_HEADER} bytes")
     checksum = info.get("checksum")
     if not isinstance(checksum, str) or checksum not in CHECKSUMS:
-        raise CheckpointError(f"{label}: checksum {checksum!r} is not one this ray_resume knows ({', '.join(CHECKSUMS)}); "
-                              "use the ray_resume release that wrote it")
+        raise CheckpointError(
+            f"{label}: checksum {checksum!r} is not one this ray_resume knows ({', '.join(CHECKSUMS)}); "
+            "use the ray_resume release that wrote it"
+        )
     expected, digits = len(block_bounds(info["size"], info["data_start"], block_size)), CHECKSUMS[checksum][1]
     digests = info.get("digests")
-    if not isinstance(digests, list) or len(digests) != expected or not all(
-            isinstance(d, str) and len(d) == digits and _HEX.fullmatch(d) for d in digests):
-        raise CheckpointError(f"{label}: 'digests' must list {expected} lowercase hex {checksum} digests, one per checksum block")
+    if (
+        not isinstance(digests, list)
+        or len(digests) != expected
+        or not all(isinstance(d, str) and len(d) == digits and _HEX.fullmatch(d) for d in digests)
+    ):
+        raise CheckpointError(
+            f"{label}: 'digests' must list {expected} lowercase hex {checksum} digests, one per checksum block"
+        )
 
 
 def listed_files(files: dict, ours: dict, where: str, *, prefix: str | None) -> dict[str, StoredFile]:
@@ -201,17 +227,23 @@ def listed_files(files: dict, ours: dict, where: str, *, prefix: str | None) -> 
     out = {}
     for name, info in files.items():
         if not paths.is_plain_filename(name):
-            raise CheckpointError(f"{where}: file name {name!r} points outside the iteration directory; refusing to read it")
+            raise CheckpointError(
+                f"{where}: file name {name!r} points outside the iteration directory; refusing to read it"
+            )
         shard = paths.parse_shard_filename(name)
         if shard is None or shard["world"] != world or shard["rank"] >= world or (prefix and shard["prefix"] != prefix):
             raise CheckpointError(f"{where}: files[{name!r}] is not a shard of this {world}-rank iteration")
         _check_file_entry(info, block, f"{where}: files[{name!r}]")
-        out[name] = StoredFile(name, shard["kind"], shard["rank"], info["size"], info["data_start"], info["checksum"], info["digests"])
+        out[name] = StoredFile(
+            name, shard["kind"], shard["rank"], info["size"], info["data_start"], info["checksum"], info["digests"]
+        )
     for kind in {f.kind for f in out.values()}:
         for rank in range(world):
             name = paths.shard_filename(prefix or "ckpt", kind, rank, world)
             if name not in out:
-                raise CheckpointError(f"{where}: shard {name!r} of rank {rank} is not listed in 'files'; the iteration is incomplete")
+                raise CheckpointError(
+                    f"{where}: shard {name!r} of rank {rank} is not listed in 'files'; the iteration is incomplete"
+                )
     return out
 
 
@@ -226,12 +258,16 @@ def place_entries(files: dict[str, StoredFile], tensors: dict[str, dict[str, Sto
         offset = 0
         for spec, piece in sorted(pieces, key=lambda sp: (-SAFETENSORS_ORDER[sp[0].dtype], sp[1].name.encode())):
             nbytes = piece.numel * spec.itemsize
-            files[name].entries[piece.name] = Entry(offset, nbytes, spec.dtype, (piece.numel,) if flat else local_shape(spec, piece))
+            files[name].entries[piece.name] = Entry(
+                offset, nbytes, spec.dtype, (piece.numel,) if flat else local_shape(spec, piece)
+            )
             offset += nbytes
         f = files[name]
         if f.data_start + offset != f.size:
-            raise CheckpointError(f"{paths.join(where, name)}: metadata.json lists {f.size} bytes, but its header and the "
-                                  f"tensors placed in it take {f.data_start + offset}; the metadata is inconsistent")
+            raise CheckpointError(
+                f"{paths.join(where, name)}: metadata.json lists {f.size} bytes, but its header and the "
+                f"tensors placed in it take {f.data_start + offset}; the metadata is inconsistent"
+            )
 
 
 # safetensors orders a file's tensors by dtype, largest first (the order of its Rust `Dtype` enum,
@@ -262,14 +298,22 @@ def chunks_of(meta: dict, where: str, file_of) -> dict[str, dict[str, Stored]]:
     file `file_of(entries)` picks (None: none of them is here). Chunks must be ranges of dim-0 rows."""
     state, storage = meta.get("state_dict_metadata"), meta.get("storage_data")
     if not isinstance(state, dict) or not isinstance(storage, dict):
-        raise CheckpointError(f"{where}: needs the objects 'state_dict_metadata' and 'storage_data' (MindFormers' schema)")
+        raise CheckpointError(
+            f"{where}: needs the objects 'state_dict_metadata' and 'storage_data' (MindFormers' schema)"
+        )
     tensors: dict[str, dict[str, Stored]] = {}
     for name, t in state.items():
         label = f"{where}: state_dict_metadata[{name!r}]"
         dtype = names.tag_of((t.get("properties") or {}).get("dtype")) if isinstance(t, dict) else None
         shape = t.get("global_shape") if isinstance(t, dict) else None
-        if dtype is None or not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise CheckpointError(f"{label} needs a known properties.dtype and a 'global_shape' list of non-negative integers")
+        if (
+            dtype is None
+            or not isinstance(shape, list)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise CheckpointError(
+                f"{label} needs a known properties.dtype and a 'global_shape' list of non-negative integers"
+            )
         spec = TensorSpec(name, dtype, tuple(shape), names.itemsize(dtype))
         chunks = t.get("chunk")
         if not isinstance(chunks, list) or not chunks:
@@ -277,24 +321,30 @@ def chunks_of(meta: dict, where: str, file_of) -> dict[str, dict[str, Stored]]:
         pieces, kind = [], None
         for c in chunks:
             offset, local = (c.get("global_offset"), c.get("local_shape")) if isinstance(c, dict) else (None, None)
-            if not (isinstance(offset, list) and isinstance(local, list) and all(isinstance(n, int) for n in offset + local)):
+            if not (
+                isinstance(offset, list) and isinstance(local, list) and all(isinstance(n, int) for n in offset + local)
+            ):
                 raise CheckpointError(f"{label}: a chunk needs 'global_offset' and 'local_shape' lists of integers")
             key = shard_id(name, offset)
             if not shape and offset == [0] and local in ([], [1]):  # a scalar, keyed as MindFormers keys a whole tensor
                 offset, local = [], []
             if len(offset) != len(shape) or len(local) != len(shape):
-                raise CheckpointError(f"{label}: chunk {offset} {local} does not have the tensor's {len(shape)} dimensions")
+                raise CheckpointError(
+                    f"{label}: chunk {offset} {local} does not have the tensor's {len(shape)} dimensions"
+                )
             cut = [d for d in range(1, len(shape)) if offset[d] != 0 or local[d] != shape[d]]
             if cut:
-                raise CheckpointError(f"{label}: a chunk is cut along dimension {cut[0]} (tensor parallel), not in rows; "
-                                      "ray_resume reads tensors cut along dimension 0 only: merge it with MindFormers' "
-                                      "own conversion first")
+                raise CheckpointError(
+                    f"{label}: a chunk is cut along dimension {cut[0]} (tensor parallel), not in rows; "
+                    "ray_resume reads tensors cut along dimension 0 only: merge it with MindFormers' "
+                    "own conversion first"
+                )
             entries = storage.get(key)
             if not isinstance(entries, list) or not entries:
                 raise CheckpointError(f"{where}: storage_data has no file for chunk {key}")
             file = file_of(entries)
             if file is None:
-                files = sorted({e.get('file_name') for e in entries if isinstance(e, dict)})
+                files = sorted({e.get("file_name") for e in entries if isinstance(e, dict)})
                 raise CheckpointError(f"{where}: chunk {key} is in {files}, which this iteration does not hold")
             shard = paths.parse_shard_filename(file)
             if kind is not None and shard["kind"] != kind:
@@ -319,7 +369,14 @@ def _check_tiles(spec: TensorSpec, pieces: list[Piece], label: str) -> None:
         raise CheckpointError(f"{label}: its chunks cover {at} of its {spec.numel} elements")
 
 
-OURS_FIELDS = {"format_version": int, "iteration": int, "world_size": int, "block_size": int, "prefix": str, "files": dict}
+OURS_FIELDS = {
+    "format_version": int,
+    "iteration": int,
+    "world_size": int,
+    "block_size": int,
+    "prefix": str,
+    "files": dict,
+}
 
 
 def parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
@@ -330,8 +387,10 @@ def parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
         raise CheckpointError(f"{meta_file}: 'ray_resume' must be an object")
     check_fields(ours, {"format_version": int}, f"{meta_file}: ray_resume")
     if ours["format_version"] != paths.FORMAT_VERSION:
-        raise CheckpointError(f"{meta_file}: format_version {ours['format_version']} is not supported by this ray_resume "
-                              f"(it reads 4 and {paths.FORMAT_VERSION}); use the ray_resume release that wrote it")
+        raise CheckpointError(
+            f"{meta_file}: format_version {ours['format_version']} is not supported by this ray_resume "
+            f"(it reads 4 and {paths.FORMAT_VERSION}); use the ray_resume release that wrote it"
+        )
     check_fields(ours, OURS_FIELDS, f"{meta_file}: ray_resume")
     for key in ("world_size", "block_size"):
         if ours[key] < 1:
@@ -341,12 +400,19 @@ def parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
     common = common_of(raw["common"], common_file, exact=True)
     check_step(common, step, common_file)
     files = listed_files(ours["files"], ours, meta_file, prefix=ours["prefix"])
-    tensors = chunks_of(meta, meta_file, lambda entries: next((e["file_name"] for e in entries if isinstance(e, dict)
-                                                                 and e.get("file_name") in files), None))
+    tensors = chunks_of(
+        meta,
+        meta_file,
+        lambda entries: next(
+            (e["file_name"] for e in entries if isinstance(e, dict) and e.get("file_name") in files), None
+        ),
+    )
     place_entries(files, tensors, directory, flat=False)
     facts = {k: v for k, v in ours.items() if k not in OURS_FIELDS}
     _check_export_facts(facts.get("model"), f"{meta_file}: ray_resume.model")
-    return Iteration(root, step, directory, common, facts, "ray_resume", ours["world_size"], ours["block_size"], files, tensors, raw)
+    return Iteration(
+        root, step, directory, common, facts, "ray_resume", ours["world_size"], ours["block_size"], files, tensors, raw
+    )
 
 
 # ----------------------------------------------------------------------------- what a commit writes
@@ -359,8 +425,12 @@ def _check_export_facts(facts: Any, where: str) -> None:
     tied, hf = (facts.get("tied"), facts.get("transformers")) if isinstance(facts, dict) else (None, None)
     if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
         raise CheckpointError(f"{where}.tied must map tensor names to tensor names")
-    if hf is not None and not (isinstance(hf, dict) and isinstance(hf.get("prefix"), str) and isinstance(hf.get("config"), dict)
-                               and isinstance(hf["config"].get("architectures"), list)):
+    if hf is not None and not (
+        isinstance(hf, dict)
+        and isinstance(hf.get("prefix"), str)
+        and isinstance(hf.get("config"), dict)
+        and isinstance(hf["config"].get("architectures"), list)
+    ):
         raise CheckpointError(f"{where}.transformers must hold 'prefix' and a 'config' with an 'architectures' list")
 
 

@@ -32,8 +32,9 @@ class ShardFile:
         return self.path.rsplit("/", 1)[-1]
 
 
-def write_file(storage, file: ShardFile, data: list[memoryview], checksum: str,
-               on_mid_write: Callable[[], None]) -> tuple[int, list[str]]:
+def write_file(
+    storage, file: ShardFile, data: list[memoryview], checksum: str, on_mid_write: Callable[[], None]
+) -> tuple[int, list[str]]:
     """Write `file`'s header then `data` durably; return its size and the digests of its checksum blocks.
 
     A transient error rewrites the whole file, hashed afresh. `on_mid_write` is

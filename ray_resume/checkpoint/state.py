@@ -20,9 +20,16 @@ from ..errors import CheckpointError
 
 # safetensors dtype tags <-> torch dtypes (the tags the safetensors format defines).
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 DTYPE_TAGS = {v: k for k, v in DTYPES.items()}
 
@@ -37,7 +44,9 @@ def dim0_sharded(t: torch.Tensor) -> bool:
     if not isinstance(t, DTensor):
         return False
     if t.device_mesh.ndim != 1 or any(not isinstance(p, (Shard, Replicate)) for p in t.placements):
-        raise ValueError(f"unsupported DTensor layout {t.placements} on a {t.device_mesh.ndim}-D mesh; only 1-D FSDP2 meshes are checkpointed")
+        raise ValueError(
+            f"unsupported DTensor layout {t.placements} on a {t.device_mesh.ndim}-D mesh; only 1-D FSDP2 meshes are checkpointed"
+        )
     return isinstance(t.placements[0], Shard) and t.placements[0].dim == 0
 
 
@@ -81,13 +90,24 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """{alias: first name} for state_dict entries that are the same tensor as an earlier one."""
     module = unwrap(model)
     # A meta-device model (the driver's check) has no storage to compare: tied tensors are one object.
-    objects = dict(itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)))
+    objects = dict(
+        itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+    )
     first: dict[tuple, str] = {}
     aliases = {}
     for name, t in module.state_dict().items():
         local = local_tensor(t)
-        key = ((id(objects.get(name, t)),) if t.is_meta else
-               (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), tuple(local.stride()), t.dtype))
+        key = (
+            (id(objects.get(name, t)),)
+            if t.is_meta
+            else (
+                local.untyped_storage().data_ptr(),
+                local.storage_offset(),
+                tuple(t.shape),
+                tuple(local.stride()),
+                t.dtype,
+            )
+        )
         if key in first:
             aliases[name] = first[key]
         else:
@@ -123,8 +143,10 @@ def optim_tensors(named_params, optimizer: torch.optim.Optimizer) -> dict[str, t
     for name, param in named_params:
         for slot, value in optimizer.state.get(param, {}).items():
             if isinstance(value, bool) or not isinstance(value, (torch.Tensor, int, float)):
-                raise CheckpointError(f"optimizer state {names.state_name(name, slot)} is a {type(value).__name__}; only tensors "
-                                      "and numbers are checkpointed")
+                raise CheckpointError(
+                    f"optimizer state {names.state_name(name, slot)} is a {type(value).__name__}; only tensors "
+                    "and numbers are checkpointed"
+                )
             out[names.state_name(name, slot)] = value if torch.is_tensor(value) else torch.tensor(value)
     return out
 
@@ -146,7 +168,9 @@ def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """An optimizer slot loaded as this rank's dim-0 chunk becomes a DTensor sharded like its FSDP param."""
     if isinstance(param, DTensor) and value.dim() == param.dim():
         local = value.to(local_tensor(param).device)
-        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False)
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+        )
     return value
 
 
@@ -179,7 +203,11 @@ def capture_rng() -> dict[str, str]:
         "rng_torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
         "rng_numpy": json.dumps([keys.tolist(), int(pos), int(has_gauss), float(gauss)]),
         "rng_python": json.dumps(_python_rng_state()),
-        **({"rng_cuda": base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()} if torch.cuda.is_available() else {}),
+        **(
+            {"rng_cuda": base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()}
+            if torch.cuda.is_available()
+            else {}
+        ),
     }
 
 

@@ -33,12 +33,32 @@ TEMP_MARK = ".tmp-"  # a file written atomically is PATH + TEMP_MARK + 8 hex dig
 # Transient storage errors are retried: ATTEMPTS tries, waiting BACKOFF_S, 2x, 4x... between them (3 s in all).
 ATTEMPTS = 5
 BACKOFF_S = 0.2
-_TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.EAGAIN,
-                     errno.EINTR, errno.EPIPE, errno.ESTALE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN}
+_TRANSIENT_ERRNOS = {
+    errno.EIO,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ECONNREFUSED,
+    errno.EAGAIN,
+    errno.EINTR,
+    errno.EPIPE,
+    errno.ESTALE,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ENETDOWN,
+}
 # What pyarrow's S3 errors (OSError without an errno) say when a retry may help; its own
 # retry strategy has already retried the request itself.
-_TRANSIENT_S3 = ("NETWORK_CONNECTION", "SLOW_DOWN", "THROTTL", "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE",
-                 "REQUEST_TIMEOUT", "HTTP status 5", "curlCode")
+_TRANSIENT_S3 = (
+    "NETWORK_CONNECTION",
+    "SLOW_DOWN",
+    "THROTTL",
+    "SERVICE_UNAVAILABLE",
+    "INTERNAL_FAILURE",
+    "REQUEST_TIMEOUT",
+    "HTTP status 5",
+    "curlCode",
+)
 
 
 def transient(exc: BaseException) -> bool:
@@ -66,7 +86,7 @@ def retried(call: Callable, what: str):
 
 
 def _local(path: str) -> str:
-    return path[len("file://"):] if path.startswith("file://") else path
+    return path[len("file://") :] if path.startswith("file://") else path
 
 
 class LocalStorage:
@@ -289,8 +309,21 @@ class Retrying:
     retried by their callers, whole file by whole file; `create_new` and `rename` are not
     idempotent and are not retried."""
 
-    IDEMPOTENT = frozenset({"makedirs", "exists", "is_dir", "size", "sizes", "listdir", "read_bytes", "read_range",
-                            "write_atomic", "remove", "remove_tree"})
+    IDEMPOTENT = frozenset(
+        {
+            "makedirs",
+            "exists",
+            "is_dir",
+            "size",
+            "sizes",
+            "listdir",
+            "read_bytes",
+            "read_range",
+            "write_atomic",
+            "remove",
+            "remove_tree",
+        }
+    )
 
     def __init__(self, backend):
         self.backend = backend
@@ -322,7 +355,9 @@ def storage_for(uri: str, options=None) -> Retrying:
     else:
         scheme = uri.split("://", 1)[0]
         if scheme != "s3":
-            raise ValueError(f"storage scheme {scheme!r} in {uri!r} is not supported; use a local/NFS path, file:// or s3://")
+            raise ValueError(
+                f"storage scheme {scheme!r} in {uri!r} is not supported; use a local/NFS path, file:// or s3://"
+            )
         backend = ArrowStorage(s3_filesystem(options), scheme)
     for wrap in wrappers:
         backend = wrap(backend, uri)
@@ -335,8 +370,11 @@ def _s3_cached(endpoint: str, region: str, key: str, secret: str, token: str):
     # metadata.json, config.yaml) goes up as one PUT, not as a 3-request multipart
     # upload; an error then shows at write or close, where every writer here expects one.
     # pyarrow retries each request (5xx, throttling, resets) itself; `retried` covers what is left.
-    kwargs = {"region": region or None, "allow_delayed_open": True,
-              "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=ATTEMPTS)}
+    kwargs = {
+        "region": region or None,
+        "allow_delayed_open": True,
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=ATTEMPTS),
+    }
     if endpoint:
         kwargs["endpoint_override"] = endpoint
         if endpoint.startswith("http://"):
@@ -351,6 +389,7 @@ def _s3_cached(endpoint: str, region: str, key: str, secret: str, token: str):
 def s3_filesystem(options):
     """Explicit settings win; otherwise the AWS_* variables and credential chain every S3 tool reads."""
     env = os.environ.get
+
     def get(name: str) -> str:
         if isinstance(options, dict):
             return options.get(name, "")
@@ -359,5 +398,7 @@ def s3_filesystem(options):
     return _s3_cached(
         get("endpoint_url") or env("AWS_ENDPOINT_URL", ""),
         get("region") or env("AWS_REGION", "") or env("AWS_DEFAULT_REGION", ""),
-        get("access_key_id"), get("secret_access_key"), get("session_token"),
+        get("access_key_id"),
+        get("secret_access_key"),
+        get("session_token"),
     )

@@ -51,7 +51,10 @@ CHECKSUM_BLOCK = 4 << 20
 
 def tensor_specs(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
     """Specs in the state's own (deterministic) key order; FSDP2 dim-0 shards are `sharded`."""
-    return [TensorSpec(name, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size(), dim0_sharded(t)) for name, t in state.items()]
+    return [
+        TensorSpec(name, DTYPE_TAGS[t.dtype], tuple(t.shape), t.element_size(), dim0_sharded(t))
+        for name, t in state.items()
+    ]
 
 
 def piece_data(t: torch.Tensor, spec: TensorSpec, piece: Piece) -> torch.Tensor:
@@ -59,7 +62,9 @@ def piece_data(t: torch.Tensor, spec: TensorSpec, piece: Piece) -> torch.Tensor:
     if spec.sharded:
         flat = local_tensor(t).reshape(-1)
         if flat.numel() != piece.numel:
-            raise RuntimeError(f"{spec.name}: local shard has {flat.numel()} elements, the dim-0 plan expects {piece.numel}")
+            raise RuntimeError(
+                f"{spec.name}: local shard has {flat.numel()} elements, the dim-0 plan expects {piece.numel}"
+            )
         return flat
     return local_tensor(t).detach().reshape(-1)[piece.start : piece.start + piece.numel]
 
@@ -132,11 +137,15 @@ def safetensors_header(shard: ShardLayout, metadata: dict[str, str] | None) -> b
         raise ValueError("a shard header holds at most one metadata key (byte-reproducible files)")
     items = []
     if metadata is not None:
-        items.append(_json("__metadata__") + ":{" + ",".join(f"{_json(k)}:{_json(v)}" for k, v in metadata.items()) + "}")
+        items.append(
+            _json("__metadata__") + ":{" + ",".join(f"{_json(k)}:{_json(v)}" for k, v in metadata.items()) + "}"
+        )
     for e in shard.entries:
         shape = ",".join(map(str, local_shape(e.spec, e.piece)))
-        items.append(f'{_json(e.piece.name)}:{{"dtype":"{e.dtype}","shape":[{shape}],'
-                     f'"data_offsets":[{e.offset},{e.offset + e.nbytes}]}}')
+        items.append(
+            f'{_json(e.piece.name)}:{{"dtype":"{e.dtype}","shape":[{shape}],'
+            f'"data_offsets":[{e.offset},{e.offset + e.nbytes}]}}'
+        )
     header = ("{" + ",".join(items) + "}").encode()
     header += b" " * (-len(header) % 8)  # safetensors pads the header to 8 bytes with spaces
     return struct.pack("<Q", len(header)) + header
@@ -180,7 +189,9 @@ class SnapshotBuffers:
         if held is not None and held[0] == shard.key:
             return held[1]
         if held is not None:
-            logger.info("snapshot buffer for %s shards: layout changed, reallocating %d bytes", shard.kind, shard.nbytes)
+            logger.info(
+                "snapshot buffer for %s shards: layout changed, reallocating %d bytes", shard.kind, shard.nbytes
+            )
         self._release(shard.kind)  # free the old one before allocating the new one
         self.allocations += 1
         if self._shared:
@@ -220,8 +231,17 @@ class SnapshotBuffers:
         return sum(buf.numel() for _, buf in self._buffers.values())
 
 
-def shard_files(root: str, step: int, shards: list[ShardLayout], *, prefix: str, rank: int, world_size: int,
-                rank_extras: dict[str, str], block_size: int = CHECKSUM_BLOCK) -> list[ShardFile]:
+def shard_files(
+    root: str,
+    step: int,
+    shards: list[ShardLayout],
+    *,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    rank_extras: dict[str, str],
+    block_size: int = CHECKSUM_BLOCK,
+) -> list[ShardFile]:
     """What this rank writes for iteration `step`: each shard file's path, header and checksum blocks.
 
     `rank_extras` (RNG states, as strings) go into the opt shard's safetensors
@@ -234,8 +254,14 @@ def shard_files(root: str, step: int, shards: list[ShardLayout], *, prefix: str,
         header = {RANK_EXTRAS_KEY: json.dumps(rank_extras, sort_keys=True)} if shard.kind == paths.OPTIM_KIND else None
         head = safetensors_header(shard, header)
         ends = [end for _, end in block_bounds(len(head) + shard.nbytes, len(head), block_size)]
-        files.append(ShardFile(paths.join(paths.iteration_dir(root, step), paths.shard_filename(prefix, shard.kind, rank, world_size)),
-                               shard.kind, head, ends))
+        files.append(
+            ShardFile(
+                paths.join(paths.iteration_dir(root, step), paths.shard_filename(prefix, shard.kind, rank, world_size)),
+                shard.kind,
+                head,
+                ends,
+            )
+        )
     return files
 
 
@@ -267,8 +293,16 @@ def write_shards(
         # earlier attempt. Its JSON must not describe the shards we write now.
         for name in (paths.METADATA, paths.COMMON):
             storage.remove(paths.join(iter_dir, name))
-    files = shard_files(root, step, [s for s, _ in shards], prefix=prefix, rank=rank, world_size=world_size,
-                        rank_extras=rank_extras, block_size=block_size)
+    files = shard_files(
+        root,
+        step,
+        [s for s, _ in shards],
+        prefix=prefix,
+        rank=rank,
+        world_size=world_size,
+        rank_extras=rank_extras,
+        block_size=block_size,
+    )
     if writer is None:
         written = [write_file(storage, f, data, checksum, on_mid_write) for f, (_, data) in zip(files, shards)]
     else:
@@ -276,7 +310,9 @@ def write_shards(
     manifest = Manifest(rank, world_size, block_size, files={}, chunks={}, specs={})
     for f, (shard, _), (size, digests) in zip(files, shards, written):
         manifest.files[f.name] = WrittenFile(size, len(f.head), checksum, digests)
-        manifest.chunks[shard.kind] = [(e.piece.name, *e.rows) for e in sorted(shard.entries, key=lambda e: e.piece.name)]
+        manifest.chunks[shard.kind] = [
+            (e.piece.name, *e.rows) for e in sorted(shard.entries, key=lambda e: e.piece.name)
+        ]
         if rank == 0:
             manifest.specs[shard.kind] = [(s.name, s.dtype, list(s.shape)) for s in shard.specs]
     logger.debug("rank %d wrote %s", rank, manifest.files)
@@ -301,6 +337,16 @@ def save_shards(
     """Synchronous save: write this rank's shards straight from the live tensors; return its manifest."""
     states = {paths.MODEL_KIND: model_state, paths.OPTIM_KIND: optim_state}
     shards = [(s, live_data(s, states[s.kind])) for s in shard_layouts(states, rank, world_size)]
-    return write_shards(storage, root, step, prefix=prefix, rank=rank, world_size=world_size,
-                        shards=shards, rank_extras=rank_extras, on_mid_write=on_mid_write, block_size=block_size,
-                        checksum=checksum)
+    return write_shards(
+        storage,
+        root,
+        step,
+        prefix=prefix,
+        rank=rank,
+        world_size=world_size,
+        shards=shards,
+        rank_extras=rank_extras,
+        on_mid_write=on_mid_write,
+        block_size=block_size,
+        checksum=checksum,
+    )

@@ -52,7 +52,12 @@ def writes_in_a_process(ckpt, share_bytes: int | None) -> bool:
         return False
     if ckpt.async_writer == "process":
         return True
-    return share_bytes is not None and share_bytes >= PROCESS_MIN_BYTES and hasattr(os, "memfd_create") and not _cuda_available()
+    return (
+        share_bytes is not None
+        and share_bytes >= PROCESS_MIN_BYTES
+        and hasattr(os, "memfd_create")
+        and not _cuda_available()
+    )
 
 
 def _cuda_available() -> bool:
@@ -89,15 +94,26 @@ class ProcessWriter:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env,
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
         theirs.close()
         self._conn, self._lent = ours, {}
         weakref.finalize(self, _end, ours, self._proc)  # a checkpointer dropped mid-run ends its writer too
-        wire.send(ours, {"op": "setup", "uri": self._uri, "storage": self._options,
-                         "wrappers": [w.rebuild for w in wrappers if hasattr(w, "rebuild")]})
+        wire.send(
+            ours,
+            {
+                "op": "setup",
+                "uri": self._uri,
+                "storage": self._options,
+                "wrappers": [w.rebuild for w in wrappers if hasattr(w, "rebuild")],
+            },
+        )
 
-    def write(self, files: list[ShardFile], checksum: str, on_mid_write: Callable[[], None]) -> list[tuple[int, list[str]]]:
+    def write(
+        self, files: list[ShardFile], checksum: str, on_mid_write: Callable[[], None]
+    ) -> list[tuple[int, list[str]]]:
         """Have the writer write `files` from the snapshot buffers; (size, block digests) of each."""
         if self._conn is None:
             raise WriterDied("no writer process is running (it died after the previous save)")
@@ -107,8 +123,17 @@ class ProcessWriter:
                 if self._lent.get(kind) != generation:
                     wire.send(self._conn, {"op": "buffer", "kind": kind, "nbytes": nbytes}, [fd] if nbytes else [])
                     self._lent[kind] = generation
-            wire.send(self._conn, {"op": "write", "checksum": checksum, "files": [
-                {"path": f.path, "kind": f.kind, "head": base64.b64encode(f.head).decode(), "ends": f.ends} for f in files]})
+            wire.send(
+                self._conn,
+                {
+                    "op": "write",
+                    "checksum": checksum,
+                    "files": [
+                        {"path": f.path, "kind": f.kind, "head": base64.b64encode(f.head).decode(), "ends": f.ends}
+                        for f in files
+                    ],
+                },
+            )
             while True:
                 reply, _ = wire.receive(self._conn, timeout=None)
                 if "mid" not in reply:
@@ -123,8 +148,9 @@ class ProcessWriter:
                 self._proc.kill()
                 code = self._proc.wait()
             self.close()
-            raise WriterDied(f"the writer process (pid {pid}) ended ({_how(code)}) while writing "
-                             f"{', '.join(f.name for f in files)}") from None
+            raise WriterDied(
+                f"the writer process (pid {pid}) ended ({_how(code)}) while writing {', '.join(f.name for f in files)}"
+            ) from None
         if "error" in reply:
             raise _rebuilt(reply["error"])
         return [(size, digests) for size, digests in reply["written"]]
@@ -166,6 +192,7 @@ def _rebuilt(error: dict) -> Exception:
 
 # --- the writer process -------------------------------------------------------------------------------
 
+
 def serve(conn: socket.socket) -> None:
     storage, views = None, {}
     while True:
@@ -182,7 +209,9 @@ def serve(conn: socket.socket) -> None:
         elif msg["op"] == "write":
             try:
                 files = [ShardFile(f["path"], f["kind"], base64.b64decode(f["head"]), f["ends"]) for f in msg["files"]]
-                written = [write_file(storage, f, [views[f.kind]], msg["checksum"], lambda: _halfway(conn)) for f in files]
+                written = [
+                    write_file(storage, f, [views[f.kind]], msg["checksum"], lambda: _halfway(conn)) for f in files
+                ]
                 wire.send(conn, {"written": written})
             except Exception as exc:  # reported to the rank, which raises it where a thread would have
                 wire.send(conn, {"error": _described(exc)})

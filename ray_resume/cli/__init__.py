@@ -42,8 +42,11 @@ def cmd_plot(args) -> int:
         summary = plot_run(args.root, args.output)
     except PlotError as exc:
         raise CliError(str(exc), exc.code) from None
-    print(f"wrote {summary['output']}: {summary['runs']} run(s), {len(summary['saves'])} save step(s), "
-          f"{len(summary['resumes'])} resume(s)" + "".join(f"\n  resumed at step {r['step']} from {r['source']}" for r in summary["resumes"]))
+    print(
+        f"wrote {summary['output']}: {summary['runs']} run(s), {len(summary['saves'])} save step(s), "
+        f"{len(summary['resumes'])} resume(s)"
+        + "".join(f"\n  resumed at step {r['step']} from {r['source']}" for r in summary["resumes"])
+    )
     return 0
 
 
@@ -54,15 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="one row per iteration_* directory")
     p.add_argument("root", metavar="ROOT", help="checkpoint root (the job's checkpoint.save_path)")
-    p.add_argument("--verify", action="store_true", help="also check sizes, block digests and extra shards of every complete iteration")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also check sizes, block digests and extra shards of every complete iteration",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_list)
 
-    for name, func, text in (("verify", cmd_verify, "check one iteration (default: the tracker's); exit 1 if damaged"),
-                             ("show", cmd_show, "common.json, every tensor and where its pieces live")):
+    for name, func, text in (
+        ("verify", cmd_verify, "check one iteration (default: the tracker's); exit 1 if damaged"),
+        ("show", cmd_show, "common.json, every tensor and where its pieces live"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("root", metavar="ROOT")
-        p.add_argument("--iteration", type=int, default=None, metavar="N", help="iteration step (default: the tracker's)")
+        p.add_argument(
+            "--iteration", type=int, default=None, metavar="N", help="iteration step (default: the tracker's)"
+        )
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)
 
@@ -71,10 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--iteration", type=int, default=None, metavar="N", help="iteration step (default: the tracker's)")
     p.add_argument("--with-optimizer", action="store_true", help="also write optimizer.safetensors")
-    p.add_argument("--rebuild-model", action="store_true",
-                   help="only for an iteration saved without the model's export facts (by an older ray_resume, or by MindFormers): "
-                        "build the model of its config.yaml on the meta device (this imports its model.builder: only for "
-                        "checkpoints you trust) to write tied weights under every name and a Hugging Face config.json")
+    p.add_argument(
+        "--rebuild-model",
+        action="store_true",
+        help="only for an iteration saved without the model's export facts (by an older ray_resume, or by MindFormers): "
+        "build the model of its config.yaml on the meta device (this imports its model.builder: only for "
+        "checkpoints you trust) to write tied weights under every name and a Hugging Face config.json",
+    )
     p.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
     p.set_defaults(func=cmd_export)
 
@@ -102,4 +116,3 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # unreadable file, permissions, a full disk on export
         print(f"error: {exc}", file=sys.stderr)
         return 1
-

@@ -53,7 +53,9 @@ def resolve_iteration(storage: Storage, root: str, requested: int | None) -> tup
     if requested is not None:
         if requested < 0 or not storage.is_dir(paths.iteration_dir(root, requested)):
             present = ", ".join(map(str, iteration_steps(storage, root))) or "none"
-            raise CliError(f"{paths.iteration_dir(root, max(requested, 0))}: no such iteration (iterations here: {present})", 2)
+            raise CliError(
+                f"{paths.iteration_dir(root, max(requested, 0))}: no such iteration (iterations here: {present})", 2
+            )
         return requested, tracker
     if tracker is None:
         present = ", ".join(map(str, iteration_steps(storage, root))) or "none"
@@ -62,7 +64,9 @@ def resolve_iteration(storage: Storage, root: str, requested: int | None) -> tup
             f"(iterations present: {present}); pass --iteration N to inspect one anyway"
         )
     if not storage.is_dir(paths.iteration_dir(root, tracker)):
-        raise CliError(f"{paths.tracker_path(root)}: names iteration {tracker}, but {paths.iteration_dirname(tracker)}/ does not exist")
+        raise CliError(
+            f"{paths.tracker_path(root)}: names iteration {tracker}, but {paths.iteration_dirname(tracker)}/ does not exist"
+        )
     return tracker, tracker
 
 
@@ -77,7 +81,14 @@ def verify_iteration(storage: Storage, it: Iteration) -> dict:
     files: dict[str, dict] = {}
     reader = ShardReader(storage, it)
     for name, f in sorted(it.files.items()):
-        entry = {"size": f.size, "checksum": f.checksum, "digests": f.digests or [], "kind": f.kind, "rank": f.rank, "ok": False}
+        entry = {
+            "size": f.size,
+            "checksum": f.checksum,
+            "digests": f.digests or [],
+            "kind": f.kind,
+            "rank": f.rank,
+            "ok": False,
+        }
         files[name] = entry
         try:
             reader.read_checked(name, [])
@@ -95,9 +106,20 @@ def verify_iteration(storage: Storage, it: Iteration) -> dict:
 def describe_iteration(storage: Storage, root: str, step: int, tracker: int | None, verify: bool) -> dict:
     path = paths.iteration_dir(root, step)
     row: dict[str, Any] = {
-        "step": step, "path": path, "status": None, "error": None, "tracker": step == tracker, "origin": None,
-        "committed": False, "epoch_num": None, "step_num": None, "consumed_samples": None,
-        "world_size": None, "global_batch_size": None, "has_optimizer": None, "job_id": None,
+        "step": step,
+        "path": path,
+        "status": None,
+        "error": None,
+        "tracker": step == tracker,
+        "origin": None,
+        "committed": False,
+        "epoch_num": None,
+        "step_num": None,
+        "consumed_samples": None,
+        "world_size": None,
+        "global_batch_size": None,
+        "has_optimizer": None,
+        "job_id": None,
         "size_bytes": dir_size(storage, path),
     }
     common_file = paths.join(path, paths.COMMON)
@@ -116,8 +138,13 @@ def describe_iteration(storage: Storage, root: str, step: int, tracker: int | No
     else:
         try:
             it = open_iteration(storage, root, step)
-            row.update(status="ok", origin=it.origin, world_size=it.world_size, has_optimizer=it.has_optimizer,
-                       job_id=it.ours.get("job_id"))
+            row.update(
+                status="ok",
+                origin=it.origin,
+                world_size=it.world_size,
+                has_optimizer=it.has_optimizer,
+                job_id=it.ours.get("job_id"),
+            )
         except AbnormalIteration as exc:
             row.update(status="abnormal", error=str(exc))
         except CheckpointError as exc:

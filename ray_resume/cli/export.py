@@ -30,7 +30,9 @@ def cmd_export(args) -> int:
     it = open_iteration(storage, args.root, step)
     kinds = [paths.MODEL_KIND] + ([paths.OPTIM_KIND] if args.with_optimizer else [])
     if args.with_optimizer and not it.has_optimizer:
-        raise CliError(f"{paths.join(it.path, paths.METADATA)}: iteration {step} has no optimizer state (saved with no_save_optim); drop --with-optimizer")
+        raise CliError(
+            f"{paths.join(it.path, paths.METADATA)}: iteration {step} has no optimizer state (saved with no_save_optim); drop --with-optimizer"
+        )
     result = verify_iteration(storage, it)
     if not result["ok"]:
         raise CliError(f"iteration {step} failed verification, nothing exported: " + "; ".join(result["problems"]))
@@ -46,12 +48,16 @@ def cmd_export(args) -> int:
         tensors = load_state(storage, it, kind)
         if kind == paths.MODEL_KIND:
             # The checkpoint stores a tied weight once; a strict load_state_dict wants every name (a copy each).
-            tensors.update({alias: tensors[first].clone() for alias, first in facts.get("tied", {}).items() if first in tensors})
+            tensors.update(
+                {alias: tensors[first].clone() for alias, first in facts.get("tied", {}).items() if first in tensors}
+            )
             if hf and hf["prefix"]:  # a wrapper's transformers model: its own names, as from_pretrained reads them
-                tensors = {n[len(hf["prefix"]):]: t for n, t in tensors.items() if n.startswith(hf["prefix"])}
+                tensors = {n[len(hf["prefix"]) :]: t for n, t in tensors.items() if n.startswith(hf["prefix"])}
         safetensors.torch.save_file(tensors, os.path.join(out, filename), metadata=meta)
         os.chmod(os.path.join(out, filename), 0o666 & ~_umask())  # safetensors creates 0600 files
-        written.append(f"{filename} ({len(tensors)} tensors, {human_size(os.path.getsize(os.path.join(out, filename)))})")
+        written.append(
+            f"{filename} ({len(tensors)} tensors, {human_size(os.path.getsize(os.path.join(out, filename)))})"
+        )
     config = paths.join(it.path, paths.CONFIG)
     if storage.exists(config):
         with open(os.path.join(out, paths.CONFIG), "wb") as f:
@@ -60,8 +66,10 @@ def cmd_export(args) -> int:
     if hf:  # from_pretrained(out) needs its config.json
         with open(os.path.join(out, "config.json"), "w") as f:
             f.write(json.dumps(hf["config"], indent=2, sort_keys=True) + "\n")
-        written.append(f"config.json ({', '.join(hf['config']['architectures'])}"
-                       f"{', the tensors under ' + repr(hf['prefix']) if hf['prefix'] else ''})")
+        written.append(
+            f"config.json ({', '.join(hf['config']['architectures'])}"
+            f"{', the tensors under ' + repr(hf['prefix']) if hf['prefix'] else ''})"
+        )
     print(f"exported iteration {step} from {it.path} to {out}: " + ", ".join(written))
     if why:
         print(f"note: {why}")
@@ -79,9 +87,11 @@ def export_facts(storage, it: Iteration, rebuild: bool) -> tuple[dict, str | Non
     if facts is not None:
         return facts, None
     if not rebuild:
-        return {}, ("this iteration was saved without the model's export facts (tied names, a transformers config): "
-                    "a tied weight is stored under its first name only, and no config.json is written; "
-                    "--rebuild-model builds its model here to find them")
+        return {}, (
+            "this iteration was saved without the model's export facts (tied names, a transformers config): "
+            "a tied weight is stored under its first name only, and no config.json is written; "
+            "--rebuild-model builds its model here to find them"
+        )
     import torch
     import yaml
 
@@ -89,12 +99,16 @@ def export_facts(storage, it: Iteration, rebuild: bool) -> tuple[dict, str | Non
     from ..plugins import make_model, resolve
 
     try:
-        cfg = Config.from_dict(yaml.safe_load(storage.read_bytes(paths.join(it.path, paths.CONFIG))), source=paths.CONFIG)
+        cfg = Config.from_dict(
+            yaml.safe_load(storage.read_bytes(paths.join(it.path, paths.CONFIG))), source=paths.CONFIG
+        )
         with torch.device("meta"):
             return state.export_facts(make_model(resolve(cfg), cfg)), None
     except Exception as exc:  # no config.yaml, a builder not importable here, one that needs real memory...
-        return {}, (f"the model was not rebuilt here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
-                    "a tied weight is stored under its first name only, and no config.json is written")
+        return {}, (
+            f"the model was not rebuilt here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
+            "a tied weight is stored under its first name only, and no config.json is written"
+        )
 
 
 def _umask() -> int:

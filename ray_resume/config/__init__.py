@@ -8,10 +8,36 @@ key, wrong type, impossible value, cross-field conflict) is gathered and raised 
 
 from ..errors import ConfigError
 from .files import apply_overrides, json_schema, load_config
-from .sections import (CheckpointConfig, Config, DataConfig, FailureConfig, FaultConfig, ModelConfig, ScalingConfig, StorageConfig,
-                       SyntheticDataConfig, TrainingConfig)
+from .sections import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    FailureConfig,
+    FaultConfig,
+    ModelConfig,
+    ScalingConfig,
+    StorageConfig,
+    SyntheticDataConfig,
+    TrainingConfig,
+)
 from .words import REDACTED, SECRET_STORAGE_KEYS, redacted
 
-__all__ = ["Config", "ModelConfig", "DataConfig", "SyntheticDataConfig", "TrainingConfig", "ScalingConfig", "FailureConfig",
-           "StorageConfig", "CheckpointConfig", "FaultConfig", "ConfigError", "load_config", "apply_overrides", "json_schema",
-           "redacted", "REDACTED", "SECRET_STORAGE_KEYS"]
+__all__ = [
+    "Config",
+    "ModelConfig",
+    "DataConfig",
+    "SyntheticDataConfig",
+    "TrainingConfig",
+    "ScalingConfig",
+    "FailureConfig",
+    "StorageConfig",
+    "CheckpointConfig",
+    "FaultConfig",
+    "ConfigError",
+    "load_config",
+    "apply_overrides",
+    "json_schema",
+    "redacted",
+    "REDACTED",
+    "SECRET_STORAGE_KEYS",
+]

@@ -12,4 +12,6 @@ if sys.argv[1:] == ["schema"]:
 elif sys.argv[1:] == ["reference"]:
     print(markdown(), end="")
 else:
-    sys.exit("usage: python -m ray_resume.config schema | reference    # the JSON Schema of a config file | docs/config.md")
+    sys.exit(
+        "usage: python -m ray_resume.config schema | reference    # the JSON Schema of a config file | docs/config.md"
+    )

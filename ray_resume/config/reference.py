@@ -24,7 +24,12 @@ overrides any key, its value read as YAML. The same schema for an editor:
 """
 
 _BOUNDS = {"minimum": "≥ {}", "exclusiveMinimum": "> {}", "maximum": "≤ {}", "exclusiveMaximum": "< {}"}
-_PATTERNS = dict(zip(LOOKS, ("a name: `A-Z a-z 0-9 . _ -`", "`package.module:function`", "`torch.optim.SGD` or `package.module:Class`")))
+_PATTERNS = dict(
+    zip(
+        LOOKS,
+        ("a name: `A-Z a-z 0-9 . _ -`", "`package.module:function`", "`torch.optim.SGD` or `package.module:Class`"),
+    )
+)
 
 
 def markdown() -> str:
@@ -33,8 +38,11 @@ def markdown() -> str:
     defs = schema["$defs"]
     out = [HEAD, "## Top level\n", *_table(schema, defs, "")]
     for key, node in _sections(schema, defs, ""):
-        out += [f"\n## `{key}`\n", *([_one_line(node["description"]) + "\n"] if node.get("description") else []),
-                *_table(node, defs, key + ".")]
+        out += [
+            f"\n## `{key}`\n",
+            *([_one_line(node["description"]) + "\n"] if node.get("description") else []),
+            *_table(node, defs, key + "."),
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -50,7 +58,9 @@ def _table(node: dict, defs: dict, prefix: str) -> list[str]:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for key, prop in node["properties"].items():
         ref = _ref(prop)
-        default = "required" if key in node.get("required", ()) else "" if ref else f"`{json.dumps(prop.get('default'))}`"
+        default = (
+            "required" if key in node.get("required", ()) else "" if ref else f"`{json.dumps(prop.get('default'))}`"
+        )
         kind = f"[section](#{(prefix + key).replace('.', '')})" if ref else _type(prop)
         if ref and any(option.get("type") == "null" for option in prop.get("anyOf", ())):
             kind += ", or `null`" + (" (the default)" if prop.get("default") is None else "")
@@ -72,7 +82,9 @@ def _type(prop: dict) -> str:
         return " \\| ".join(f"`{json.dumps(v).strip(chr(34))}`" for v in prop["enum"])
     if "const" in prop:
         return f"`{prop['const']}`"
-    kind = {"integer": "integer", "number": "number", "boolean": "boolean", "string": "string", "null": "`null`"}.get(prop.get("type"), "")
+    kind = {"integer": "integer", "number": "number", "boolean": "boolean", "string": "string", "null": "`null`"}.get(
+        prop.get("type"), ""
+    )
     if prop.get("type") == "array":
         kind = "list of " + _type(prop.get("items", {}))
     elif prop.get("type") == "object":

@@ -8,22 +8,42 @@ import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ..checkpoint.digest import CHECKSUMS, DEFAULT_CHECKSUM
 from ..errors import ConfigError
 from .words import LOOKS, got, key_of, mentions, passed, problems, raise_if
 
 DTYPES = ("float32", "bfloat16", "float16")
-STRATEGIES = ("ddp", "fsdp")  # DistributedDataParallel, or FSDP2 fully_shard (params and optimizer state sharded on dim 0)
+# DistributedDataParallel, or FSDP2 fully_shard (params and optimizer state sharded on dim 0)
+STRATEGIES = ("ddp", "fsdp")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "wsd")  # the LR after warmup (train_loop.learning_rate)
-FAULT_PHASES = ("after_optimizer_step", "mid_shard_write", "before_report", "commit_before_tracker", "retention_delete", "commit_fails")
+FAULT_PHASES = (
+    "after_optimizer_step",
+    "mid_shard_write",
+    "before_report",
+    "commit_before_tracker",
+    "retention_delete",
+    "commit_fails",
+)
 
-SafeName, ImportPath, OptimizerPath = (Annotated[str, Field(pattern=p)] for p in LOOKS)  # "" is an ImportPath: the built-in
+# "" is an ImportPath: the built-in
+SafeName, ImportPath, OptimizerPath = (Annotated[str, Field(pattern=p)] for p in LOOKS)
 Count = Annotated[int, Field(ge=1)]
 # PyYAML follows YAML 1.1, which reads "1e-3" (no dot) as a string; accept it for numbers.
 _EXP_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-Number = Annotated[float, BeforeValidator(lambda v: float(v) if isinstance(v, str) and _EXP_FLOAT.match(v.strip()) else v)]
+Number = Annotated[
+    float, BeforeValidator(lambda v: float(v) if isinstance(v, str) and _EXP_FLOAT.match(v.strip()) else v)
+]
 
 
 def _key_comments(schema: dict, cls: type) -> None:
@@ -66,9 +86,11 @@ class ModelConfig(_Section):
     n_heads: Count = 4  # attention heads
     dtype: Literal[DTYPES] = "float32"  # parameter/compute dtype: float32 | bfloat16 | float16
     dropout: Number = Field(0.0, ge=0, lt=1)  # dropout probability in [0, 1)
-    builder: ImportPath = ""  # "pkg.module:fn" returning your nn.Module, called with this section as a dict ("" = built-in GPT)
+    # "pkg.module:fn" returning your nn.Module, called with this section as a dict ("" = built-in GPT)
+    builder: ImportPath = ""
     args: dict[str, Any] = {}  # free-form settings for your builder
-    fsdp_units: list[str] = []  # strategy fsdp: module class names to shard as units ([] = each module in an nn.ModuleList)
+    # strategy fsdp: module class names to shard as units ([] = each module in an nn.ModuleList)
+    fsdp_units: list[str] = []
 
     # A check across keys validates the later one and reads the earlier from info.data, where a key
     # that failed (and said so) is absent.
@@ -86,7 +108,8 @@ class SyntheticDataConfig(_Section):
     files: Count = 4  # parquet files to split them into (>= 1)
     row_groups_per_file: Count = 4  # row groups per file (>= 1)
     seed: int = 0  # RNG seed of the generated tokens
-    min_doc_len: int = Field(0, ge=0)  # with max_doc_len: documents of min..max tokens instead of seq_len + 1 (for data.pack)
+    # with max_doc_len: documents of min..max tokens instead of seq_len + 1 (for data.pack)
+    min_doc_len: int = Field(0, ge=0)
     max_doc_len: int = Field(0, ge=0)  # with min_doc_len: the longest document (0 = seq_len + 1 tokens each)
 
 
@@ -95,14 +118,19 @@ class DataConfig(_Section):
     shuffle: bool = True  # shuffle sample order each epoch
     seed: int = 1234  # shuffle seed
     synthetic: Optional[SyntheticDataConfig] = None  # if set, generate the dataset at `path` when missing
-    columns: dict[str, str] = {}  # parquet column -> numpy dtype for the batch, cast without loss ({} = input_ids: int32)
+    # parquet column -> numpy dtype for the batch, cast without loss ({} = input_ids: int32)
+    columns: dict[str, str] = {}
     collate: ImportPath = ""  # "pkg.module:fn" turning a dict of numpy arrays into the batch your loss takes
-    map: ImportPath = ""  # "pkg.module:fn" preprocessing rows where they are read (Ray Data's read tasks or the rank): dict of numpy arrays -> the same rows, deterministic
+    # "pkg.module:fn" preprocessing rows where they are read (Ray Data's read tasks or the rank): dict of numpy arrays -> the same rows, deterministic
+    map: ImportPath = ""
     allow_change: bool = False  # resume although data.seed/shuffle/columns or the dataset differ from the checkpoint's
     eval_path: str = ""  # a held-out dataset (same columns) for the eval loss every training.eval_every steps
-    pack: bool = False  # rows of input_ids are documents of any length, concatenated in the sample order and cut in seq_len + 1 token windows (docs/data.md)
-    lanes: int = Field(0, ge=0)  # parts each epoch's order is cut in, read by the ranks they go to (0: the checkpoint's, else gcd(global_batch_size, 8)); docs/data.md
-    read_tasks_above: float = Field(0.02, ge=0, le=1)  # Ray Data's read tasks take the reads once reading in the rank takes more than this share of its time (0: always); docs/data.md
+    # rows of input_ids are documents of any length, concatenated in the sample order and cut in seq_len + 1 token windows (docs/data.md)
+    pack: bool = False
+    # parts each epoch's order is cut in, read by the ranks they go to (0: the checkpoint's, else gcd(global_batch_size, 8)); docs/data.md
+    lanes: int = Field(0, ge=0)
+    # Ray Data's read tasks take the reads once reading in the rank takes more than this share of its time (0: always); docs/data.md
+    read_tasks_above: float = Field(0.02, ge=0, le=1)
 
     @field_validator("columns")
     @classmethod
@@ -126,15 +154,20 @@ class TrainingConfig(_Section):
     train_steps: Count = 200  # total optimizer steps (>= 1)
     lr: Number = Field(3.0e-4, gt=0)  # peak learning rate (> 0)
     seed: int = 42  # model-init / dropout seed
-    strategy: Literal[STRATEGIES] = "ddp"  # data parallelism: ddp (replicated) | fsdp (FSDP2 fully_shard, sharded on dim 0)
+    # data parallelism: ddp (replicated) | fsdp (FSDP2 fully_shard, sharded on dim 0)
+    strategy: Literal[STRATEGIES] = "ddp"
     warmup_steps: int = Field(0, ge=0)  # linear LR warmup steps (>= 0)
-    lr_decay_style: Literal[LR_DECAY_STYLES] = "constant"  # LR after warmup: constant | linear | cosine | wsd (warmup, stable, then a linear decay)
+    # LR after warmup: constant | linear | cosine | wsd (warmup, stable, then a linear decay)
+    lr_decay_style: Literal[LR_DECAY_STYLES] = "constant"
     min_lr: Number = 0.0  # where linear, cosine and wsd decay end, at train_steps (0 <= min_lr <= lr)
-    wsd_decay_fraction: Number = Field(0.1, gt=0, le=1)  # wsd: the decay takes this last fraction of the samples after warmup (0 < f <= 1)
-    optimizer: OptimizerPath = "torch.optim.AdamW"  # a torch.optim.Optimizer class: "torch.optim.SGD", or "pkg.module:Class"
+    # wsd: the decay takes this last fraction of the samples after warmup (0 < f <= 1)
+    wsd_decay_fraction: Number = Field(0.1, gt=0, le=1)
+    # a torch.optim.Optimizer class: "torch.optim.SGD", or "pkg.module:Class"
+    optimizer: OptimizerPath = "torch.optim.AdamW"
     optimizer_args: dict[str, Any] = {}  # its keyword arguments besides lr and weight_decay ({momentum: 0.9})
     weight_decay: Number = Field(0.0, ge=0)  # the optimizer's weight decay (>= 0)
-    grad_clip: Number = Field(0.0, ge=0)  # clip the global gradient norm to this (0 = off); DDP, FSDP2, accumulation and fp16 scaling included
+    # clip the global gradient norm to this (0 = off); DDP, FSDP2, accumulation and fp16 scaling included
+    grad_clip: Number = Field(0.0, ge=0)
     log_every: Count = 10  # log metrics every N steps (>= 1)
     log_sample_ids: bool = False  # record every step's sample ids in the metrics (for audits and tests)
     loss: ImportPath = ""  # "pkg.module:fn" called as fn(model, batch) -> scalar tensor ("" = next-token loss)
@@ -159,7 +192,8 @@ class ScalingConfig(_Section):
     # Ray resources each worker reserves, as Ray Train's ScalingConfig takes them
     # ({CPU: 4, GPU: 1, my_label: 1}); {} keeps Ray's default: 1 CPU, or 1 GPU with use_gpu.
     resources_per_worker: dict[str, Annotated[Number, Field(ge=0)]] = {}
-    elastic_resize_interval_s: Number = Field(60.0, gt=0)  # elastic [min, max]: how often a healthy group looks for room to grow
+    # elastic [min, max]: how often a healthy group looks for room to grow
+    elastic_resize_interval_s: Number = Field(60.0, gt=0)
 
     @field_validator("num_workers", mode="wrap")
     @classmethod
@@ -173,8 +207,10 @@ class ScalingConfig(_Section):
         elif len(n) != 2:
             raise ConfigError(f"scaling.num_workers as a list must be [min, max], got {n!r}")
         else:
-            raise_if([f"scaling.num_workers values must be >= 1, got {n!r}"] * (min(n) < 1)
-                      + [f"scaling.num_workers [min, max] needs min <= max, got {n!r}"] * (n[0] > n[1]))
+            raise_if(
+                [f"scaling.num_workers values must be >= 1, got {n!r}"] * (min(n) < 1)
+                + [f"scaling.num_workers [min, max] needs min <= max, got {n!r}"] * (n[0] > n[1])
+            )
         return n
 
     @property
@@ -190,8 +226,10 @@ class ScalingConfig(_Section):
 
 class FailureConfig(_Section):
     max_failures: int = Field(3, ge=-1)  # worker-group restarts Ray allows; -1 = unlimited
-    health_check_interval_s: Number = Field(0.5, gt=0)  # how often Ray Train polls the workers, so how soon a lost one is noticed (Ray's default: 2)
-    fork_server: Union[bool, Literal["auto"]] = "auto"  # start the ranks' processes as forks of a per-node server with their imports done (docs/restarts.md); auto: on for CPU ranks on Linux (RAY_RESUME_FORK_SERVER=true|false says otherwise for a host), off for GPU ranks and where the ranks' runtime env gives them a Python of its own
+    # how often Ray Train polls the workers, so how soon a lost one is noticed (Ray's default: 2)
+    health_check_interval_s: Number = Field(0.5, gt=0)
+    # start the ranks' processes as forks of a per-node server with their imports done (docs/restarts.md); auto: on for CPU ranks on Linux (RAY_RESUME_FORK_SERVER=true|false says otherwise for a host), off for GPU ranks and where the ranks' runtime env gives them a Python of its own
+    fork_server: Union[bool, Literal["auto"]] = "auto"
 
     @field_validator("fork_server", mode="wrap")
     @classmethod
@@ -210,7 +248,8 @@ class StorageConfig(_Section):
     endpoint_url: str = ""  # S3-compatible endpoint, e.g. http://127.0.0.1:9000 (env AWS_ENDPOINT_URL)
     region: str = ""  # bucket region (env AWS_REGION / AWS_DEFAULT_REGION)
     access_key_id: str = ""  # prefer the credential chain (env, profile, role) over plain text here
-    secret_access_key: str = ""  # with access_key_id; keys given here are written <redacted> into every iteration's config.yaml
+    # with access_key_id; keys given here are written <redacted> into every iteration's config.yaml
+    secret_access_key: str = ""
     session_token: str = ""  # with temporary keys (env AWS_SESSION_TOKEN when the keys come from the env)
 
 
@@ -218,19 +257,25 @@ class CheckpointConfig(_Section):
     enable_save: bool = True  # write checkpoints during training
     save_path: str = ""  # checkpoint root: a local/NFS path, file://..., or s3://bucket/prefix
     save_interleaved_steps: Count = 1000  # save when global_step % N == 0, and after the last step
-    memory_interleaved_steps: int = Field(0, ge=0)  # between saves, snapshot every rank's state into memory (Ray's object store) every N steps, for restarts (0 = off)
+    # between saves, snapshot every rank's state into memory (Ray's object store) every N steps, for restarts (0 = off)
+    memory_interleaved_steps: int = Field(0, ge=0)
     no_save_optim: bool = False  # skip optimizer state when saving
     save_max: Count = 5  # iterations of this job to keep (never the tracker's, never an earlier job's)
-    load_path: str = ""  # a root to resume from (ours, MindFormers', a DCP checkpoint or torchtitan's folder of step-N/), or a model.safetensors directory's weights; "" = start fresh; equal to save_path = resume if there is something to resume
+    # a root to resume from (ours, MindFormers', a DCP checkpoint or torchtitan's folder of step-N/), or a model.safetensors directory's weights; "" = start fresh; equal to save_path = resume if there is something to resume
+    load_path: str = ""
     no_load_optim: bool = False  # weights only: step 0, data from the start, the optimizer new (docs/scenarios.md B)
-    load_balanced: bool = False  # each byte read off storage once, by one rank, and broadcast to the others (docs/scenarios.md D)
+    # each byte read off storage once, by one rank, and broadcast to the others (docs/scenarios.md D)
+    load_balanced: bool = False
     async_save: bool = True  # write shards in the background; training only waits for a snapshot copy
-    async_writer: Literal["auto", "process", "thread"] = "auto"  # who writes an async save: a writer process beside the rank (its own interpreter, nice 19) or a thread in it; auto: the process on CPU ranks (Linux), the thread (pinned buffers) on GPU ranks
+    # who writes an async save: a writer process beside the rank (its own interpreter, nice 19) or a thread in it; auto: the process on CPU ranks (Linux), the thread (pinned buffers) on GPU ranks
+    async_writer: Literal["auto", "process", "thread"] = "auto"
     prefix: SafeName = "ckpt"  # shard file name prefix
-    checksum: Literal[tuple(CHECKSUMS)] = DEFAULT_CHECKSUM  # digest of each 4 MiB block of a shard, checked on every load: xxh3-128 (fast) | sha256 (cryptographic, several times slower)
+    # digest of each 4 MiB block of a shard, checked on every load: xxh3-128 (fast) | sha256 (cryptographic, several times slower)
+    checksum: Literal[tuple(CHECKSUMS)] = DEFAULT_CHECKSUM
     storage: StorageConfig = {}  # s3:// connection settings
     fallback: bool = True  # if the tracker's iteration is damaged, load the newest older one that verifies
-    lease_ttl_s: Number = Field(60.0, gt=0)  # the writer lease on save_path expires this long after a dead job's last renewal
+    # the writer lease on save_path expires this long after a dead job's last renewal
+    lease_ttl_s: Number = Field(60.0, gt=0)
 
     @field_validator("save_path")
     @classmethod
@@ -241,7 +286,8 @@ class CheckpointConfig(_Section):
 
 
 class FaultConfig(_Section):
-    phase: Literal[FAULT_PHASES]  # where to die: after_optimizer_step | mid_shard_write | before_report | commit_before_tracker | retention_delete; or commit_fails (its tracker write fails)
+    # where to die: after_optimizer_step | mid_shard_write | before_report | commit_before_tracker | retention_delete; or commit_fails (its tracker write fails)
+    phase: Literal[FAULT_PHASES]
     step: Count  # optimizer step at which to die (>= 1)
     rank: int = Field(0, ge=0)  # which worker rank dies
 
@@ -250,7 +296,8 @@ class Config(_Section):
     name: SafeName  # run name; used in file names
     model: ModelConfig = {}  # network shape
     data: DataConfig = {}  # dataset location/order
-    training: Optional[TrainingConfig] = {}  # optimisation (the built-in job's; null for ray_resume.fit's loops, which have their own)
+    # optimisation (the built-in job's; null for ray_resume.fit's loops, which have their own)
+    training: Optional[TrainingConfig] = {}
     scaling: ScalingConfig = {}  # Ray workers
     failure: FailureConfig = {}  # Ray restart budget
     checkpoint: CheckpointConfig = {}  # save/load
@@ -264,10 +311,13 @@ class Config(_Section):
             p.append(f"data.pack packs one column, input_ids; data.columns names {sorted(self.data.columns)}")
         syn = self.data.synthetic
         if syn is not None and (syn.min_doc_len or syn.max_doc_len) and not 1 <= syn.min_doc_len <= syn.max_doc_len:
-            p.append(f"data.synthetic needs 1 <= min_doc_len <= max_doc_len, got {syn.min_doc_len} and {syn.max_doc_len}")
+            p.append(
+                f"data.synthetic needs 1 <= min_doc_len <= max_doc_len, got {syn.min_doc_len} and {syn.max_doc_len}"
+            )
         if self.fault is not None and self.fault.rank >= s.max_workers:
-            p.append(f"fault.rank={self.fault.rank} must be < the largest world size "
-                     f"scaling.num_workers ({s.max_workers})")
+            p.append(
+                f"fault.rank={self.fault.rank} must be < the largest world size scaling.num_workers ({s.max_workers})"
+            )
         return p
 
     def _across_training(self) -> list[str]:
@@ -277,21 +327,29 @@ class Config(_Section):
         bad = [w for w in sizes if gbs % (w * mbs)]
         if bad and isinstance(s.num_workers, int):
             w = bad[0]
-            p.append(f"training.global_batch_size={gbs} is not divisible by scaling.num_workers ({w}) x "
-                     f"training.micro_batch_size ({mbs}) = {w * mbs}; choose a global_batch_size that is "
-                     f"a multiple of {w * mbs} (gradient accumulation makes up the rest)")
+            p.append(
+                f"training.global_batch_size={gbs} is not divisible by scaling.num_workers ({w}) x "
+                f"training.micro_batch_size ({mbs}) = {w * mbs}; choose a global_batch_size that is "
+                f"a multiple of {w * mbs} (gradient accumulation makes up the rest)"
+            )
         elif bad:
             lcm = math.lcm(*(w * mbs for w in sizes))
             detail = ", ".join(f"{w} x {mbs} = {w * mbs}" for w in bad)
-            p.append(f"training.global_batch_size={gbs} is not divisible by world size x "
-                     f"training.micro_batch_size for world sizes {bad} of elastic scaling.num_workers="
-                     f"{s.num_workers} ({detail}); choose a global_batch_size that is a multiple of {lcm} "
-                     f"(gradient accumulation makes up the rest)")
+            p.append(
+                f"training.global_batch_size={gbs} is not divisible by world size x "
+                f"training.micro_batch_size for world sizes {bad} of elastic scaling.num_workers="
+                f"{s.num_workers} ({detail}); choose a global_batch_size that is a multiple of {lcm} "
+                f"(gradient accumulation makes up the rest)"
+            )
         if self.data.lanes and gbs % self.data.lanes:
-            p.append(f"training.global_batch_size={gbs} is not a multiple of data.lanes={self.data.lanes}: every global batch "
-                     "takes as many samples from each lane; choose a multiple, or data.lanes: 0 (gcd(global_batch_size, 8))")
+            p.append(
+                f"training.global_batch_size={gbs} is not a multiple of data.lanes={self.data.lanes}: every global batch "
+                "takes as many samples from each lane; choose a multiple, or data.lanes: 0 (gcd(global_batch_size, 8))"
+            )
         if t.eval_every and not self.data.eval_path:
-            p.append(f"training.eval_every={t.eval_every} needs data.eval_path (a held-out dataset); set it, or eval_every: 0")
+            p.append(
+                f"training.eval_every={t.eval_every} needs data.eval_path (a held-out dataset); set it, or eval_every: 0"
+            )
         return p
 
     def pack_tokens(self) -> int:
@@ -316,8 +374,11 @@ class Config(_Section):
         # pydantic skips _check_across once any key fails: run it on the keys that passed, the failed
         # ones at their defaults, and drop what it says about a failed key.
         failed = [".".join(map(str, err["loc"])) for err in errors if err["loc"]]
-        found += [p for p in passed(cls, d, [err["loc"] for err in errors])._across()
-                  if p not in found and not any(mentions(p, key) for key in failed)]
+        found += [
+            p
+            for p in passed(cls, d, [err["loc"] for err in errors])._across()
+            if p not in found and not any(mentions(p, key) for key in failed)
+        ]
         raise ConfigError([f"{source}: {p}" for p in found])
 
     def to_dict(self) -> dict:

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from ..errors import ConfigError
 
+
 def raise_if(problems: list[str]) -> None:
     if problems:
         raise ConfigError(problems)
@@ -38,8 +39,15 @@ def redacted(config: dict) -> dict:
     return out
 
 
-_WANTS = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean", "string_type": "a string",
-          "dict_type": "a mapping", "model_type": "a mapping", "list_type": "a list"}
+_WANTS = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "list_type": "a list",
+}
 _KIND = {int: "int_type", str: "string_type"}  # the required keys' types, for "is required (an integer)"
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 _UNKNOWN = ("extra_forbidden", "invalid_key")  # invalid_key: one that is not a string
@@ -88,7 +96,9 @@ def _say(err: dict, at: str, sections: dict[str, type]) -> list[str]:
     if kind in _UNKNOWN:
         known = list(sections[where].model_fields)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-        return [f"{key}: unknown key" + (f"; did you mean {close[0]!r}?" if close else f" (known keys: {', '.join(known)})")]
+        return [
+            f"{key}: unknown key" + (f"; did you mean {close[0]!r}?" if close else f" (known keys: {', '.join(known)})")
+        ]
     if kind in ("missing", "literal_error"):
         tp = sections[where].model_fields[loc[-1]].annotation
         wants = "one of " + ", ".join(typing.get_args(tp)) if typing.get_origin(tp) is Literal else _WANTS[_KIND[tp]]
@@ -103,7 +113,6 @@ def _say(err: dict, at: str, sections: dict[str, type]) -> list[str]:
     if kind in _WANTS:
         return [f"{key} must be {_WANTS[kind]}, {got(value, key)}"]
     return [f"{key}: {err['msg']}"]
-
 
 
 def mentions(problem: str, key: str) -> bool:

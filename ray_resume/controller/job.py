@@ -72,7 +72,8 @@ class JobOutcome:
     committed: int | None = None  # the newest iteration this job committed
     metrics: dict = field(default_factory=dict)  # rank 0's last step's
     commit_error: str | None = None  # a commit failed: why, and where the tracker stays
-    attempts: list[dict] = field(default_factory=list)  # per worker-group start: the last step rank 0 finished, and when
+    # per worker-group start: the last step rank 0 finished, and when
+    attempts: list[dict] = field(default_factory=list)
     user_error: str | None = None  # a mistake of the user's a rank found (the job ended with it)
     user_error_kind: str | None = None  # its class's name (errors.USER_ERRORS)
     failure: BaseException | None = None  # what the backend's run raised (Ray Train's error)
@@ -80,8 +81,15 @@ class JobOutcome:
 
 
 class JobController(SnapshotLedger, Retention):
-    def __init__(self, save_path: str, job_id: str, config: dict, driver_pid: int, keepers: dict | None = None,
-                 first_plan: ResumePlan | None = None):
+    def __init__(
+        self,
+        save_path: str,
+        job_id: str,
+        config: dict,
+        driver_pid: int,
+        keepers: dict | None = None,
+        first_plan: ResumePlan | None = None,
+    ):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         self.root = save_path
         self.job_id = job_id
@@ -138,9 +146,19 @@ class JobController(SnapshotLedger, Retention):
         noticed, self.noticed_at = self.noticed_at, None
         clock = {} if last is None else restart_clock(last, noticed, process_started, now)
         self.reached.append({"attempt": self.attempt, "step": None, "time": None})
-        plan = self.first_plan if self.attempt == 0 else self.first_plan.restart(self.root, self.last_committed(), self.memory_step(world))
-        return AttemptStart(self.attempt, plan, self.user_error, failed_after,
-                            {str(rank): why for rank, why in sorted(lost.items())}, clock)
+        plan = (
+            self.first_plan
+            if self.attempt == 0
+            else self.first_plan.restart(self.root, self.last_committed(), self.memory_step(world))
+        )
+        return AttemptStart(
+            self.attempt,
+            plan,
+            self.user_error,
+            failed_after,
+            {str(rank): why for rank, why in sorted(lost.items())},
+            clock,
+        )
 
     def user_failed(self, rank: int, message: str, kind: str = "ConfigError") -> None:
         """A rank hit a mistake of the user's (a loss that is not a scalar...): running it again would
@@ -196,7 +214,9 @@ class JobController(SnapshotLedger, Retention):
             last = self.last_committed()
             where = f"iteration {last}, the last good commit" if last is not None else "what it named before"
             error = f"{self.commit_error}; the tracker of {self.root} stays on {where}; run again with checkpoint.load_path={self.root} to resume from it"
-        return JobOutcome(self.last_committed(), self.final_metrics, error, self.reached, self.user_error, self.user_error_kind)
+        return JobOutcome(
+            self.last_committed(), self.final_metrics, error, self.reached, self.user_error, self.user_error_kind
+        )
 
     def last_committed(self) -> int | None:
         return self.committed_by_job[-1] if self.committed_by_job else None
@@ -212,7 +232,9 @@ class JobController(SnapshotLedger, Retention):
 
     def _report(self, attempt: int, iteration: int, manifest: Manifest, common: dict) -> bool:
         if attempt != self.attempt:
-            logger.info("ignoring a manifest of iteration %d from attempt %d (now %d)", iteration, attempt, self.attempt)
+            logger.info(
+                "ignoring a manifest of iteration %d from attempt %d (now %d)", iteration, attempt, self.attempt
+            )
             return False
         got = self.pending.setdefault(iteration, {})
         got[manifest.rank] = manifest
@@ -224,7 +246,9 @@ class JobController(SnapshotLedger, Retention):
         common = self.pending_common.pop(iteration, None)
         try:
             if common is None or sorted(got) != list(range(len(got))):
-                raise RuntimeError(f"iteration {iteration}: manifests came from ranks {sorted(got)[:8]}..., not 0..{len(got) - 1}")
+                raise RuntimeError(
+                    f"iteration {iteration}: manifests came from ranks {sorted(got)[:8]}..., not 0..{len(got) - 1}"
+                )
             self._commit(iteration, [got[rank] for rank in range(len(got))], common)
             return True
         except Exception as exc:  # never raised into Ray: the ranks stop, and the driver fails the run with it
@@ -236,19 +260,36 @@ class JobController(SnapshotLedger, Retention):
 
     def _commit(self, iteration: int, manifests: list[Manifest], common: dict) -> None:
         metadata = commit_iteration(
-            self.storage, self.root, iteration, manifests, common, prefix=self.config["checkpoint"]["prefix"],
-            config=redacted(self.config), job_id=self.job_id, fence=self.lease.check if self.lease else lambda: None,
+            self.storage,
+            self.root,
+            iteration,
+            manifests,
+            common,
+            prefix=self.config["checkpoint"]["prefix"],
+            config=redacted(self.config),
+            job_id=self.job_id,
+            fence=self.lease.check if self.lease else lambda: None,
             before_tracker=lambda: self._before_tracker(iteration),
         )
         self.committed_by_job.append(iteration)
         self.failed_commits.discard(iteration)  # saved again, committed this time
-        logger.info("committed iteration %d (%d shards) at %s", iteration, len(metadata["ray_resume"]["files"]), paths.iteration_dir(self.root, iteration))
+        logger.info(
+            "committed iteration %d (%d shards) at %s",
+            iteration,
+            len(metadata["ray_resume"]["files"]),
+            paths.iteration_dir(self.root, iteration),
+        )
         self._apply_retention(iteration)
 
     def _before_tracker(self, iteration: int) -> None:
         """Fault injection between the JSON files and the tracker: the driver dies, or the write fails."""
         f = self.fault
-        if f and f["step"] == iteration and f["phase"] in ("commit_before_tracker", "commit_fails") and self.claim_fault():
+        if (
+            f
+            and f["step"] == iteration
+            and f["phase"] in ("commit_before_tracker", "commit_fails")
+            and self.claim_fault()
+        ):
             if f["phase"] == "commit_fails":
                 raise OSError(errno.EIO, f"injected fault: the tracker write for iteration {iteration} failed")
             self._kill_driver(f"before moving the tracker to {iteration}")

@@ -81,7 +81,8 @@ class Retention:
             return
         for name in names:
             step = paths.parse_iteration_dirname(name)
-            if ended and name.startswith(paths.TRACKER + TEMP_MARK):  # a crash cut a tracker write short before its rename
+            # a crash cut a tracker write short before its rename
+            if ended and name.startswith(paths.TRACKER + TEMP_MARK):
                 try:
                     self.storage.remove(paths.join(self.root, name))
                 except Exception:
@@ -108,7 +109,9 @@ class Retention:
         try:
             self._remove_iteration(step)
         except Exception:
-            logger.exception("retention could not remove iteration %d; remove %s by hand", step, paths.iteration_dir(self.root, step))
+            logger.exception(
+                "retention could not remove iteration %d; remove %s by hand", step, paths.iteration_dir(self.root, step)
+            )
 
     def _remove_iteration(self, step: int) -> None:
         iter_dir = paths.iteration_dir(self.root, step)

@@ -222,7 +222,8 @@ def _windows(table: pa.Table, pack: int, order: np.ndarray, where: str) -> np.nd
         raise DataError(f"{where}: row {int(order[np.argmax(sizes == 0)])} of {INPUT_IDS!r} is an empty document; "
                         "remove the empty rows (data.pack packs documents of at least one token)")
     values = np.asarray(column.values)
-    starts = offsets[order] - np.r_[0, np.cumsum(sizes)[:-1]]  # position of each token: its document's start + rank in it
+    # position of each token: its document's start + rank in it
+    starts = offsets[order] - np.r_[0, np.cumsum(sizes)[:-1]]
     tokens = values[np.repeat(starts, sizes) + np.arange(sizes.sum())]
     n = len(tokens) // pack
     return tokens[: n * pack].reshape(n, pack)

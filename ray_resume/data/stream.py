@@ -138,7 +138,8 @@ def quiet_ray_data() -> None:
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "Progress bars disabled", once per process
+    # "Progress bars disabled", once per process
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
 
 
 class ReadCost:
