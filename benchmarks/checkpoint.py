@@ -123,6 +123,18 @@ def _tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def common_at(step: int) -> dict:
+    """What a loop tells the checkpointer of `step` (a global batch of 4)."""
+    return {
+        "global_step": step,
+        "global_batch_size": 4,
+        "consumed_samples": 4 * step,
+        "epoch_num": 0,
+        "step_num": step,
+        "loss_scale": 1.0,
+    }
+
+
 class Rank:
     """One rank: its model, optimizer and checkpointer; every method is a collective phase."""
 
@@ -184,19 +196,7 @@ class Rank:
         )
         self._barrier()
         start = time.perf_counter()
-        ck.save(
-            step,
-            self.model,
-            self.optimizer,
-            {
-                "global_step": step,
-                "global_batch_size": 4,
-                "consumed_samples": 4 * step,
-                "epoch_num": 0,
-                "step_num": step,
-                "loss_scale": 1.0,
-            },
-        )
+        ck.save(step, self.model, self.optimizer, common_at(step))
         stall = time.perf_counter() - start
         ck.close()
         total = time.perf_counter() - start

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,31 +74,11 @@ def streams(units, where: str, storage=None) -> list[dict]:
 
 def on_moto(local: Path):
     """A moto S3 server on loopback holding a copy of the dataset: (its s3:// path, checkpoint.storage options, server)."""
-    import socket
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import s3_server
 
-    import pyarrow.fs as pafs
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {
-        "endpoint_url": f"http://127.0.0.1:{port}",
-        "region": "us-east-1",
-        "access_key_id": "bench",
-        "secret_access_key": "bench",
-    }
-    fs = pafs.S3FileSystem(
-        endpoint_override=options["endpoint_url"],
-        scheme="http",
-        region="us-east-1",
-        access_key="bench",
-        secret_key="bench",
-        allow_bucket_creation=True,
-    )
-    fs.create_dir("data")
+    server, options = s3_server.start("data", key="bench")
+    fs = s3_server.filesystem(options)
     for f in sorted(local.glob("*.parquet")):
         with fs.open_output_stream(f"data/bench/{f.name}") as out:
             out.write(f.read_bytes())

@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the in-process harness and its storage fault injector
 
 import harness  # noqa: E402
+from conftest import tiny_config  # noqa: E402
 import storage_faults  # noqa: E402
 
 from benchmarks import soak_faults  # noqa: E402
@@ -120,42 +121,14 @@ class SoakFailure(Exception):
 def job_config(
     root: CheckpointRoot, data: str, options: dict | None, save_every: int = SAVE_EVERY, save_max: int = SAVE_MAX
 ) -> dict:
-    """A job small enough for a fault every few seconds on 2 cores; it crosses an epoch boundary (step 10)."""
-    return {
-        "name": "soak",
-        "model": {
-            "vocab_size": 64,
-            "seq_len": 16,
-            "d_model": 32,
-            "n_layers": 1,
-            "n_heads": 2,
-            "dtype": "float32",
-            "dropout": 0.1,
-        },
-        "data": {
-            "path": data,
-            "shuffle": True,
-            "seed": 7,
-            "synthetic": {"samples": 160, "files": 2, "row_groups_per_file": 3, "seed": 3},
-        },
-        "training": {
-            "global_batch_size": GLOBAL_BATCH,
-            "micro_batch_size": 4,
-            "train_steps": STEPS,
-            "lr": 1e-3,
-            "seed": 42,
-            "log_every": 1,
-            "log_sample_ids": True,
-        },
-        "scaling": {"num_workers": 2},
-        "failure": {"max_failures": 100},
-        "checkpoint": {
-            "save_path": root.uri,
-            "save_interleaved_steps": save_every,
-            "save_max": save_max,
-            **({"storage": options} if options else {}),
-        },
-    }
+    """The tests' tiny job (a fault every few seconds on 2 cores; it crosses an epoch boundary at step 10),
+    every step logged, restarted as often as faults come."""
+    storage = {"storage": options} if options else {}
+    training = {"global_batch_size": GLOBAL_BATCH, "train_steps": STEPS, "log_every": 1}
+    checkpoint = {"save_path": root.uri, "save_interleaved_steps": save_every, "save_max": save_max, **storage}
+    return tiny_config(
+        Path(data), "soak", data={"path": data}, training=training, failure={"max_failures": 100}, checkpoint=checkpoint
+    )
 
 
 def committed_state(root: CheckpointRoot, step: int) -> dict:
@@ -625,31 +598,9 @@ class Soak:
 
 def start_s3() -> tuple[object, dict]:
     """An S3 server (moto) on loopback with a bucket `ckpts`: (the server, its checkpoint.storage options)."""
-    import socket
+    import s3_server
 
-    import pyarrow.fs as pafs
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {
-        "endpoint_url": f"http://127.0.0.1:{port}",
-        "region": "us-east-1",
-        "access_key_id": "testing",
-        "secret_access_key": "testing",
-    }
-    pafs.S3FileSystem(
-        endpoint_override=options["endpoint_url"],
-        scheme="http",
-        region="us-east-1",
-        access_key="testing",
-        secret_key="testing",
-        allow_bucket_creation=True,
-    ).create_dir("ckpts")
-    return server, options
+    return s3_server.start("ckpts")
 
 
 class _SecondJobRan(Exception):

@@ -43,6 +43,7 @@ from benchmarks.checkpoint import (
     _controller,
     _free_port,
     _release,
+    common_at,
     init_ray,
     report,
     teardown,
@@ -83,19 +84,7 @@ class TrainingRank(Rank):
             if mode != "never" and step % every == 0:
                 start = time.perf_counter()
                 if ck:
-                    ck.save(
-                        step,
-                        self.ddp,
-                        self.optimizer,
-                        {
-                            "global_step": step,
-                            "global_batch_size": 4,
-                            "consumed_samples": 4 * step,
-                            "epoch_num": 0,
-                            "step_num": step,
-                            "loss_scale": 1.0,
-                        },
-                    )
+                    ck.save(step, self.ddp, self.optimizer, common_at(step))
                 else:
                     if pending is not None:
                         pending.result()

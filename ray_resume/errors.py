@@ -1,7 +1,10 @@
 """Every error class of ray_resume. The mistakes a user can fix, one class each (`USER_ERRORS`): the
 message says what is wrong, where, and what to do; raised on the driver before Ray starts wherever it
 can be found there, never retried when a rank finds one (`rank.run_rank` reports it once), and raised
-to the caller as the one of these three classes the rank's was. And `CommitError`, a failed commit.
+to the caller as the one of these three classes the rank's was. Then what the machinery raises and
+catches (damage, a lost lease, a failed background save...), and a command's one-line failure.
+`driver.TrainingFailed`, what `fit` raises, is Ray Train's `TrainingFailedError` and lives where Ray
+is imported: this module is the checkpoint core's, which runs without Ray.
 """
 
 from __future__ import annotations
@@ -34,3 +37,33 @@ USER_ERRORS = (ConfigError, CheckpointError, DataError)
 
 class CommitError(RuntimeError):
     """A commit failed: the run ends with this error, and its tracker stays on the last good commit."""
+
+
+class DamagedShards(CheckpointError):
+    """The bytes of a shard disagree with metadata.json (size, checksum, header): the loading
+    ranks fall back to an older iteration, as the driver does for damaged metadata."""
+
+
+class AbnormalIteration(CheckpointError):
+    """common.json says `ckpt_status` 1 (abnormal): MindFormers passes such an iteration over for an
+    older healthy one, and so do we; it is not damage, and is never set aside."""
+
+
+class LeaseLost(RuntimeError):
+    """This job no longer holds the save_path's lease: it must not commit."""
+
+
+class AsyncSaveError(RuntimeError):
+    """A checkpoint save that ran in the background failed; the cause is chained."""
+
+
+class WriterDied(RuntimeError):
+    """The writer process ended while a save was in flight; that save is lost, the next one starts a new writer."""
+
+
+class CliError(Exception):
+    """A command's failure (`ray-resume`), reported as one `error:` line; `code` is its exit status (2: usage)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code

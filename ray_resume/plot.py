@@ -18,22 +18,15 @@ from __future__ import annotations
 
 import posixpath
 
+from .errors import CliError
 from .metrics import metrics_dir, read_metrics
-
-
-class PlotError(Exception):
-    """Cannot plot; `code` is the CLI exit status (2: nothing to read)."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
 
 
 def read_records(root: str, storage_options=None) -> dict[int, list[dict]]:
     """Every metrics record of the run saving to `root`, by rank, oldest first."""
     records = read_metrics(root, storage_options)
     if not records:
-        raise PlotError(f"{metrics_dir(root)}: no metrics records (is {root!r} the job's checkpoint.save_path?)", 2)
+        raise CliError(f"{metrics_dir(root)}: no metrics records (is {root!r} the job's checkpoint.save_path?)", 2)
     out: dict[int, list[dict]] = {}
     for r in records:
         out.setdefault(int(r.get("rank", 0)), []).append(r)
@@ -89,7 +82,7 @@ def _import_matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise PlotError("matplotlib is not installed; plotting needs it: pip install 'ray_resume[plot]'") from None
+        raise CliError("matplotlib is not installed; plotting needs it: pip install 'ray_resume[plot]'") from None
     return Figure, FigureCanvasAgg
 
 
@@ -101,7 +94,7 @@ def plot_run(
     info = summarize(read_records(root, storage_options))
     runs = {k: v for k, v in info["runs"].items() if v}
     if not runs:
-        raise PlotError(f"{metrics_dir(root)}: no per-step loss records yet", 2)
+        raise CliError(f"{metrics_dir(root)}: no per-step loss records yet", 2)
 
     # The object API with an explicit Agg canvas: no pyplot, no global backend switch.
     fig = Figure(figsize=(width, height), dpi=dpi)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
 
-import pyarrow.fs as pafs
 import pytest
 import ray
 
@@ -59,28 +57,9 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def s3():
     """A moto S3 server on loopback with a bucket `ckpts`; yields the `checkpoint.storage` options."""
-    from moto.server import ThreadedMotoServer
+    import s3_server
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {
-        "endpoint_url": f"http://127.0.0.1:{port}",
-        "region": "us-east-1",
-        "access_key_id": "testing",
-        "secret_access_key": "testing",
-    }
-    fs = pafs.S3FileSystem(
-        endpoint_override=options["endpoint_url"],
-        scheme="http",
-        region="us-east-1",
-        access_key="testing",
-        secret_key="testing",
-        allow_bucket_creation=True,
-    )
-    fs.create_dir("ckpts")
+    server, options = s3_server.start("ckpts")
     yield options
     server.stop()
 
@@ -128,6 +107,31 @@ def tiny_config(tmp: Path, name: str = "tiny", **sections) -> dict:
         else:
             cfg.setdefault(section, {}).update(values)
     return cfg
+
+
+def gathered_manifests(root: str, step: int, model_state: dict, optim_state: dict, rank: int, world: int) -> list:
+    """This rank's shards of `step` written as a rank writes them (its RNG streams with them), and every
+    rank's manifest gathered: what the driver's commit takes (`commit_by_hand`, on rank 0)."""
+    import torch.distributed as dist
+
+    from ray_resume.checkpoint import state
+    from ray_resume.checkpoint.storage import LocalStorage
+    from ray_resume.checkpoint.writer import save_shards
+
+    manifest = save_shards(
+        LocalStorage(),
+        root,
+        step,
+        prefix="ckpt",
+        rank=rank,
+        world_size=world,
+        model_state=model_state,
+        optim_state=optim_state,
+        rank_extras=state.capture_rng(),
+    )
+    manifests = [None] * world
+    dist.all_gather_object(manifests, manifest)
+    return manifests
 
 
 def commit_by_hand(root, step: int, manifests: list, **common) -> dict:

@@ -27,7 +27,7 @@ import storage_faults
 from conftest import commit_by_hand, shard_bytes, tiny_config
 from ray_resume.checkpoint import checkpointer as checkpointer_module
 from ray_resume.checkpoint import state
-from ray_resume.checkpoint.async_save import AsyncSaveError
+from ray_resume.errors import AsyncSaveError
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import ShardReader, load_rank_extras, open_iteration

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,19 +17,29 @@ from ray_resume.config import Config
 from ray_resume.model import build_model
 
 
+def run_benchmark(
+    module: str, *args: str, timeout: int = 300, on_session_ray: bool = False
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m benchmarks.MODULE ARGS --out OUT` (OUT the last argument's file), as a reader runs it:
+    what it printed, and the results it wrote."""
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
+        cwd=REPO,
+        env=env_for_subprocess(join_session_ray=on_session_ray),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(Path(args[args.index("--out") + 1]).read_text())
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_small_benchmark_writes_every_row(tmp_path):
     out = tmp_path / "results.json"
-    proc = subprocess.run(  # on the session's Ray (RAY_ADDRESS), as on a cluster's
-        [sys.executable, "-m", "benchmarks.checkpoint", "--small", "--out", str(out), "--dir", str(tmp_path / "work")],
-        cwd=REPO,
-        env=env_for_subprocess(join_session_ray=True),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc, results = run_benchmark(  # on the session's Ray (RAY_ADDRESS), as on a cluster's
+        "checkpoint", "--small", "--out", str(out), "--dir", str(tmp_path / "work"), on_session_ray=True
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
     assert list(results["sizes"]) == ["tiny"]
     tiny = results["sizes"]["tiny"]
     for row in ROWS:
@@ -67,32 +78,17 @@ def test_small_benchmark_writes_every_row(tmp_path):
 @pytest.mark.usefixtures("ray_cluster")
 def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
     out = tmp_path / "throughput.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.throughput",
-            "--sizes",
-            "tiny",
-            "--rounds",
-            "1",
-            "--cycles",
-            "1",
-            "--intervals",
-            "2,3",
-            "--out",
-            str(out),
-            "--dir",
-            str(tmp_path / "work"),
-        ],
-        cwd=REPO,
-        env=env_for_subprocess(join_session_ray=True),
-        capture_output=True,
-        text=True,
+    proc, results = run_benchmark(
+        "throughput",
+        *"--sizes tiny --rounds 1 --cycles 1 --intervals 2,3".split(),
+        "--out",
+        str(out),
+        "--dir",
+        str(tmp_path / "work"),
         timeout=600,
+        on_session_ray=True,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    tiny = json.loads(out.read_text())["sizes"]["tiny"]
+    tiny = results["sizes"]["tiny"]
     # Every contender at every interval (ours each committed every save, or the run would have failed).
     assert set(tiny["contenders"]) == {f"{mode}@{k}" for mode in CONTENDERS for k in (2, 3)}
     for key, c in tiny["contenders"].items():
@@ -108,16 +104,7 @@ def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
 
 def test_restart_floor_times_the_imports_of_a_restarted_worker(tmp_path):
     out = tmp_path / "floor.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.restart_floor", "--rounds", "1", "--out", str(out)],
-        cwd=REPO,
-        env=env_for_subprocess(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    proc, results = run_benchmark("restart_floor", "--rounds", "1", "--out", str(out))
     assert set(results["rows"]) == {f"{case}, {n} at once" for case in ("interpreter", "imports") for n in (1, 2)}
     rows = results["rows"]
     assert all(0 < row["min_s"] <= row["median_s"] <= row["max_s"] for row in rows.values()), rows
@@ -130,16 +117,7 @@ def test_dcp_reads_loads_every_layout_and_counts_what_each_rank_read(tmp_path):
     """`benchmarks/dcp_reads.py --size small`: every load of the table runs, one count per rank; a load
     on the saving layout or on one rank reads each byte of ours once (no timing)."""
     out = tmp_path / "reads.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.dcp_reads", "--size", "small", "--out", str(out)],
-        cwd=REPO,
-        env=env_for_subprocess(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    proc, results = run_benchmark("dcp_reads", "--size", "small", "--out", str(out))
     rows = {(r["checkpoint"], r["loaded as"]): r for r in results["loads"]}
     assert [len(r["bytes read"]) for r in results["loads"]] == [1, 2, 3, 2, 3]
     assert rows[("ours", "plain, 1 rank")]["ratio"] == 1.0 and rows[("ours", "ddp, 2 ranks")]["ratio"] == 2.0

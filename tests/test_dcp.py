@@ -37,14 +37,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import harness
-from conftest import commit_by_hand, driver_checks, read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import (
+    commit_by_hand,
+    driver_checks,
+    gathered_manifests,
+    read_metrics,
+    run_on_harness,
+    shard_bytes,
+    tiny_config,
+)
 from ray_resume import parallel
 from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.dcp import DCP_METADATA, Reader, dcp_checkpoint, read_dcp_metadata
 from ray_resume.checkpoint.root import DcpCheckpoint
-from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.checkpoint.writer import save_shards
 from ray_resume.config import Config
 from ray_resume.errors import CheckpointError
 from ray_resume.model import GPT, lm_loss
@@ -105,19 +111,9 @@ def _save(rank: int, world: int, init: str, out: str) -> None:
     _train(model, optimizer, STEP, rank, world)
     root = str(Path(out, "ckpt"))
     named = list(state.unwrap(model).named_parameters())
-    manifest = save_shards(
-        LocalStorage(),
-        root,
-        STEP,
-        prefix="ckpt",
-        rank=rank,
-        world_size=world,
-        model_state=state.model_tensors(model),
-        optim_state=state.optim_tensors(named, optimizer),
-        rank_extras=state.capture_rng(),
+    manifests = gathered_manifests(
+        root, STEP, state.model_tensors(model), state.optim_tensors(named, optimizer), rank, world
     )
-    manifests = [None] * world
-    dist.all_gather_object(manifests, manifest)
     msd, osd = get_state_dict(model, optimizer)
     flat = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     for layout, states in LAYOUTS.items():

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import harness
-from conftest import commit_by_hand, tiny_config
+from conftest import commit_by_hand, gathered_manifests, tiny_config
 from ray_resume import parallel
 from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
@@ -29,7 +29,6 @@ from ray_resume.checkpoint.root import CommittedIteration
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.checkpoint.writer import save_shards
 from ray_resume.config import Config
 from ray_resume.model import GPT, lm_loss
 from ray_resume.optim import MainParamsOptimizer
@@ -79,19 +78,7 @@ def _save(rank: int, world: int, init: str, out: str, strategy: str, dtype: str)
     model, optimizer = _setup(rank, world, init, strategy, dtype)
     _train(model, optimizer, STEP, rank, world)
     root = str(Path(out, "ckpt"))
-    manifest = save_shards(
-        LocalStorage(),
-        root,
-        STEP,
-        prefix="ckpt",
-        rank=rank,
-        world_size=world,
-        model_state=state.model_tensors(model),
-        optim_state=optimizer.state_tensors(),
-        rank_extras=state.capture_rng(),
-    )
-    manifests = [None] * world
-    dist.all_gather_object(manifests, manifest)
+    manifests = gathered_manifests(root, STEP, state.model_tensors(model), optimizer.state_tensors(), rank, world)
     held = _consolidated(model, optimizer)
     next_loss = _train(model, optimizer, 1, rank, world)[0]  # the step a load of this checkpoint takes next
     if rank == 0:  # the driver's part of a commit

@@ -113,7 +113,7 @@ def test_two_jobs_taking_over_at_the_same_instant_one_wins(tmp_path, conditional
 def test_a_commit_is_fenced_by_the_lease(tmp_path):
     """A job whose lease was taken over (it stalled past its ttl) writes nothing: no JSON, no tracker."""
     from ray_resume.checkpoint.commit import commit_iteration
-    from ray_resume.checkpoint.lease import LeaseLost
+    from ray_resume.errors import LeaseLost
 
     storage = LocalStorage()
     stalled = Lease(storage, str(tmp_path), "job-stalled", ttl_s=60)
@@ -164,7 +164,7 @@ def test_a_commit_is_fenced_by_the_lease(tmp_path):
 def test_a_stalled_job_whose_lease_was_taken_and_released_stays_out(tmp_path):
     """A stalls past its ttl; B takes over, finishes and releases. A's renewal must not bring its old
     generation back to life, and its fence must keep failing."""
-    from ray_resume.checkpoint.lease import LeaseLost
+    from ray_resume.errors import LeaseLost
 
     stalled = Lease(LocalStorage(), str(tmp_path), "job-a", ttl_s=60)
     stalled.acquire()
@@ -183,7 +183,7 @@ def test_a_stalled_job_whose_lease_was_taken_and_released_stays_out(tmp_path):
 @pytest.mark.invariant(9)
 def test_a_lease_about_to_run_out_fences_too(tmp_path):
     """Renewals failing: with less than ttl/3 left, committing could race a takeover."""
-    from ray_resume.checkpoint.lease import LeaseLost
+    from ray_resume.errors import LeaseLost
 
     lease = Lease(LocalStorage(), str(tmp_path), "job-a", ttl_s=60)
     lease.acquire()

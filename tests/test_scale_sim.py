@@ -5,6 +5,7 @@ No timing is asserted: the measured table lives in benchmarks/README.md.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pyarrow.fs as pafs
@@ -143,24 +144,8 @@ def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
     # One listing for all 6 files; only the name it lacks is asked for by itself.
     assert calls == {"listings": 1, "sizes": [f"{iter_dir}/absent"]}
 
-    short = paths.shard_filename("ckpt", "opt", 1, world)
-    storage.write_atomic(paths.join(iter_dir, short), b"x")
-    with pytest.raises(RuntimeError, match=short):
-        commit_iteration(
-            storage,
-            root,
-            scale_sim.ITERATION,
-            manifests,
-            scale_sim.common_json(world),
-            prefix="ckpt",
-            config=scale_sim.SIM_CONFIG,
-            job_id="t",
-        )
-    assert storage.size(paths.tracker_path(root)) is None
-
-    storage.write_atomic(paths.join(iter_dir, short), b"\0" * manifests[1].files[short].size)
-    calls.update(listings=0, sizes=[])
-    meta = commit_iteration(
+    commit = functools.partial(
+        commit_iteration,
         storage,
         root,
         scale_sim.ITERATION,
@@ -170,6 +155,15 @@ def test_commit_on_object_storage_checks_sizes_with_one_listing(s3):
         config=scale_sim.SIM_CONFIG,
         job_id="t",
     )
+    short = paths.shard_filename("ckpt", "opt", 1, world)
+    storage.write_atomic(paths.join(iter_dir, short), b"x")
+    with pytest.raises(RuntimeError, match=short):
+        commit()
+    assert storage.size(paths.tracker_path(root)) is None
+
+    storage.write_atomic(paths.join(iter_dir, short), b"\0" * manifests[1].files[short].size)
+    calls.update(listings=0, sizes=[])
+    meta = commit()
     on_disk = parse_json(storage.read_bytes(paths.join(iter_dir, paths.METADATA)), "metadata.json")
     parse_iteration(
         {

@@ -14,11 +14,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..errors import AsyncSaveError
+
 logger = logging.getLogger(__name__)
-
-
-class AsyncSaveError(RuntimeError):
-    """A checkpoint save that ran in the background failed; the cause is chained."""
 
 
 class BackgroundSave:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..collectives import collective_device, decided_by_rank0, smallest
-from ..errors import CheckpointError
+from ..errors import CheckpointError, DamagedShards, WriterDied
 from . import memory, names, paths, state
 from .async_save import BackgroundSave
 from .dcp import load_dcp, optimizer_specs, weight_specs
@@ -27,10 +27,9 @@ from .plan import TensorSpec, needed_range
 from .export import read_export
 from .reader import load_rank_extras
 from .root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
-from .schema import DamagedShards
 from .state import DTYPE_TAGS, DTYPES, class_path, optimizer_slots
 from .writer import SnapshotBuffers, live_data, shard_layouts, write_shards
-from .writer_process import ProcessWriter, WriterDied, writes_in_a_process
+from .writer_process import ProcessWriter, writes_in_a_process
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import time
 
 from . import paths
 from .reader import check_no_extra_shards, find_committed, iteration_steps, open_iteration
-from .schema import AbnormalIteration, Iteration
-from ..errors import CheckpointError
+from .schema import Iteration
+from ..errors import AbnormalIteration, CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -36,16 +36,12 @@ import threading
 import time
 
 from . import paths
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LeaseLost
 
 logger = logging.getLogger(__name__)
 
 LEASE_DIR = ".writer-lease"
 SETTLE_S = 2.0  # object storage: wait this long before reading a new generation back
-
-
-class LeaseLost(RuntimeError):
-    """This job no longer holds the save_path's lease: it must not commit."""
 
 
 def _dead_here(held: dict) -> bool:

@@ -39,8 +39,8 @@ from .checks import check_weights
 from .plan import TensorSpec, needed_range
 from .reader import ShardReader, check_no_extra_shards, open_iteration, plan_reads
 from .parse import parse_iteration
-from .schema import DamagedShards, Iteration
-from ..errors import CheckpointError
+from .schema import Iteration
+from ..errors import CheckpointError, DamagedShards
 from .state import DTYPE_TAGS, DTYPES
 
 logger = logging.getLogger(__name__)

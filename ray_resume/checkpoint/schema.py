@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import names, paths
-from ..errors import CheckpointError
+from ..errors import AbnormalIteration, CheckpointError
 from .digest import CHECKSUMS, block_bounds
 from .plan import Piece, TensorSpec, rows_piece
 
@@ -47,16 +47,6 @@ LAYOUT_ALIAS = "dp"  # the device-matrix axis name of a cut in equal dim-0 parts
 # A safetensors header larger than this is not one we wrote (ours are ~100 bytes per tensor).
 MAX_HEADER = 64 << 20
 _HEX = re.compile(r"[0-9a-f]+")
-
-
-class DamagedShards(CheckpointError):
-    """The bytes of a shard disagree with metadata.json (size, checksum, header): the loading
-    ranks fall back to an older iteration, as the driver does for damaged metadata."""
-
-
-class AbnormalIteration(CheckpointError):
-    """common.json says `ckpt_status` 1 (abnormal): MindFormers passes such an iteration over for an
-    older healthy one, and so do we; it is not damage, and is never set aside."""
 
 
 def dumps(obj: dict) -> bytes:

@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Callable
 
 from .. import wire
+from ..errors import WriterDied
 from .shard_file import ShardFile, write_file
 from .storage import storage_for, wrappers
 
@@ -63,10 +64,6 @@ def writes_in_a_process(ckpt, share_bytes: int | None) -> bool:
 def _cuda_available() -> bool:
     torch = sys.modules.get("torch")  # a rank has imported it; this module does not
     return torch is not None and torch.cuda.is_available()
-
-
-class WriterDied(RuntimeError):
-    """The writer process ended while a save was in flight; that save is lost, the next one starts a new writer."""
 
 
 class ProcessWriter:

@@ -21,8 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import CheckpointError
-from .common import CliError
+from ..errors import CheckpointError, CliError
 from .export import cmd_export
 from .reports import cmd_list, cmd_show, cmd_verify
 
@@ -36,12 +35,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def cmd_plot(args) -> int:
-    from ..plot import PlotError, plot_run
+    from ..plot import plot_run
 
-    try:
-        summary = plot_run(args.root, args.output)
-    except PlotError as exc:
-        raise CliError(str(exc), exc.code) from None
+    summary = plot_run(args.root, args.output)
     print(
         f"wrote {summary['output']}: {summary['runs']} run(s), {len(summary['saves'])} save step(s), "
         f"{len(summary['resumes'])} resume(s)"

@@ -8,17 +8,9 @@ from typing import Any
 from ..checkpoint import paths
 from ..checkpoint.reader import ShardReader, check_no_extra_shards, iteration_steps, open_iteration, read_tracker
 from ..checkpoint.root import root_for
-from ..checkpoint.schema import AbnormalIteration, Iteration, parse_json
+from ..checkpoint.schema import Iteration, parse_json
 from ..checkpoint.storage import Storage
-from ..errors import CheckpointError
-
-
-class CliError(Exception):
-    """A failure reported as one `error:` line; `code` is the exit status."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
+from ..errors import AbnormalIteration, CheckpointError, CliError
 
 
 def emit_json(obj: Any) -> None:

@@ -9,7 +9,8 @@ from ..checkpoint import paths
 from ..checkpoint.reader import open_iteration
 from ..checkpoint.schema import Iteration
 from ..text_table import human_size
-from .common import CliError, open_root, resolve_iteration, verify_iteration
+from ..errors import CliError
+from .common import open_root, resolve_iteration, verify_iteration
 
 
 EXPORT_FILES = ("model.safetensors", "optimizer.safetensors", paths.CONFIG, "config.json")

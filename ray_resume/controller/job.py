@@ -33,9 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from ..calls import SAVE_AND_STOP, STOP_NOW
+from ..errors import LeaseLost
 from ..checkpoint import paths
 from ..checkpoint.commit import commit_iteration
-from ..checkpoint.lease import LeaseLost
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.root import ResumePlan, root_for
 from ..config import redacted
