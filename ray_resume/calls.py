@@ -1,8 +1,8 @@
 """A call to the job's controller or a memory keeper: on its Ray actor, or on the plain object
 itself (the tests' harness), the same way. Ranks make them through `controller.client.ControllerClient`.
 
-Apart from the controller, which needs Ray, so that the checkpoint core runs
-where Ray is not installed (scripts/gpu_check.py on a bare GPU machine).
+It imports no Ray (it finds Ray's actor handles only where Ray is loaded), so that the
+checkpoint core runs where Ray is not installed (scripts/gpu_check.py on a bare GPU machine).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ def decided_by_rank0(decide, rank: int, what: str):
     """`decide()` (a JSON value) computed by rank 0 alone and broadcast to every rank.
 
     What rank 0 raises is raised on every rank, with rank 0's message, so no
-    rank waits for a broadcast that never comes.
+    rank waits for a broadcast that never comes: a CheckpointError as one, anything
+    else (a controller gone, a storage error) as a RuntimeError naming what failed.
     """
     if not _grouped():
         return decide()
@@ -42,12 +43,12 @@ def decided_by_rank0(decide, rank: int, what: str):
         except Exception as exc:  # the other ranks wait for this broadcast: tell them, then raise here
             failure = exc
             text = str(exc) if isinstance(exc, CheckpointError) else f"rank 0 could not {what}: {exc!r}"
-            message = json.dumps({"error": text}).encode()
+            message = json.dumps({"error": text, "checkpoint": isinstance(exc, CheckpointError)}).encode()
     got = json.loads(broadcast_bytes(message))
     if failure is not None:
         raise failure
     if "error" in got:
-        raise CheckpointError(got["error"])
+        raise (CheckpointError if got["checkpoint"] else RuntimeError)(got["error"])
     return got["value"]
 
 
@@ -66,15 +67,6 @@ def broadcast_bytes(data: bytes) -> bytes:
     buf = buf.to(device)
     dist.broadcast(buf, src=0)
     return buf.cpu().numpy().tobytes()
-
-
-def from_rank0(values: list[int]) -> list[int]:
-    """Rank 0's integers on every rank (the others pass as many placeholders)."""
-    if not _grouped():
-        return list(values)
-    facts = torch.tensor(values, dtype=torch.int64, device=collective_device())
-    dist.broadcast(facts, src=0)
-    return facts.tolist()
 
 
 def largest(values: list[int]) -> list[int]:

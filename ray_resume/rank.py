@@ -2,9 +2,10 @@
 
 `rank_entry` is what the TorchTrainer runs on each rank, for `ray_resume.fit`'s
 jobs and the built-in one alike (the built-in loop is a train_func too): it
-agrees with its peers on the attempt and what to resume, then runs the
-job's train_func with this rank's `RankCheckpointer`, which the loop gets
-from `get_checkpointer()`.
+gets the attempt and its `ResumePlan` (rank 0 asks the controller, which
+decides it, and broadcasts it), then runs the job's train_func with this
+rank's `RankCheckpointer`, which carries the plan out and which the loop
+gets from `get_checkpointer()`.
 """
 
 from __future__ import annotations

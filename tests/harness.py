@@ -25,12 +25,12 @@ that has torch and ray_resume imported already.
 from __future__ import annotations
 
 import functools
+import dataclasses
 import json
 import multiprocessing as mp
 import os
 import tempfile
 import time
-import dataclasses
 import uuid
 from dataclasses import dataclass
 from multiprocessing.managers import BaseManager
@@ -281,7 +281,7 @@ class LocalBackend:
         self.outcome: Outcome | None = None  # once the job has run
         self.driver_pid: int | None = None  # the controller's process, once started
 
-    def run(self, cfg: Config, job_id: str, plan, loop_config: dict) -> dict:
+    def run(self, cfg: Config, job_id: str, plan, loop_config: dict) -> JobOutcome:
         started = time.monotonic()
         driver = Driver(ctx=CTX)
         driver.start()

@@ -29,6 +29,7 @@ from ray_resume.checkpoint.schema import Iteration, StoredFile
 from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import CHECKSUM_BLOCK
+from ray_resume.collectives import decided_by_rank0
 from storage_faults import FileProxy
 from test_checkpoint_format import make_state, write_iteration
 
@@ -284,3 +285,31 @@ def test_only_rank_0_reads_the_iteration_json_and_every_rank_gets_its_verdict(tm
     expected = open_iteration(LocalStorage(), str(tmp_path / "root"), 5)
     for r in reports:
         assert (r["raw"], r["common"], r["path"]) == (expected.raw, expected.common, expected.path)
+
+
+def _decide(rank: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+
+    def decide():
+        raise OSError(5, "Input/output error", "s3://bucket/root/latest_checkpointed_iteration.txt")
+
+    try:
+        decided_by_rank0(decide, rank, "read the tracker")
+    except Exception as exc:  # noqa: BLE001  (what each rank raises is the finding)
+        Path(out, f"decided{rank}.json").write_text(json.dumps([type(exc).__name__, str(exc)]))
+    dist.destroy_process_group()
+
+
+def test_a_failure_of_rank_0s_that_is_no_checkpoint_error_reaches_every_rank_as_what_it_is(tmp_path):
+    """A storage error where rank 0 decides alone: rank 0 raises it, the others a RuntimeError that names
+    it, not a CheckpointError (one of the user's mistakes, which is never retried)."""
+    harness.spawn(_decide, (f"file://{tmp_path / 'pg'}", str(tmp_path)), 2)
+    raised = [json.loads((tmp_path / f"decided{r}.json").read_text()) for r in range(2)]
+    assert raised[0] == [
+        "OSError",
+        "[Errno 5] Input/output error: 's3://bucket/root/latest_checkpointed_iteration.txt'",
+    ]
+    assert raised[1] == [
+        "RuntimeError",
+        "rank 0 could not read the tracker: OSError(5, 'Input/output error')",
+    ]

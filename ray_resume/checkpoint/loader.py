@@ -21,6 +21,10 @@ read from storage is counted.
   part of a piece is broadcast from the rank that read its block straight
   into the other ranks' tensors. Each byte comes off storage once in
   total, and no rank reads more than one block (4 MiB) above the mean.
+
+Then what is loaded is put in place: `assign` (into the model's tensors, this
+rank's shard of each), `load_weights` (an export's whole tensors), and
+`from_mindformers` (a MindFormers optimizer's state as torch's keeps it).
 """
 
 from __future__ import annotations

@@ -78,8 +78,10 @@ class ResumePlan:
         return ResumePlan(self.source, self.full, memory_step)
 
     def to_json(self) -> dict:
-        kind = next((k for k, cls in _SOURCES.items() if isinstance(self.source, cls)), None)
-        source = None if kind is None else {"kind": kind, **dataclasses.asdict(self.source)}
+        source = None
+        if self.source is not None:  # one of ResumeSource's kinds, or a bug: never "nothing" by mistake
+            kind = next(k for k, cls in _SOURCES.items() if type(self.source) is cls)
+            source = {"kind": kind, **dataclasses.asdict(self.source)}
         return {"source": source, "full": self.full, "memory_step": self.memory_step}
 
     @classmethod

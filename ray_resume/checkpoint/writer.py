@@ -307,14 +307,13 @@ def write_shards(
         written = [write_file(storage, f, data, checksum, on_mid_write) for f, (_, data) in zip(files, shards)]
     else:
         written = writer.write(files, checksum, on_mid_write)
-    manifest = Manifest(rank, world_size, block_size, files={}, chunks={}, specs={})
+    written_files, chunks, specs = {}, {}, {}
     for f, (shard, _), (size, digests) in zip(files, shards, written):
-        manifest.files[f.name] = WrittenFile(size, len(f.head), checksum, digests)
-        manifest.chunks[shard.kind] = [
-            (e.piece.name, *e.rows) for e in sorted(shard.entries, key=lambda e: e.piece.name)
-        ]
+        written_files[f.name] = WrittenFile(size, len(f.head), checksum, digests)
+        chunks[shard.kind] = [(e.piece.name, *e.rows) for e in sorted(shard.entries, key=lambda e: e.piece.name)]
         if rank == 0:
-            manifest.specs[shard.kind] = [(s.name, s.dtype, list(s.shape)) for s in shard.specs]
+            specs[shard.kind] = [(s.name, s.dtype, list(s.shape)) for s in shard.specs]
+    manifest = Manifest(rank, world_size, block_size, written_files, chunks, specs)
     logger.debug("rank %d wrote %s", rank, manifest.files)
     return manifest
 

@@ -17,7 +17,7 @@ after the tracker has moved. What changes the job's state (an attempt
 starting, a manifest arriving, a commit) is serialized by one lock, so a
 commit and a restarted group asking "what is committed?" never interleave.
 
-The class is plain Python; ranks reach it through `calls.call`, so the in-process
+The class is plain Python; ranks reach it through `client.ControllerClient`, so the in-process
 test harness serves the very same class without Ray.
 """
 

@@ -2,7 +2,7 @@
 which node's keeper (and its replica), and which step a restarted group can take back whole.
 
 A mixin of `JobController`: its methods are the controller's (ranks call them through
-`calls.call`), under its lock.
+`client.ControllerClient`), under its lock.
 """
 
 from __future__ import annotations
