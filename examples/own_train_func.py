@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import tempfile
+import time
 
 import numpy as np
 import ray.train
@@ -25,7 +26,7 @@ import torch
 
 import ray_resume
 
-STEPS, BATCH = 60, 32
+STEPS, BATCH, SAVE_EVERY = 60, 32, 20
 log = logging.getLogger("own_train_func")  # a print() on a Ray Train worker reaches the console twice
 NAME = "own-train-func"  # the run's name; lines that begin "[NAME] " are never folded by Ray's log deduplication
 
@@ -76,6 +77,9 @@ def train_func(config: dict) -> None:
         sched.step()
         counter.seen += len(xs)
         if step == config.get("kill_at") and rank == 1 and not os.path.exists(config["marker"]):
+            # The demo's crash: first let the save before it commit (saves are asynchronous, and a busy
+            # machine may take longer than the steps between), so that the restart resumes from it.
+            wait_for_commit(config["root"], step // SAVE_EVERY * SAVE_EVERY)
             open(config["marker"], "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         ck.maybe_save(step, consumed_samples=step * BATCH, global_batch_size=BATCH)
@@ -90,6 +94,19 @@ def train_func(config: dict) -> None:
             )
 
 
+def wait_for_commit(root: str, step: int, timeout_s: float = 60.0) -> None:
+    """Until the root's tracker (MindFormers' latest_checkpointed_iteration.txt) names `step` or later."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+                if int(f.read()) >= step:
+                    return
+        except (OSError, ValueError):  # nothing committed yet
+            pass
+        time.sleep(0.05)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -102,8 +119,8 @@ def main() -> None:
     try:
         result = ray_resume.fit(
             train_func,
-            train_loop_config={"kill_at": args.kill_at, "marker": marker},
-            checkpoint={"save_path": root, "load_path": root, "save_interleaved_steps": 20},
+            train_loop_config={"kill_at": args.kill_at, "marker": marker, "root": root},
+            checkpoint={"save_path": root, "load_path": root, "save_interleaved_steps": SAVE_EVERY},
             scaling_config=ray.train.ScalingConfig(num_workers=2),
             run_config=ray.train.RunConfig(name=NAME, failure_config=ray.train.FailureConfig(max_failures=2)),
         )
