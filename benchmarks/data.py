@@ -77,8 +77,10 @@ def on_moto(local: Path):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import s3_server
 
+    from ray_resume.checkpoint.storage import s3_filesystem
+
     server, options = s3_server.start("data", key="bench")
-    fs = s3_server.filesystem(options)
+    fs = s3_filesystem(options)
     for f in sorted(local.glob("*.parquet")):
         with fs.open_output_stream(f"data/bench/{f.name}") as out:
             out.write(f.read_bytes())

@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the in-process harness and its storage fault injector
 
 import harness  # noqa: E402
+import s3_server  # noqa: E402
 from conftest import tiny_config  # noqa: E402
 import storage_faults  # noqa: E402
 
@@ -596,13 +597,6 @@ class Soak:
                 fault.lost_s = max(0.0, back - fault.at - (target - reached) * self.step_s)
 
 
-def start_s3() -> tuple[object, dict]:
-    """An S3 server (moto) on loopback with a bucket `ckpts`: (the server, its checkpoint.storage options)."""
-    import s3_server
-
-    return s3_server.start("ckpts")
-
-
 class _SecondJobRan(Exception):
     pass
 
@@ -741,7 +735,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, soak.on_sigterm)
     server = None
     if not args.local_only:
-        server, soak.s3 = start_s3()
+        server, soak.s3 = s3_server.start("ckpts")  # a moto server on loopback, with the bucket
     start = time.time()
     soak.make_reference()
     pending = list(kinds) if args.cover else []

@@ -75,7 +75,9 @@ def rank_entry(loop_config: dict) -> None:
     controller = ControllerClient(ours["controller"])
     cfg = Config.from_dict(controller.job_config())  # the train_loop_config Ray Train shows is redacted
     ctx = ray.train.get_context()
-    off = ours.get("fork_server_off")
+    off, processes = ours.get("fork_server_off"), None
+    if ctx.get_world_rank() == 0:  # rank 0's alone is recorded: the fork server is asked once per group
+        processes = forkserver.started_how() if off is None else f"off ({off})"
     run_rank(
         cfg,
         controller,
@@ -85,7 +87,7 @@ def rank_entry(loop_config: dict) -> None:
         loop_config[USER],
         job_id=ours["job_id"],
         driver_clock=ours["clock"],
-        processes=forkserver.started_how() if off is None else f"off ({off})",
+        processes=processes,
     )
 
 

@@ -7,8 +7,6 @@ import socket
 import pyarrow.fs as pafs
 from moto.server import ThreadedMotoServer
 
-from ray_resume.checkpoint.storage import s3_filesystem
-
 
 def start(bucket: str, key: str = "testing") -> tuple[ThreadedMotoServer, dict]:
     """The server, running, with `bucket`; and the `checkpoint.storage` options that reach it."""
@@ -33,8 +31,3 @@ def start(bucket: str, key: str = "testing") -> tuple[ThreadedMotoServer, dict]:
         allow_bucket_creation=True,
     ).create_dir(bucket)
     return server, options
-
-
-def filesystem(options: dict) -> pafs.S3FileSystem:
-    """The server's filesystem, as the product builds it from `options`."""
-    return s3_filesystem(options)

@@ -13,15 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import assert_same_as_reference, run_job, run_on_harness, tiny_config
-import s3_server
 from harness import LocalStream
+from ray_resume.checkpoint.storage import s3_filesystem
 from ray_resume.data import scan_units
 from ray_resume.errors import DataError
 
 
 def upload(local: str, s3: dict) -> str:
     """A copy of the dataset directory `local` under a new prefix of the `ckpts` bucket."""
-    fs = s3_server.filesystem(s3)
+    fs = s3_filesystem(s3)
     prefix = f"ckpts/data-{uuid.uuid4().hex[:8]}"
     for f in sorted(Path(local).glob("*.parquet")):
         with fs.open_output_stream(f"{prefix}/{f.name}") as out:
@@ -58,7 +58,7 @@ def test_a_missing_prefix_or_a_file_of_another_schema_on_object_storage_is_one_l
     ):
         scan_units("s3://no-such-bucket/x", storage=s3)
     remote = upload(local_reference["data"], s3)
-    fs = s3_server.filesystem(s3)
+    fs = s3_filesystem(s3)
     with fs.open_output_stream(f"{remote[5:]}/part-99999.parquet") as out:
         pq.write_table(
             pa.table({"sample_id": pa.array([0], pa.int32()), "input_ids": pa.array([[1, 2]], pa.list_(pa.int32()))}),
