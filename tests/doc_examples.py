@@ -44,6 +44,9 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 SETUP = re.compile(r"bash scripts/setup\.sh( --test)? && ")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PREFIX = re.compile(r"^(\(\w+ pid=\d+(, ip=[\d.]+)?\) )?")  # a Ray process's line, forwarded
+# where a forwarded line starts mid-line: Ray sometimes prints one right after a line of the raylet's
+# that lacks its newline ("...OOM killer.(RayTrainWorker pid=7) [fault] killing rank 1 ...")
+JOINED = re.compile(r"(?<=\S)(?=\(\w+ pid=\d+(?:, ip=[\d.]+)?\) )")
 DURATION = re.compile(r"\d+(?:\.\d+)?(?= ?s\b| samples/s)|\d+:\d\d:\d\d")
 
 
@@ -170,7 +173,7 @@ def compare(b: Block, printed: str) -> None:
     """Each shown line matches a printed one, in order within each process's lines (Ray forwards a
     rank's lines when it gets to them, so lines of two processes may come in either order)."""
     streams: dict[str, list[str]] = {}
-    for line in printed.splitlines():
+    for line in (part for whole in printed.splitlines() for part in JOINED.split(whole)):
         streams.setdefault(PREFIX.match(line).group(), []).append(line.rstrip())
     at = dict.fromkeys(streams, 0)
     for shown in b.text.splitlines():

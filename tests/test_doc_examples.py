@@ -61,10 +61,16 @@ result = ray_resume.fit(train_func, checkpoint={"save_path": root, "load_path": 
         ("three 8 steps\n", False),  # any other number is compared
         ("(Worker pid=…) b\n(Worker pid=…) a\n", True),  # two processes' lines in either order
         ("(Worker pid=…) c\n(Worker pid=…) a\n", False),  # one process's in its order
+        # Ray ran a process's line onto the end of another's (the raylet's, without its newline): seen
+        ("(Worker pid=…) d\n", True),
+        ("(raylet) A worker died.\n", True),
     ],
 )
 def test_an_output_block_holds_only_where_the_run_printed_it(tmp_path, shown, holds):
-    printed = "one 0.2 s two\n(Worker pid=1) a\n(Worker pid=2) b\n(Worker pid=1) c\nthree 7 steps\n"
+    printed = (
+        "one 0.2 s two\n(Worker pid=1) a\n(Worker pid=2) b\n(Worker pid=1) c\nthree 7 steps\n"
+        "(raylet) A worker died.(Worker pid=2) d\n"
+    )
     block = ex.Block(REPO / "README.md", 1, "", "output", shown)
     if holds:
         ex.compare(block, printed)
