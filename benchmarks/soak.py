@@ -604,7 +604,7 @@ class _SecondJobRan(Exception):
 class _MustNotRun:
     """The second job's backend: reaching it means the lease let the job in."""
 
-    def run(self, cfg, job_id, plan, loop_config):
+    def run(self, cfg, plan, launch, loop_config):
         raise _SecondJobRan()
 
 

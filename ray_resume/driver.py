@@ -43,7 +43,7 @@ from .controller.job import JobOutcome
 from .errors import USER_ERRORS, CommitError, ConfigError
 from .metrics import read_metrics
 from .preflight import resolve_source
-from .rank import INTERNAL, USER, rank_entry
+from .rank import INTERNAL, USER, RankLaunch, rank_entry
 from .summary import summarize
 
 logger = logging.getLogger("ray_resume")
@@ -108,12 +108,7 @@ def launch(
         clock["checked"] = time.time()
         # the first start's; the controller decides the restarts'
         plan = ResumePlan.first(source, cfg.checkpoint.no_load_optim)
-        outcome = backend.run(
-            cfg,
-            job_id,
-            plan,
-            {INTERNAL: {"train_func": train_func, "job_id": job_id, "clock": clock}, USER: loop_config},
-        )
+        outcome = backend.run(cfg, plan, RankLaunch(train_func, job_id, clock), loop_config)
     finally:
         if lease:
             lease.release()
@@ -195,7 +190,7 @@ class RayTrain:
     ):
         self.address, self.scaling_config, self.run_config, self.verbose = address, scaling_config, run_config, verbose
 
-    def run(self, cfg: Config, job_id: str, plan: ResumePlan, loop_config: dict) -> JobOutcome:
+    def run(self, cfg: Config, plan: ResumePlan, launch: RankLaunch, loop_config: dict) -> JobOutcome:
         """The job to its end: the controller's account, the failure `fit()` raised, and the wall time."""
         init_ray(self.address, cfg)
         ranks_env = (self.run_config or ray.train.RunConfig()).worker_runtime_env
@@ -209,9 +204,8 @@ class RayTrain:
         )
         if fork_server_off is None:
             ranks_env = forkserver.rank_runtime_env(ranks_env or {}, preload=(rank_entry.__module__, __name__))
-        loop_config[INTERNAL]["fork_server_off"] = fork_server_off
         print_every_line_of(cfg.name)
-        clock = loop_config[INTERNAL]["clock"]
+        job_id, clock = launch.job_id, launch.clock
         clock["ray_up"] = time.time()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         # On the driver's node: the commit must run where the driver does (it dies with it).
@@ -226,11 +220,11 @@ class RayTrain:
                 for i, keeper in enumerate(ring)
             ]
         )
-        loop_config[INTERNAL]["controller"] = controller
         clock["fit"] = time.time()
+        launch = dataclasses.replace(launch, controller=controller, fork_server_off=fork_server_off)
         trainer = TorchTrainer(
             rank_entry,
-            train_loop_config=loop_config,
+            train_loop_config={INTERNAL: launch, USER: loop_config},
             scaling_config=scaling,
             run_config=self._run_config(cfg, job_id, controller, ranks_env),
         )

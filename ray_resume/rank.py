@@ -31,7 +31,7 @@ from .extra_state import MAX_EXTRA, OptimizerState, dump_extra, load_extra
 from .faults import FaultInjector
 from .summary import start_clock
 
-INTERNAL = "ray_resume"  # train_loop_config as the TorchTrainer gets it: {INTERNAL: ours, USER: the loop's own}
+INTERNAL = "ray_resume"  # train_loop_config as the TorchTrainer gets it: {INTERNAL: a RankLaunch, USER: the loop's own}
 USER = "config"
 _current: "RankCheckpointer | None" = None
 
@@ -41,6 +41,18 @@ def get_checkpointer() -> "RankCheckpointer":
     if _current is None:
         raise RuntimeError("ray_resume.get_checkpointer() works inside a train_func run by ray_resume.fit()")
     return _current
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """What the driver hands every rank of the job beside the loop's own config (Ray Train carries it
+    in train_loop_config under INTERNAL): made by `driver.launch`, completed by the backend."""
+
+    train_func: Callable[[dict], None]
+    job_id: str
+    clock: dict  # the first start's stamps so far (summary.start_clock): the backend adds its own, then sends it
+    controller: Any = None  # the JobController actor's handle, once the backend started it
+    fork_server_off: str | None = None  # why the ranks are not forks of the fork server; None when they are
 
 
 @dataclass(frozen=True)
@@ -71,22 +83,23 @@ def rank_entry(loop_config: dict) -> None:
     import ray.train
 
     forked.size_thread_pools()  # a fork's, now that Ray has set this rank's OMP_NUM_THREADS
-    ours = loop_config[INTERNAL]
-    controller = ControllerClient(ours["controller"])
+    launch: RankLaunch = loop_config[INTERNAL]
+    controller = ControllerClient(launch.controller)
     cfg = Config.from_dict(controller.job_config())  # the train_loop_config Ray Train shows is redacted
     ctx = ray.train.get_context()
-    off, processes = ours.get("fork_server_off"), None
+    processes = None
     if ctx.get_world_rank() == 0:  # rank 0's alone is recorded: the fork server is asked once per group
+        off = launch.fork_server_off
         processes = forkserver.started_how() if off is None else f"off ({off})"
     run_rank(
         cfg,
         controller,
         ctx.get_world_rank(),
         ctx.get_world_size(),
-        ours["train_func"],
+        launch.train_func,
         loop_config[USER],
-        job_id=ours["job_id"],
-        driver_clock=ours["clock"],
+        job_id=launch.job_id,
+        driver_clock=launch.clock,
         processes=processes,
     )
 

@@ -223,7 +223,7 @@ def run_job(cfg: dict):
 class Checked:
     """A backend that runs nothing: what the driver decided once its lease was taken and its checks passed."""
 
-    def run(self, cfg, job_id: str, plan, loop_config: dict):
+    def run(self, cfg, plan, launch, loop_config: dict):
         self.cfg, self.source = cfg, plan.source
         from ray_resume.controller.job import JobOutcome
 

@@ -52,7 +52,7 @@ from ray_resume.data import ReadUnit, SampleStream
 from ray_resume.data.stream import _read_unit_batch
 from ray_resume.driver import TrainingFailed, stop_on_sigterm
 from ray_resume.errors import USER_ERRORS
-from ray_resume.rank import INTERNAL, USER, get_checkpointer, run_rank
+from ray_resume.rank import RankLaunch, get_checkpointer, run_rank
 from ray_resume.train_loop import train_func as built_in_train_func
 from ray_resume.train_loop import train_worker
 
@@ -281,22 +281,21 @@ class LocalBackend:
         self.outcome: Outcome | None = None  # once the job has run
         self.driver_pid: int | None = None  # the controller's process, once started
 
-    def run(self, cfg: Config, job_id: str, plan, loop_config: dict) -> JobOutcome:
+    def run(self, cfg: Config, plan, launch: RankLaunch, loop_config: dict) -> JobOutcome:
         started = time.monotonic()
         driver = Driver(ctx=CTX)
         driver.start()
         self.driver_pid = driver._process.pid
         try:
             controller = getattr(driver, self.controller)(
-                cfg.checkpoint.save_path, job_id, cfg.to_dict(), plan, self.storage_faults, self.setup
+                cfg.checkpoint.save_path, launch.job_id, cfg.to_dict(), plan, self.storage_faults, self.setup
             )
-            ours = loop_config[INTERNAL]
             args = (
                 cfg.to_dict(),
                 controller,
-                ours["train_func"],
-                loop_config[USER],
-                job_id,
+                launch.train_func,
+                loop_config,
+                launch.job_id,
                 self.preempted,
                 self.storage_faults,
                 self.setup,
