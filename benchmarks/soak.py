@@ -184,7 +184,7 @@ class Fault:
 class Plan:
     """One submission's faults."""
 
-    phase: dict | None = None  # the config's fault: section
+    phase: dict | None = None  # the fault injected into the job (faults.Fault's fields)
     phase_kind: str | None = None
     storage: list[tuple[str, dict]] = field(default_factory=list)  # (kind, tests/storage_faults.Fault fields)
     timed: list[tuple[str, float]] = field(default_factory=list)  # (kind, moment: a fraction of the remaining training)
@@ -309,7 +309,6 @@ class Soak:
         committed = read_tracker(root.storage, root.uri)
         if committed is not None:
             cfg["checkpoint"]["load_path"] = root.uri  # as a resubmission of the job would
-        cfg["fault"] = plan.phase
         remaining = (STEPS - (committed or 0)) * self.step_s
         notice = (
             soak_faults.NoticeAt(str(marks) + ".notice-at", str(marks) + ".notice")
@@ -328,7 +327,8 @@ class Soak:
         timed = threading.Thread(target=self.fire_timed, args=(plan, backend, marks, root, remaining, done, cfg))
         timed.start()
         try:
-            api.train(cfg, loss=functools.partial(soak_faults.slow_loss, str(marks), STEP_SLEEP), backend=backend)
+            loss = functools.partial(soak_faults.slow_loss, str(marks), STEP_SLEEP)
+            api.train(cfg, loss=loss, backend=backend, fault=plan.phase)
         except (TrainingFailed, *USER_ERRORS) as exc:
             if backend.outcome is None:
                 raise SoakFailure(f"submission {n} was refused before it ran: {exc}") from exc
@@ -450,7 +450,7 @@ class Soak:
     def second_job(self, root: CheckpointRoot, backend, cfg: dict) -> str | None:
         """The same job submitted again while it runs: refused at the lease, before anything is read or written."""
         holder = self.lease_holders(root)[-1][1]
-        second = dict(cfg, checkpoint={**cfg["checkpoint"], "load_path": root.uri}, fault=None)
+        second = dict(cfg, checkpoint={**cfg["checkpoint"], "load_path": root.uri})
         try:
             api.train(second, backend=_MustNotRun())
         except CheckpointError as exc:

@@ -58,6 +58,7 @@ from .checkpoint.checkpointer import Start
 from .config import CheckpointConfig, Config, load_config, redacted
 from .driver import RayTrain, Result, TrainingFailed, launch
 from .errors import ConfigError
+from .faults import Fault
 from .plugins import resolve
 from .preflight import absolute_paths, check_built_in, check_model, data_units
 from .rank import get_checkpointer
@@ -144,6 +145,7 @@ def train(
     overrides=(),
     verbose: bool = False,
     backend=None,
+    fault: Fault | dict | None = None,
 ) -> Result:
     """Run the built-in job exactly as `python -m ray_resume.run` does; its Result, or the error it failed
     with raised (TrainingFailed; ConfigError, CheckpointError or DataError for a mistake of the user's).
@@ -152,6 +154,8 @@ def train(
     nn.Module`, `loss(model, batch) -> scalar` and `collate(arrays) -> batch` replace the config's import
     paths; all are checked here, before Ray starts. `verbose` keeps Ray Train's and Ray Data's own
     console lines. `backend` runs the ranks (driver.RayTrain by default; the tests' local processes).
+    `fault` (a `faults.Fault` or its fields) kills a rank or the driver once, on purpose: the tests'
+    and the quickstart's drill.
     """
     if isinstance(config, (str, os.PathLike)):
         config = load_config(config, overrides)
@@ -159,6 +163,10 @@ def train(
         config = Config.from_dict(config)
     if config.training is None:
         raise ConfigError(f"{config.name}: the built-in job needs a training section")
+    if isinstance(fault, dict):
+        fault = Fault(**fault)
+    if fault is not None:
+        fault.within(config.scaling.max_workers)
     cfg = absolute_paths(config)
     plugins = resolve(cfg, build_model=build_model, loss=loss, collate=collate)
     check_model(cfg, plugins)
@@ -177,6 +185,7 @@ def train(
         loop_config,
         check=lambda cfg, source, it: check_built_in(cfg, plugins, units, source, it),
         backend=backend or RayTrain(address, verbose=verbose),
+        fault=fault,
     )
     if result.error is not None:
         raise result.error

@@ -41,6 +41,7 @@ from .config import Config, ScalingConfig
 from .controller import JobController
 from .controller.job import JobOutcome
 from .errors import USER_ERRORS, CommitError, ConfigError
+from .faults import Fault
 from .metrics import read_metrics
 from .preflight import resolve_source
 from .rank import INTERNAL, USER, RankLaunch, rank_entry
@@ -92,9 +93,11 @@ def launch(
     check: Callable[[Config, ResumeSource | None, Iteration | None], Config],
     backend,
     summary: bool = True,
+    fault: Fault | None = None,
 ) -> Result:
     """Run `train_func(loop_config)` on every rank to the end (with restarts), as described above; the
-    Result, its `error` set (not raised) when the run failed."""
+    Result, its `error` set (not raised) when the run failed. `fault`: one to inject (faults.py), for
+    the tests and the quickstart's drill."""
     job_id = uuid.uuid4().hex[:12]
     clock = {"launched": time.time()}  # the first start's stamps (summary.start_clock); the backend adds its own
     ckpt = cfg.checkpoint
@@ -108,7 +111,7 @@ def launch(
         clock["checked"] = time.time()
         # the first start's; the controller decides the restarts'
         plan = ResumePlan.first(source, cfg.checkpoint.no_load_optim)
-        outcome = backend.run(cfg, plan, RankLaunch(train_func, job_id, clock), loop_config)
+        outcome = backend.run(cfg, plan, RankLaunch(train_func, job_id, clock, fault=fault), loop_config)
     finally:
         if lease:
             lease.release()
@@ -211,7 +214,7 @@ class RayTrain:
         # On the driver's node: the commit must run where the driver does (it dies with it).
         keepers = start_keepers() if cfg.checkpoint.memory_interleaved_steps else {}
         controller = JobControllerActor.options(scheduling_strategy=here, name=f"{CONTROLLER_NAME}{job_id}").remote(
-            cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers, plan
+            cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers, plan, launch.fault
         )
         ring = list(keepers.values())
         ray.get(

@@ -28,7 +28,7 @@ from .controller.client import ControllerClient
 from .controller.job import AttemptStart
 from .errors import USER_ERRORS, ConfigError
 from .extra_state import MAX_EXTRA, OptimizerState, dump_extra, load_extra
-from .faults import FaultInjector
+from .faults import Fault, FaultInjector
 from .summary import start_clock
 
 INTERNAL = "ray_resume"  # train_loop_config as the TorchTrainer gets it: {INTERNAL: a RankLaunch, USER: the loop's own}
@@ -53,6 +53,7 @@ class RankLaunch:
     clock: dict  # the first start's stamps so far (summary.start_clock): the backend adds its own, then sends it
     controller: Any = None  # the JobController actor's handle, once the backend started it
     fork_server_off: str | None = None  # why the ranks are not forks of the fork server; None when they are
+    fault: Fault | None = None  # the job's injected fault (tests, the quickstart's drill); None in production
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ def rank_entry(loop_config: dict) -> None:
         loop_config[USER],
         job_id=launch.job_id,
         driver_clock=launch.clock,
+        fault=launch.fault,
         processes=processes,
     )
 
@@ -115,6 +117,7 @@ def run_rank(
     job_id: str,
     driver_clock: dict | None = None,
     processes: str | None = None,
+    fault: Fault | None = None,
 ) -> None:
     """One rank of a job in an initialised process group: `train_func(config)` with this rank's
     RankCheckpointer, for this worker-group start. A user's mistake is said once and never retried:
@@ -127,7 +130,7 @@ def run_rank(
     start = AttemptStart.from_json(start)
     if start.user_error is not None:
         return
-    faults = FaultInjector(cfg.fault, rank, controller.claim_fault)
+    faults = FaultInjector(fault, rank, controller.claim_fault)
     _current = RankCheckpointer(RankJob(cfg, controller, rank, world, job_id, start, faults))
     try:
         train_func(config)

@@ -16,6 +16,7 @@ from .api import train
 from .config import load_config
 from .driver import TrainingFailed
 from .errors import USER_ERRORS
+from .faults import PHASES, Fault
 
 # Stopped on request before train_steps (SIGTERM): saved and committed, to be resumed. Neither 0
 # (finished) nor 1/2 (failed, refused): 128 + SIGTERM, the status a scheduler (Kubernetes, Slurm,
@@ -37,10 +38,17 @@ def main(argv: list[str] | None = None) -> int:
         "--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else start a local Ray)"
     )
     parser.add_argument("--verbose", action="store_true", help="also show Ray Train's and Ray Data's own console lines")
+    parser.add_argument(
+        "--fault",
+        default=None,
+        metavar="phase=PHASE,step=STEP[,rank=RANK]",
+        help=f"a drill: kill rank RANK (or the driver) once, at STEP in PHASE ({', '.join(PHASES)})",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        result = train(load_config(args.config, args.set), address=args.address, verbose=args.verbose)
+        fault = Fault.parse(args.fault) if args.fault else None
+        result = train(load_config(args.config, args.set), address=args.address, verbose=args.verbose, fault=fault)
     except USER_ERRORS as exc:  # found on the driver, or by a rank (and not retried)
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -64,6 +64,10 @@ def s3():
     server.stop()
 
 
+# the fault most tests inject (faults.Fault's fields): rank 1 killed after step 6, two steps after a save
+KILL_AT_6 = {"phase": "after_optimizer_step", "step": 6, "rank": 1}
+
+
 def tiny_config(tmp: Path, name: str = "tiny", **sections) -> dict:
     """A job small enough for 2 CPU workers in seconds, crossing one epoch boundary.
 
@@ -213,9 +217,10 @@ def run_driver(tmp: Path, script: str, *args: str, timeout: float = 600) -> tupl
     return json.loads(lines[-1][len("RESULT ") :]), out
 
 
-def run_job(cfg: dict):
-    """Run a job in this process (on the `ray_cluster` Ray) and check it committed its last step."""
-    result = train(cfg)
+def run_job(cfg: dict, fault: dict | None = None):
+    """Run a job in this process (on the `ray_cluster` Ray), with `fault` injected, and check it committed
+    its last step."""
+    result = train(cfg, fault=fault)
     assert result.committed_iteration == cfg["training"]["train_steps"]
     return result
 
@@ -238,11 +243,12 @@ def driver_checks(cfg: dict, **plugins):
     return checked.source
 
 
-def run_on_harness(cfg: dict, **plugins):
-    """Run a job on the in-process harness (tests/harness.py, no Ray) and check it committed its last step."""
+def run_on_harness(cfg: dict, fault: dict | None = None, **plugins):
+    """Run a job on the in-process harness (tests/harness.py, no Ray), with `fault` injected, and check it
+    committed its last step."""
     import harness
 
-    outcome = harness.run_job(cfg, **plugins)
+    outcome = harness.run_job(cfg, fault=fault, **plugins)
     assert outcome.error is None and not outcome.driver_killed, outcome
     assert outcome.committed == cfg["training"]["train_steps"]
     return outcome

@@ -84,10 +84,12 @@ class DriverSide(controller_module.JobController, MemoryKeeper):
     process: the job's driver as far as the ranks and the commits are concerned.
     """
 
-    def __init__(self, save_path: str, job_id: str, config: dict, plan=None, storage_faults=None, setup=None):
+    def __init__(
+        self, save_path: str, job_id: str, config: dict, plan=None, storage_faults=None, setup=None, fault=None
+    ):
         _prepare(storage_faults, setup)
         controller_module.JobController.__init__(
-            self, save_path, job_id, config, driver_pid=os.getpid(), first_plan=plan
+            self, save_path, job_id, config, driver_pid=os.getpid(), first_plan=plan, fault=fault
         )
         MemoryKeeper.__init__(self)
 
@@ -98,7 +100,7 @@ class DriverSide(controller_module.JobController, MemoryKeeper):
         return claimed
 
     def fault_fired(self) -> float | None:
-        """When the config's `fault:` fired in this job (its one claim was taken), None if it did not."""
+        """When the job's injected fault fired (its one claim was taken), None if it did not."""
         return getattr(self, "fault_claimed_at", None)
 
 
@@ -182,9 +184,8 @@ def _rank(
     init: str,
     cfg_dict: dict,
     controller,
-    train_func,
+    launch: RankLaunch,
     config: dict,
-    job_id: str,
     preempted,
     storage_faults,
     setup,
@@ -192,6 +193,7 @@ def _rank(
     _prepare(storage_faults, setup)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     # its Ray parts swapped: the CPU, LocalStream, the harness's preemption notice
+    train_func = launch.train_func
     if train_func is built_in_train_func:
 
         def train_func(config):
@@ -204,7 +206,16 @@ def _rank(
                 units=[ReadUnit(*u) for u in config["units"]],
             )
 
-    run_rank(Config.from_dict(cfg_dict), ControllerClient(controller), rank, world, train_func, config, job_id=job_id)
+    run_rank(
+        Config.from_dict(cfg_dict),
+        ControllerClient(controller),
+        rank,
+        world,
+        train_func,
+        config,
+        job_id=launch.job_id,
+        fault=launch.fault,
+    )
     dist.barrier()
     os._exit(0)  # not a teardown of the group under live DDP objects: that sometimes hangs at exit
 
@@ -288,14 +299,19 @@ class LocalBackend:
         self.driver_pid = driver._process.pid
         try:
             controller = getattr(driver, self.controller)(
-                cfg.checkpoint.save_path, launch.job_id, cfg.to_dict(), plan, self.storage_faults, self.setup
+                cfg.checkpoint.save_path,
+                launch.job_id,
+                cfg.to_dict(),
+                plan,
+                self.storage_faults,
+                self.setup,
+                launch.fault,
             )
             args = (
                 cfg.to_dict(),
                 controller,
-                launch.train_func,
+                launch,
                 loop_config,
-                launch.job_id,
                 self.preempted,
                 self.storage_faults,
                 self.setup,
@@ -325,13 +341,14 @@ class LocalBackend:
             driver.shutdown()
 
 
-def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, **backend) -> Outcome:
+def run_job(cfg_dict: dict, *, build_model=None, loss=None, collate=None, fault=None, **backend) -> Outcome:
     """Run a job to its end as `python -m ray_resume.run` does (`ray_resume.api.train`), its ranks in a
-    gloo group of this machine (LocalBackend's keyword arguments in `backend`). A mistake the driver's
-    checks find is raised, as it is by `train`; how the job ran is the Outcome."""
+    gloo group of this machine (LocalBackend's keyword arguments in `backend`), `fault` (faults.Fault's
+    fields) injected. A mistake the driver's checks find is raised, as it is by `train`; how the job
+    ran is the Outcome."""
     local = LocalBackend(**backend)
     try:
-        api.train(cfg_dict, build_model=build_model, loss=loss, collate=collate, backend=local)
+        api.train(cfg_dict, build_model=build_model, loss=loss, collate=collate, backend=local, fault=fault)
     except (TrainingFailed, *USER_ERRORS):
         if local.outcome is None:  # found before the job ran
             raise

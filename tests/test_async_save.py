@@ -37,7 +37,7 @@ from ray_resume.checkpoint import writer_process
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import RANK_EXTRAS_KEY, live_data, safetensors_header, shard_layouts
 from ray_resume.config import Config
-from ray_resume.faults import FaultInjector
+from ray_resume.faults import Fault, FaultInjector
 from test_checkpoint_format import make_state
 
 
@@ -175,6 +175,7 @@ def test_a_writer_process_killed_mid_write_loses_that_save_only(tmp_path, caplog
             killed.append(ck.writer.pid)
             os.kill(ck.writer.pid, signal.SIGKILL)
 
+    ck.faults = FaultInjector(Fault("mid_shard_write", 1), 0, claim=lambda: True)  # armed: the write pauses half way
     ck.faults.maybe_kill = kill_the_writer
     ck.save(1, model, opt, {"global_step": 1})
     ck.close()  # no error: the save is lost, the training goes on

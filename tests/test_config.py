@@ -13,13 +13,14 @@ from ray_resume.config import (
     CheckpointConfig,
     Config,
     ConfigError,
-    FaultConfig,
     ScalingConfig,
+    SyntheticDataConfig,
     TrainingConfig,
     apply_overrides,
     load_config,
 )
 from ray_resume.driver import scaling_config
+from ray_resume.faults import Fault
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -62,7 +63,7 @@ def test_minimal_config_uses_defaults():
     assert c.training.lr == 3.0e-4 and c.training.strategy == "ddp"
     assert c.scaling.num_workers == 2 and c.scaling.world_sizes == [2]
     assert c.failure.max_failures == 3
-    assert c.data.synthetic is None and c.fault is None
+    assert c.data.synthetic is None
 
 
 def test_checkpoint_defaults_match_spec():
@@ -81,12 +82,10 @@ def test_world_sizes_and_accumulation():
 
 
 def test_int_accepted_for_float_and_round_trip():
-    c = Config.from_dict(
-        cfg(training={"lr": 1}, scaling={"num_workers": [1, 2]}, fault={"phase": "before_report", "step": 3})
-    )
+    c = Config.from_dict(cfg(training={"lr": 1}, scaling={"num_workers": [1, 2]}, data={"synthetic": {"samples": 10}}))
     assert c.training.lr == 1.0 and isinstance(c.training.lr, float)
     d = c.to_dict()
-    assert d["scaling"]["num_workers"] == [1, 2] and d["fault"] == {"phase": "before_report", "step": 3, "rank": 0}
+    assert d["scaling"]["num_workers"] == [1, 2] and d["data"]["synthetic"]["samples"] == 10
     assert Config.from_dict(d) == c
     assert Config.from_dict(d).to_dict() == d
 
@@ -180,7 +179,6 @@ def test_required_keys():
         "x.yaml: name is required (a string)",
         "x.yaml: checkpoint.save_path must be set when checkpoint.enable_save is true",
     ]
-    assert problems(cfg(fault={"phase": "before_report"})) == ["x.yaml: fault.step is required (an integer)"]
 
 
 # ----------------------------------------------------------------- impossible values
@@ -232,24 +230,17 @@ def test_bad_enums():
     assert problems(cfg(training={"strategy": "zero3"})) == [
         "x.yaml: training.strategy must be one of ddp, fsdp; got 'zero3'"
     ]
-    assert problems(cfg(fault={"phase": "sometime", "step": 5})) == [
-        "x.yaml: fault.phase must be one of after_optimizer_step, mid_shard_write, before_report, "
-        "commit_before_tracker, retention_delete, commit_fails; got 'sometime'"
-    ]
     assert problems(cfg(checkpoint={"save_path": "/tmp/c", "checksum": "md5"})) == [
         "x.yaml: checkpoint.checksum must be one of xxh3-128, sha256; got 'md5'"
     ]
 
 
 @pytest.mark.invariant(6, 13)
-def test_enable_save_requires_save_path_and_fault_rank():
+def test_enable_save_requires_save_path():
     assert problems(cfg(checkpoint={"save_path": ""})) == [
         "x.yaml: checkpoint.save_path must be set when checkpoint.enable_save is true"
     ]
     Config.from_dict(cfg(checkpoint={"save_path": "", "enable_save": False}))
-    assert problems(cfg(fault={"phase": "before_report", "step": 1, "rank": 2})) == [
-        "x.yaml: fault.rank=2 must be < the largest world size scaling.num_workers (2)"
-    ]
 
 
 @pytest.mark.invariant(6, 13)
@@ -273,7 +264,7 @@ def test_many_problems_reported_together():
     assert sorted(got) == sorted(
         [
             "configs/x.yaml: bogus: unknown key (known keys: name, model, data, training, scaling, failure, "
-            "checkpoint, fault)",
+            "checkpoint)",
             "configs/x.yaml: model.dtype must be one of float32, bfloat16, float16; got 'fp8'",
             "configs/x.yaml: training.lr must be a number, got str 'abc'",
             "configs/x.yaml: checkpoint.save_maxx: unknown key; did you mean 'save_max'?",
@@ -300,8 +291,8 @@ def test_type_error_suppresses_follow_on_problems():
 def test_direct_construction_validates():
     with pytest.raises(ConfigError, match=r"checkpoint.save_max must be >= 1, got 0"):
         CheckpointConfig(save_path="x", save_max=0)
-    with pytest.raises(ConfigError, match=r"fault.step must be >= 1, got 0"):
-        FaultConfig(phase="before_report", step=0)
+    with pytest.raises(ConfigError, match=r"data.synthetic.samples must be >= 1, got 0"):
+        SyntheticDataConfig(samples=0)
 
 
 # ----------------------------------------------------------------- files
@@ -338,6 +329,36 @@ def test_load_config_errors_name_source(tmp_path):
     assert str(ei.value) == f"{path}: checkpoint.save_max must be >= 1, got 0"
 
 
+# ----------------------------------------------------------------- an injected fault
+@pytest.mark.invariant(6, 13)
+def test_a_fault_is_injected_never_configured(tmp_path, capsys, monkeypatch):
+    """`--fault` (a drill) names a phase, a step and a rank; a mistake in it is one line, exit 2, before
+    Ray starts; and a config file has no fault section at all."""
+    import ray_resume.driver
+    from ray_resume import run
+
+    assert Fault.parse("phase=after_optimizer_step,step=90,rank=1") == Fault("after_optimizer_step", 90, 1)
+    assert Fault.parse("step=8,phase=commit_fails") == Fault("commit_fails", 8, 0)
+    assert problems(cfg(fault={"phase": "before_report", "step": 3}))[0].startswith("x.yaml: fault: unknown key")
+    path = write(tmp_path, "name: x\nscaling: {num_workers: 2}\ncheckpoint: {save_path: %s}\n" % (tmp_path / "ck"))
+    started = []
+    monkeypatch.setattr(ray_resume.driver, "init_ray", lambda *args: started.append(args))
+    for fault, says in [
+        ("phase=sometime,step=5", "fault phase 'sometime' is not one of after_optimizer_step, mid_shard_write, "),
+        ("phase=before_report,step=0", "fault step must be an integer >= 1, got 0"),
+        ("phase=before_report,step=x", "--fault 'phase=before_report,step=x': step and rank are integers"),
+        (
+            "phase=before_report,at=3",
+            "--fault 'phase=before_report,at=3': write phase=PHASE,step=STEP[,rank=RANK] (at ",
+        ),
+        ("phase=before_report,step=1,rank=2", "fault rank 2 must be < the largest world size scaling.num_workers (2)"),
+    ]:
+        assert run.main([path, "--fault", fault]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("error: " + says), line
+    assert started == []
+
+
 # ----------------------------------------------------------------- overrides
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
 
@@ -350,7 +371,6 @@ def test_overrides_parse_values_as_yaml():
             'checkpoint.load_path=""',
             "scaling.num_workers=[1,2]",
             "training.lr=1e-3",
-            "fault=null",
             "checkpoint.save_path=./o/ck",
         ],
     )
@@ -358,14 +378,11 @@ def test_overrides_parse_values_as_yaml():
     assert c.checkpoint.load_path == ""
     assert c.scaling.num_workers == [1, 2] and c.scaling.world_sizes == [1, 2]
     assert c.training.lr == 1e-3
-    assert c.fault is None
     assert c.checkpoint.save_path == "./o/ck"
 
 
 def test_override_creates_optional_block(tmp_path):
-    path = write(tmp_path, "name: x\ncheckpoint: {save_path: s}\nfault: null\n")
-    c = load_config(path, ["fault.phase=mid_shard_write", "fault.step=7"])
-    assert c.fault == FaultConfig(phase="mid_shard_write", step=7, rank=0)
+    path = write(tmp_path, "name: x\ncheckpoint: {save_path: s}\ndata: {synthetic: null}\n")
     c2 = load_config(path, ["data.synthetic.samples=10"])
     assert c2.data.synthetic.samples == 10 and c2.data.synthetic.files == 4
 
@@ -411,15 +428,16 @@ def test_every_shipped_config_is_valid(path):
 
 def test_the_readme_quickstart_story_follows_from_its_config():
     """The README shows the quickstart killing a rank and resuming from an earlier iteration, and a
-    re-run resuming: its config must make exactly that happen."""
+    re-run resuming: its config and its command's drill must make exactly that happen."""
     c = load_config(QUICK)
     readme = open(os.path.join(ROOT, "README.md")).read()
+    fault = Fault.parse(re.search(r"ray_resume\.run configs/quickstart\.yaml --fault (\S+)", readme)[1])
     kill = re.search(r"\[fault\] killing rank (\d+) at step (\d+) in phase (\w+)", readme)
     resumed = re.search(r"resumed from \S+/iteration_(\d+) .*: global_step (\d+), consumed samples (\d+)", readme)
-    assert (c.fault.rank, c.fault.step, c.fault.phase) == (int(kill[1]), int(kill[2]), kill[3])
+    assert (fault.rank, fault.step, fault.phase) == (int(kill[1]), int(kill[2]), kill[3])
     every = c.checkpoint.save_interleaved_steps
-    newest_commit = c.fault.step // every * every
-    assert 0 < newest_commit < c.fault.step < c.training.train_steps  # the kill costs steps, and is redone
+    newest_commit = fault.step // every * every
+    assert 0 < newest_commit < fault.step < c.training.train_steps  # the kill costs steps, and is redone
     assert int(resumed[1]) == int(resumed[2]) == newest_commit
     assert int(resumed[3]) == newest_commit * c.training.global_batch_size
     assert f"for {c.training.train_steps} steps by {c.scaling.num_workers} Ray workers" in readme
@@ -432,7 +450,7 @@ def test_scenario_a_is_the_quickstart_resuming_its_own_root():
     c = load_config(os.path.join(ROOT, "configs", "scenario_a_resume.yaml"))
     q = load_config(QUICK)
     assert (c.model, c.data, c.training) == (q.model, q.data, q.training)
-    assert c.fault is None and c.checkpoint.save_path == c.checkpoint.load_path != q.checkpoint.save_path
+    assert c.checkpoint.save_path == c.checkpoint.load_path != q.checkpoint.save_path
 
 
 def test_the_json_schema_takes_every_shipped_config_and_refuses_an_unknown_key():

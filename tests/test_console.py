@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 import harness
-from conftest import FINAL, per_step, read_metrics, shard_bytes, tiny_config
+from conftest import FINAL, KILL_AT_6, per_step, read_metrics, shard_bytes, tiny_config
 from ray_resume.summary import summarize
 
 
@@ -34,10 +34,10 @@ def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
 
 
 def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_path, local_reference):
-    cfg = tiny_config(tmp_path, fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    cfg = tiny_config(tmp_path)
     cfg["data"]["path"] = local_reference["data"]
     root = cfg["checkpoint"]["save_path"]
-    outcome = harness.run_job(cfg)
+    outcome = harness.run_job(cfg, fault=KILL_AT_6)
     assert outcome.attempts == 2
     [job] = {r["job"] for r in read_metrics(root)}
 
@@ -215,8 +215,8 @@ def test_evaluation_is_reported_and_changes_nothing_in_training(tmp_path, local_
         cfg["data"].update(path=local_reference["data"], eval_path=local_reference["data"])
         return cfg
 
-    killed = config(tmp_path / "killed", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
-    assert harness.run_job(killed).attempts == 2
+    killed = config(tmp_path / "killed")
+    assert harness.run_job(killed, fault=KILL_AT_6).attempts == 2
     clean = config(tmp_path / "clean")
     assert harness.run_job(clean).error is None
     root = killed["checkpoint"]["save_path"]

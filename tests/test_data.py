@@ -621,10 +621,10 @@ def test_an_empty_document_is_one_line_naming_its_file_and_row(tmp_path):
 
 @pytest.mark.invariant(2, 3)
 def test_a_packed_run_killed_mid_way_ends_byte_identical(tmp_path):
-    from conftest import assert_same_as_reference, per_step, read_metrics, run_on_harness, tiny_config
+    from conftest import KILL_AT_6, assert_same_as_reference, per_step, read_metrics, run_on_harness, tiny_config
 
-    def job(where, **sections):
-        cfg = tiny_config(where, **sections)
+    def job(where, fault=None):
+        cfg = tiny_config(where)
         cfg["data"] = {
             **cfg["data"],
             "path": str(tmp_path / "docs"),
@@ -638,11 +638,11 @@ def test_a_packed_run_killed_mid_way_ends_byte_identical(tmp_path):
                 "max_doc_len": 40,
             },
         }
-        run_on_harness(cfg)
+        run_on_harness(cfg, fault)
         return cfg["checkpoint"]["save_path"]
 
     clean = job(tmp_path / "clean")
-    root = job(tmp_path / "faulty", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    root = job(tmp_path / "faulty", KILL_AT_6)
     assert [r["step"] for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0] in ([0, 4], [0, 0])
     assert_same_as_reference(root, {"root": clean, "steps": per_step(read_metrics(clean))})
 
@@ -694,18 +694,16 @@ def test_a_data_map_that_changes_the_row_count_is_refused_on_the_driver_naming_i
 
 @pytest.mark.invariant(2, 3)
 def test_a_run_with_a_data_map_killed_mid_way_ends_byte_identical(tmp_path, local_reference):
-    from conftest import assert_same_as_reference, per_step, read_metrics, run_on_harness, tiny_config
+    from conftest import KILL_AT_6, assert_same_as_reference, per_step, read_metrics, run_on_harness, tiny_config
 
-    def job(where, **sections):
-        cfg = tiny_config(
-            where, data={"map": "plugin_models:shift_tokens", "collate": "plugin_models:tokens_only"}, **sections
-        )
+    def job(where, fault=None):
+        cfg = tiny_config(where, data={"map": "plugin_models:shift_tokens", "collate": "plugin_models:tokens_only"})
         cfg["data"]["path"] = local_reference["data"]
-        run_on_harness(cfg)
+        run_on_harness(cfg, fault)
         return cfg["checkpoint"]["save_path"]
 
     clean = job(tmp_path / "clean")
-    root = job(tmp_path / "faulty", fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
+    root = job(tmp_path / "faulty", KILL_AT_6)
     assert len([r for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0]) == 2
     assert_same_as_reference(root, {"root": clean, "steps": per_step(read_metrics(clean))})
     # the map changed what it trained on

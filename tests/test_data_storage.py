@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import assert_same_as_reference, run_job, run_on_harness, tiny_config
+from conftest import KILL_AT_6, assert_same_as_reference, run_job, run_on_harness, tiny_config
 from harness import LocalStream
 from ray_resume.checkpoint.storage import s3_filesystem
 from ray_resume.data import scan_units
@@ -72,11 +72,9 @@ def test_a_missing_prefix_or_a_file_of_another_schema_on_object_storage_is_one_l
 
 @pytest.mark.invariant(2, 3)
 def test_a_run_on_object_storage_data_killed_mid_way_ends_as_the_run_on_local_data(tmp_path, s3, local_reference):
-    cfg = tiny_config(
-        tmp_path, checkpoint={"storage": s3}, fault={"phase": "after_optimizer_step", "step": 6, "rank": 1}
-    )
+    cfg = tiny_config(tmp_path, checkpoint={"storage": s3})
     cfg["data"]["path"] = upload(local_reference["data"], s3)
-    assert run_on_harness(cfg).attempts == 2
+    assert run_on_harness(cfg, KILL_AT_6).attempts == 2
     assert_same_as_reference(cfg["checkpoint"]["save_path"], local_reference)
 
 
@@ -91,10 +89,9 @@ def test_on_ray_the_read_tasks_reach_object_storage_and_no_key_lands_in_rays_log
         tmp_path,
         checkpoint={"storage": {**s3, **keys}},
         data={"read_tasks_above": 0},
-        fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
     )
     cfg["data"]["path"] = upload(reference["data"], s3)
-    run_job(cfg)
+    run_job(cfg, KILL_AT_6)
     assert_same_as_reference(cfg["checkpoint"]["save_path"], reference)
     import ray
 

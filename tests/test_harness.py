@@ -18,6 +18,7 @@ import yaml
 import harness
 from conftest import (
     FINAL,
+    KILL_AT_6,
     STORAGE_SECRETS,
     assert_same_as_reference,
     per_step,
@@ -53,9 +54,9 @@ def test_a_job_on_the_harness_is_the_same_job_as_on_ray_train(local_reference, r
 def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, local_reference, phase, writer):
     """A rank SIGKILLed half way through writing a shard (with its writer process waiting on it, or
     its writer thread), or after writing but before reporting."""
-    cfg = tiny_config(tmp_path, fault={"phase": phase, "step": 8, "rank": 1}, checkpoint={"async_writer": writer})
+    cfg = tiny_config(tmp_path, checkpoint={"async_writer": writer})
     cfg["data"]["path"] = local_reference["data"]
-    assert run_on_harness(cfg).attempts == 2
+    assert run_on_harness(cfg, {"phase": phase, "step": 8, "rank": 1}).attempts == 2
     root = cfg["checkpoint"]["save_path"]
     restarts = starts(root)
     # Iteration 8 was being written when rank 1 died: the restart must use 4.
@@ -77,14 +78,9 @@ def test_fsdp_rank_killed_resumes_exactly(tmp_path, local_reference):
     clean["data"]["path"] = local_reference["data"]
     run_on_harness(clean)
     twin = {"root": clean["checkpoint"]["save_path"], "steps": per_step(read_metrics(clean["checkpoint"]["save_path"]))}
-    cfg = tiny_config(
-        tmp_path / "faulty",
-        fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
-        checkpoint={"async_save": False},
-        **fsdp,
-    )
+    cfg = tiny_config(tmp_path / "faulty", checkpoint={"async_save": False}, **fsdp)
     cfg["data"]["path"] = local_reference["data"]
-    run_on_harness(cfg)
+    run_on_harness(cfg, KILL_AT_6)
     root = cfg["checkpoint"]["save_path"]
     assert [r["step"] for r in starts(root)] == [0, 4]
     assert_same_as_reference(root, twin)
@@ -101,18 +97,17 @@ def tracker(root) -> str:
 
 @pytest.mark.invariant(1, 4, 9, 10)
 def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp_path, local_reference):
-    cfg = tiny_config(tmp_path, fault={"phase": "commit_before_tracker", "step": 8})
+    cfg = tiny_config(tmp_path)
     cfg["data"]["path"] = local_reference["data"]
     root = cfg["checkpoint"]["save_path"]
-    assert harness.run_job(cfg).driver_killed
+    assert harness.run_job(cfg, fault={"phase": "commit_before_tracker", "step": 8}).driver_killed
     # The JSON of iteration 8 is on disk, but the tracker never moved past 4.
     assert (Path(root) / "iteration_00000008" / "metadata.json").exists() and tracker(root) == "4"
     # The same config again, without load_path, would overwrite a committed root: refused on the driver.
-    again = {**cfg, "fault": None}
     with pytest.raises(CheckpointError, match="already holds committed iteration 4 .* set checkpoint.load_path"):
-        harness.run_job(again)
+        harness.run_job(cfg)
     # the dead driver's lease is taken over
-    run_on_harness({**again, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
+    run_on_harness({**cfg, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
     [start] = starts(root)[-1:]
     assert start["source"].endswith("iteration_00000004")  # never the half-committed 8
     for step in (8, FINAL):  # 8 was written again and replaced cleanly
@@ -122,14 +117,14 @@ def test_driver_killed_between_json_and_tracker_resumes_from_the_last_commit(tmp
 @pytest.mark.invariant(1, 5)
 def test_driver_killed_during_retention_deletion_leaves_a_loadable_root(tmp_path, local_reference):
     # save_max 1: committing 8 deletes 4, and the driver dies half way through that deletion.
-    cfg = tiny_config(tmp_path, checkpoint={"save_max": 1}, fault={"phase": "retention_delete", "step": 4})
+    cfg = tiny_config(tmp_path, checkpoint={"save_max": 1})
     cfg["data"]["path"] = local_reference["data"]
     root = cfg["checkpoint"]["save_path"]
-    assert harness.run_job(cfg).driver_killed
+    assert harness.run_job(cfg, fault={"phase": "retention_delete", "step": 4}).driver_killed
     assert tracker(root) == "8"
     half_deleted = Path(root) / "iteration_00000004"
     assert half_deleted.exists() and not (half_deleted / "common.json").exists()  # never passes as complete
-    run_on_harness({**cfg, "fault": None, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
+    run_on_harness({**cfg, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
     assert starts(root)[-1]["source"].endswith("iteration_00000008")
     assert shard_bytes(root, FINAL) == shard_bytes(local_reference["root"], FINAL)
     # The resumed job keeps its own newest (12), leaves the first job's 8 alone, and clears what is left
@@ -145,12 +140,13 @@ def test_a_deletion_cut_short_at_the_last_commit_is_cleared_by_the_next_job_with
     """save_max 1: committing the last step (12) deletes 8, and the driver dies half way through. The job
     resubmitted has nothing left to train and commits nothing; as it ends it clears what is left of 8
     (found by the soak, benchmarks/soak.py seed 1: it stayed for good)."""
-    cfg = tiny_config(tmp_path, checkpoint={"save_max": 1}, fault={"phase": "retention_delete", "step": 8})
+    cfg = tiny_config(tmp_path, checkpoint={"save_max": 1})
     cfg["data"]["path"] = local_reference["data"]
     root = cfg["checkpoint"]["save_path"]
-    assert harness.run_job(cfg).driver_killed and tracker(root) == str(FINAL)
+    assert harness.run_job(cfg, fault={"phase": "retention_delete", "step": 8}).driver_killed
+    assert tracker(root) == str(FINAL)
     assert (Path(root) / "iteration_00000008").exists()
-    again = harness.run_job({**cfg, "fault": None, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
+    again = harness.run_job({**cfg, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
     assert again.error is None and again.committed is None  # nothing to do, nothing committed
     assert sorted(p.name for p in Path(root).iterdir() if p.name.startswith("iteration_")) == [f"iteration_{FINAL:08d}"]
 
@@ -318,11 +314,12 @@ def test_a_resave_on_fewer_ranks_leaves_no_file_of_the_larger_world(tmp_path, lo
         scaling={"num_workers": 3},
         failure={"max_failures": 0},
         checkpoint={"async_save": False},
-        fault={"phase": "before_report", "step": 8, "rank": 2},
         **sections,
     )
     first["data"]["path"] = local_reference["data"]
-    assert harness.run_job(first).error is not None  # no restart allowed: the job fails
+    assert (
+        harness.run_job(first, fault={"phase": "before_report", "step": 8, "rank": 2}).error is not None
+    )  # no restart allowed: the job fails
     iteration_8 = Path(paths.iteration_dir(root, 8))
     assert {p.name for p in iteration_8.iterdir()} >= {
         "ckpt-model-0000002-0000003.safetensors",
@@ -343,10 +340,10 @@ def test_a_resave_on_fewer_ranks_leaves_no_file_of_the_larger_world(tmp_path, lo
 def test_a_failed_commit_ends_the_run_with_its_error_and_the_next_start_resumes(tmp_path, local_reference):
     """The tracker write of iteration 8 fails: the ranks stop at the next step boundary (saving it),
     the job ends with the failure named, and a new start resumes from the last good commit."""
-    cfg = tiny_config(tmp_path, fault={"phase": "commit_fails", "step": 8})
+    cfg = tiny_config(tmp_path)
     cfg["data"]["path"] = local_reference["data"]
     root = cfg["checkpoint"]["save_path"]
-    outcome = harness.run_job(cfg)
+    outcome = harness.run_job(cfg, fault={"phase": "commit_fails", "step": 8})
     assert outcome.error.startswith(
         "the commit of iteration 8 failed: [Errno 5] injected fault: the tracker write for iteration 8 failed"
     )
@@ -359,6 +356,6 @@ def test_a_failed_commit_ends_the_run_with_its_error_and_the_next_start_resumes(
     # Iteration 8's files and JSON were written, its tracker write failed: never committed, so cleared
     # once the stop step's commit is newer (found by the soak: it stayed, one more than save_max).
     assert not (Path(root) / "iteration_00000008").exists()
-    run_on_harness({**cfg, "fault": None, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
+    run_on_harness({**cfg, "checkpoint": {**cfg["checkpoint"], "load_path": root}})
     assert starts(root)[-1]["step"] == outcome.committed
     assert shard_bytes(root, FINAL) == shard_bytes(local_reference["root"], FINAL)

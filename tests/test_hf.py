@@ -12,13 +12,12 @@ import torch
 import transformers  # the test extra installs it: imported, never skipped
 
 import plugin_models
-from conftest import assert_resumed_once, run_on_harness, shard_bytes, tiny_config
+from conftest import KILL_AT_6, assert_resumed_once, run_on_harness, shard_bytes, tiny_config
 from ray_resume import cli
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
 
-KILLED = {"phase": "after_optimizer_step", "step": 6, "rank": 1}
 CONFIGS = {  # two architectures whose output head is their input embedding
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
@@ -44,10 +43,9 @@ def pretrained(tmp_path, arch: str):
     return base
 
 
-def job(tmp_path, base, *, fault=None, wrap=False, strategy="ddp") -> dict:
+def job(tmp_path, base, *, wrap=False, strategy="ddp") -> dict:
     return tiny_config(
         tmp_path,
-        fault=fault,
         model={"builder": "plugin_models:hf_from_pretrained", "args": {"path": str(base), "wrap": wrap}},
         training={"loss": "plugin_models:hf_loss", "strategy": strategy},
     )
@@ -79,9 +77,9 @@ def loads_as_the_checkpoint(root, out, base, prefix: str = "") -> None:
 def test_from_pretrained_trains_resumes_byte_identical_and_exports_for_from_pretrained(tmp_path, arch):
     base = pretrained(tmp_path, arch)
     roots = {}
-    for name, fault in (("clean", None), ("killed", KILLED)):
-        cfg = job(tmp_path / name, base, fault=fault)
-        run_on_harness(cfg)
+    for name, fault in (("clean", None), ("killed", KILL_AT_6)):
+        cfg = job(tmp_path / name, base)
+        run_on_harness(cfg, fault)
         roots[name] = cfg["checkpoint"]["save_path"]
     assert_resumed_once(roots["killed"])
     assert shard_bytes(roots["killed"], 12) == shard_bytes(roots["clean"], 12)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, driver_checks, run_on_harness, tiny_config
+from conftest import KILL_AT_6, REPO, driver_checks, run_on_harness, tiny_config
 from ray_resume.checkpoint import root as root_module
 from ray_resume.checkpoint.lease import LEASE_DIR, Lease
 from ray_resume.checkpoint.storage import LocalStorage
@@ -217,10 +217,9 @@ def test_each_process_builds_a_roots_storage_once(tmp_path, local_reference, mon
     cfg = tiny_config(
         tmp_path,
         checkpoint={"load_path": str(tmp_path / "ckpt"), "async_writer": "process"},
-        fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
     )
     cfg["data"]["path"] = local_reference["data"]
-    assert run_on_harness(cfg, storage_faults=([], record)).attempts == 2
+    assert run_on_harness(cfg, KILL_AT_6, storage_faults=([], record)).attempts == 2
     assert built_here == {str(tmp_path / "ckpt"): 1}
     by_process = Counter((b["built"], b["writer"]) for b in storage_faults.builds(record))
     assert set(by_process.values()) == {1}, by_process

@@ -214,12 +214,10 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 def test_plot_of_an_interrupted_and_resumed_run(tmp_path, capsys):
     """The metrics of a real interrupted run (on the in-process harness, a second)."""
-    from conftest import run_on_harness, tiny_config
+    from conftest import KILL_AT_6, run_on_harness, tiny_config
 
-    cfg = tiny_config(
-        tmp_path, fault={"phase": "after_optimizer_step", "step": 6, "rank": 1}, checkpoint={"async_save": False}
-    )  # 4 is surely committed when rank 1 dies
-    run_on_harness(cfg)
+    cfg = tiny_config(tmp_path, checkpoint={"async_save": False})  # 4 is surely committed when rank 1 dies
+    run_on_harness(cfg, KILL_AT_6)
     root = cfg["checkpoint"]["save_path"]
 
     starts = [r for r in read_metrics(root) if r.get("event") == "start"]

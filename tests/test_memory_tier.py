@@ -27,8 +27,12 @@ def restarted_ranks(root) -> list[dict]:
     )
 
 
-def killed_at(step: int, tmp_path, reference_data: str, **sections) -> dict:
-    cfg = tiny_config(tmp_path, fault={"phase": "after_optimizer_step", "step": step, "rank": 1}, **sections)
+def kill_at(step: int) -> dict:
+    return {"phase": "after_optimizer_step", "step": step, "rank": 1}
+
+
+def with_snapshots(tmp_path, reference_data: str, **sections) -> dict:
+    cfg = tiny_config(tmp_path, **sections)
     cfg["data"]["path"] = reference_data
     cfg["checkpoint"] = {**cfg["checkpoint"], "memory_interleaved_steps": 1, **sections.get("checkpoint", {})}
     return cfg
@@ -49,8 +53,8 @@ def test_a_rank_killed_resumes_from_memory_byte_identical(tmp_path, local_refere
             "root": clean["checkpoint"]["save_path"],
             "steps": per_step(read_metrics(clean["checkpoint"]["save_path"])),
         }
-    cfg = killed_at(7, tmp_path / "faulty", local_reference["data"], training={"strategy": strategy})
-    assert run_on_harness(cfg).attempts == 2
+    cfg = with_snapshots(tmp_path / "faulty", local_reference["data"], training={"strategy": strategy})
+    assert run_on_harness(cfg, kill_at(7)).attempts == 2
     root = cfg["checkpoint"]["save_path"]
     first, again = starts(root)
     assert again["step"] in (5, 6) and again["source"] == f"memory snapshot of step {again['step']}"
@@ -64,10 +68,10 @@ def test_a_rank_killed_resumes_from_memory_byte_identical(tmp_path, local_refere
 def test_a_snapshot_older_than_the_last_commit_is_passed_over_for_storage(tmp_path, local_reference):
     """Snapshots every 3 steps, a synchronous save (so iteration 8 is committed before step 9):
     killed after step 9, the newest snapshot is of step 6, older than 8: storage it is."""
-    cfg = killed_at(
-        9, tmp_path, local_reference["data"], checkpoint={"memory_interleaved_steps": 3, "async_save": False}
+    cfg = with_snapshots(
+        tmp_path, local_reference["data"], checkpoint={"memory_interleaved_steps": 3, "async_save": False}
     )
-    run_on_harness(cfg)
+    run_on_harness(cfg, kill_at(9))
     root = cfg["checkpoint"]["save_path"]
     assert starts(root)[1]["source"].endswith("iteration_00000008")
     assert_same_as_reference(root, local_reference)
@@ -77,8 +81,8 @@ def test_a_snapshot_older_than_the_last_commit_is_passed_over_for_storage(tmp_pa
 def test_a_lost_snapshot_sends_every_rank_to_storage(tmp_path, local_reference):
     """One rank's snapshot is gone (as when its node died with its keeper): no rank resumes from
     memory, all from the last commit, and the run still ends byte-identical."""
-    cfg = killed_at(7, tmp_path, local_reference["data"])
-    assert harness.run_job(cfg, controller="LostSnapshots").error is None
+    cfg = with_snapshots(tmp_path, local_reference["data"])
+    assert harness.run_job(cfg, controller="LostSnapshots", fault=kill_at(7)).error is None
     root = cfg["checkpoint"]["save_path"]
     ranks = restarted_ranks(root)  # rank 0's snapshot was there, and still it went to storage with rank 1
     assert [r["rank"] for r in ranks] == [0, 1]

@@ -9,7 +9,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, commit_by_hand, run_on_harness, shard_bytes
+from conftest import KILL_AT_6, REPO, commit_by_hand, run_on_harness, shard_bytes
 from ray_resume import parallel, train
 from ray_resume.checkpoint import state
 from ray_resume.checkpoint.loader import load_weights
@@ -163,8 +163,7 @@ def test_example_via_python_api_and_its_killed_twin_end_byte_identical(tmp_path,
     assert result.checkpoint_path.endswith("iteration_00000012") and result.metrics["step"] == 12
     assert result.metrics["loss"] < 5.0
     killed = example_config(tmp_path / "killed", tabular)
-    killed["fault"] = {"phase": "after_optimizer_step", "step": 6, "rank": 1}
-    assert run_on_harness(killed, build_model=build, loss=loss).attempts == 2
+    assert run_on_harness(killed, KILL_AT_6, build_model=build, loss=loss).attempts == 2
     for step in (4, 8, 12):
         assert shard_bytes(tmp_path / "killed" / "ckpt", step) == shard_bytes(tmp_path / "clean" / "ckpt", step)
     names = set(
@@ -185,8 +184,7 @@ def test_batchnorm_statistics_resume_as_the_uninterrupted_run_continues(tmp_path
 
     run_on_harness(config(tmp_path / "clean"))
     killed = config(tmp_path / "killed")
-    killed["fault"] = {"phase": "after_optimizer_step", "step": 6, "rank": 1}
-    assert run_on_harness(killed).attempts == 2
+    assert run_on_harness(killed, KILL_AT_6).attempts == 2
     saved = load_state(LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / "clean" / "ckpt"), 4), "model")
     assert "1.running_mean" in saved and saved["1.running_mean"].abs().sum() > 0
     for step in (8, 12):

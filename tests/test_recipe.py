@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import harness
-from conftest import FINAL, assert_resumed_once, read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import FINAL, KILL_AT_6, assert_resumed_once, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.errors import CheckpointError
 from ray_resume.config import Config
 from ray_resume.errors import ConfigError
@@ -171,9 +171,9 @@ def test_a_rank_killed_under_the_recipe_ends_byte_identical(tmp_path, strategy):
     SIGKILLed after step 6 resumes from iteration 4 and every shard of the last iteration equals the
     uninterrupted run's."""
     runs = {}
-    for name, fault in (("clean", None), ("killed", {"phase": "after_optimizer_step", "step": 6, "rank": 1})):
-        cfg = tiny_config(tmp_path / name, training={**RECIPE, "strategy": strategy}, fault=fault)
-        run_on_harness(cfg)
+    for name, fault in (("clean", None), ("killed", KILL_AT_6)):
+        cfg = tiny_config(tmp_path / name, training={**RECIPE, "strategy": strategy})
+        run_on_harness(cfg, fault)
         runs[name] = cfg["checkpoint"]["save_path"]
     assert_resumed_once(runs["killed"])
     assert shard_bytes(runs["killed"], 12) == shard_bytes(runs["clean"], 12)

@@ -259,9 +259,9 @@ def test_resume_falls_back_past_a_corrupt_newest_iteration(tmp_path, local_refer
     shutil.copytree(local_reference["root"], root)
     flip_byte(root / "iteration_00000012" / "ckpt-model-0000001-0000002.safetensors")
     (root / paths.TRACKER).write_text("12\n")
-    cfg = tiny_config(tmp_path, training={"train_steps": FINAL}, checkpoint={"load_path": str(root)}, fault=fault)
+    cfg = tiny_config(tmp_path, training={"train_steps": FINAL}, checkpoint={"load_path": str(root)})
     cfg["data"]["path"] = local_reference["data"]
-    assert run_on_harness(cfg).attempts == (2 if fault else 1)
+    assert run_on_harness(cfg, fault).attempts == (2 if fault else 1)
     assert len([p for p in root.iterdir() if p.name.startswith("iteration_00000012.damaged-")]) == 1
     starts = [r for r in read_metrics(str(root)) if r.get("event") == "start" and r["rank"] == 0]
     assert [r["source"].rsplit("/", 1)[1] for r in starts] == ["iteration_00000008"] * (2 if fault else 1)

@@ -61,11 +61,11 @@ def test_uninterrupted_run_commits_every_interval(reference):
 def test_a_failed_commit_ends_the_run_non_zero_naming_it(tmp_path, reference, capsys, caplog):
     """On Ray Train, through the CLI's own main(): the failure reaches the driver, which says which
     iteration and why, and exits 1 (before, it logged "finished" and exited 0)."""
-    cfg = tiny_config(tmp_path, fault={"phase": "commit_fails", "step": 8})
+    cfg = tiny_config(tmp_path)
     cfg["data"]["path"] = reference["data"]
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     with caplog.at_level(logging.INFO, logger="ray_resume"):
-        code = main([str(tmp_path / "job.yaml")])
+        code = main([str(tmp_path / "job.yaml"), "--fault", "phase=commit_fails,step=8"])
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after the workers' lines Ray forwards
     assert code == 1, last
     assert last.startswith("error: training failed: the commit of iteration 8 failed: [Errno 5] injected fault")

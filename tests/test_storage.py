@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FINAL, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
+from conftest import FINAL, KILL_AT_6, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.reader import find_committed, open_iteration, read_verified
@@ -162,11 +162,10 @@ def test_exact_resume_on_object_storage(tmp_path, local_reference, s3):
     cfg = tiny_config(
         tmp_path,
         checkpoint={"save_path": root, "storage": s3},
-        fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
     )
     cfg["data"]["path"] = reference["data"]
     with TornReadWatcher(root, s3) as watcher:
-        run_on_harness(cfg)
+        run_on_harness(cfg, KILL_AT_6)
     assert watcher.saw_whole_files_only(), (watcher.json_reads, watcher.torn)
     # The ray.train.Checkpoint a Result holds opens through the configured endpoint, not AWS's
     with ray_checkpoint(f"{root}/iteration_{FINAL:08d}", s3).as_directory() as local:

@@ -16,6 +16,7 @@ import harness
 
 from conftest import (
     FINAL,
+    KILL_AT_6,
     assert_resumed_once,
     driver_checks,
     per_step,
@@ -201,10 +202,10 @@ def test_scenario_b_starts_at_step_0_from_the_loaded_weights(tmp_path, local_ref
 @pytest.mark.invariant(2)
 def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, local_reference, dtype):
     roots = {}
-    for name, fault in (("clean", None), ("killed", {"phase": "after_optimizer_step", "step": 6, "rank": 1})):
-        cfg = tiny_config(tmp_path / name, model={"dtype": dtype}, fault=fault)
+    for name, fault in (("clean", None), ("killed", KILL_AT_6)):
+        cfg = tiny_config(tmp_path / name, model={"dtype": dtype})
         cfg["data"]["path"] = local_reference["data"]
-        run_on_harness(cfg)
+        run_on_harness(cfg, fault)
         roots[name] = cfg["checkpoint"]["save_path"]
     assert_resumed_once(roots["killed"])
     for step in (4, 8, FINAL):

@@ -84,9 +84,12 @@ def tracker(root: str) -> str:
 
 @pytest.mark.invariant(1, 4, 9)
 def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tmp_path, reference):
-    config = write_config(tmp_path, reference, fault={"phase": "commit_before_tracker", "step": 8})
+    config = write_config(tmp_path, reference)
     root = str(tmp_path / "ckpt")
-    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config)], join_session_ray=True), timeout=300)
+    run = [sys.executable, "-m", "ray_resume.run", str(config)]
+    code, out = finish(
+        start([*run, "--fault", "phase=commit_before_tracker,step=8"], join_session_ray=True), timeout=300
+    )
     assert code == -signal.SIGKILL, out[-3000:]
     # The JSON of iteration 8 is on disk, but the tracker never moved past 4.
     assert (Path(root) / "iteration_00000008" / "metadata.json").exists()
@@ -94,16 +97,7 @@ def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tm
 
     code, out = finish(
         start(
-            [
-                sys.executable,
-                "-m",
-                "ray_resume.run",
-                str(config),
-                "--set",
-                "fault=null",
-                "--set",
-                f"checkpoint.load_path={root}",
-            ],
+            [*run, "--set", f"checkpoint.load_path={root}"],
             join_session_ray=True,
         ),
         timeout=300,
@@ -200,9 +194,9 @@ def test_the_console_of_a_run_that_loses_a_worker(tmp_path, reference):
         reference,
         training={"log_every": 1},
         checkpoint={"async_save": False},
-        fault={"phase": "after_optimizer_step", "step": 6, "rank": 1},
     )
-    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config)]), timeout=300)
+    kill = "phase=after_optimizer_step,step=6,rank=1"
+    code, out = finish(start([sys.executable, "-m", "ray_resume.run", str(config), "--fault", kill]), timeout=300)
     assert code == 0, out[-3000:]
     lines = [ANSI.sub("", line) for line in out.splitlines()]
     progress = [line for line in lines if re.search(r"\[tiny\] step \d+/12 \|", line)]

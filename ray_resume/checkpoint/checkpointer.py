@@ -445,7 +445,9 @@ class Checkpointer:
                 shards=shards,
                 rank_extras=rng,
                 checksum=self.ckpt.checksum,
-                on_mid_write=lambda: self.faults.maybe_kill("mid_shard_write", step),
+                on_mid_write=(lambda: self.faults.maybe_kill("mid_shard_write", step))
+                if self.faults.armed("mid_shard_write")
+                else None,
                 writer=writer,
             )
         except WriterDied as exc:  # that save is lost, never committed; the next one starts a new writer

@@ -33,18 +33,19 @@ class ShardFile:
 
 
 def write_file(
-    storage, file: ShardFile, data: list[memoryview], checksum: str, on_mid_write: Callable[[], None]
+    storage, file: ShardFile, data: list[memoryview], checksum: str, on_mid_write: Callable[[], None] | None = None
 ) -> tuple[int, list[str]]:
     """Write `file`'s header then `data` durably; return its size and the digests of its checksum blocks.
 
-    A transient error rewrites the whole file, hashed afresh. `on_mid_write` is
-    called once half of the bytes are written (fault injection).
+    A transient error rewrites the whole file, hashed afresh. `on_mid_write`, where
+    given (an injected fault, faults.py), is called once half of the bytes are written.
     """
     chunks = [memoryview(file.head), *_pieces(data)]
 
     def write():
         digest = BlockDigests(checksum, 0, file.ends)
-        return storage.write_durable(file.path, _halves(chunks, on_mid_write), digest), digest
+        pieces = chunks if on_mid_write is None else _halves(chunks, on_mid_write)
+        return storage.write_durable(file.path, pieces, digest), digest
 
     size, digest = retried(write, f"write of {file.path}")
     return size, digest.hexdigests()

@@ -275,7 +275,7 @@ def write_shards(
     world_size: int,
     shards: list[tuple[ShardLayout, list[memoryview]]],
     rank_extras: dict[str, str],
-    on_mid_write: Callable[[], None] = lambda: None,
+    on_mid_write: Callable[[], None] | None = None,
     block_size: int = CHECKSUM_BLOCK,
     checksum: str = DEFAULT_CHECKSUM,
     writer=None,
@@ -329,7 +329,7 @@ def save_shards(
     model_state: dict[str, torch.Tensor],
     optim_state: dict[str, torch.Tensor] | None,
     rank_extras: dict[str, str],
-    on_mid_write: Callable[[], None] = lambda: None,
+    on_mid_write: Callable[[], None] | None = None,
     block_size: int = CHECKSUM_BLOCK,
     checksum: str = DEFAULT_CHECKSUM,
 ) -> Manifest:

@@ -109,7 +109,7 @@ class ProcessWriter:
         )
 
     def write(
-        self, files: list[ShardFile], checksum: str, on_mid_write: Callable[[], None]
+        self, files: list[ShardFile], checksum: str, on_mid_write: Callable[[], None] | None = None
     ) -> list[tuple[int, list[str]]]:
         """Have the writer write `files` from the snapshot buffers; (size, block digests) of each."""
         if self._conn is None:
@@ -125,6 +125,7 @@ class ProcessWriter:
                 {
                     "op": "write",
                     "checksum": checksum,
+                    "pause_mid": on_mid_write is not None,  # an injected fault's: else no round trip per file
                     "files": [
                         {"path": f.path, "kind": f.kind, "head": base64.b64encode(f.head).decode(), "ends": f.ends}
                         for f in files
@@ -206,9 +207,8 @@ def serve(conn: socket.socket) -> None:
         elif msg["op"] == "write":
             try:
                 files = [ShardFile(f["path"], f["kind"], base64.b64decode(f["head"]), f["ends"]) for f in msg["files"]]
-                written = [
-                    write_file(storage, f, [views[f.kind]], msg["checksum"], lambda: _halfway(conn)) for f in files
-                ]
+                halfway = (lambda: _halfway(conn)) if msg["pause_mid"] else None
+                written = [write_file(storage, f, [views[f.kind]], msg["checksum"], halfway) for f in files]
                 wire.send(conn, {"written": written})
             except Exception as exc:  # reported to the rank, which raises it where a thread would have
                 wire.send(conn, {"error": _described(exc)})

@@ -35,7 +35,7 @@ def apply_overrides(d: dict, overrides: Iterable[str]) -> dict:
         node, walked = out, []
         for part in parents:
             walked.append(part)
-            if node.get(part) is None:  # create absent/null optional blocks (e.g. fault)
+            if node.get(part) is None:  # create absent/null optional blocks (e.g. data.synthetic)
                 node[part] = {}
             node = node[part]
             if not isinstance(node, dict):

@@ -27,14 +27,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 # DistributedDataParallel, or FSDP2 fully_shard (params and optimizer state sharded on dim 0)
 STRATEGIES = ("ddp", "fsdp")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "wsd")  # the LR after warmup (train_loop.learning_rate)
-FAULT_PHASES = (
-    "after_optimizer_step",
-    "mid_shard_write",
-    "before_report",
-    "commit_before_tracker",
-    "retention_delete",
-    "commit_fails",
-)
 
 # "" is an ImportPath: the built-in
 SafeName, ImportPath, OptimizerPath = (Annotated[str, Field(pattern=p)] for p in LOOKS)
@@ -285,13 +277,6 @@ class CheckpointConfig(_Section):
         return save_path
 
 
-class FaultConfig(_Section):
-    # where to die: after_optimizer_step | mid_shard_write | before_report | commit_before_tracker | retention_delete; or commit_fails (its tracker write fails)
-    phase: Literal[FAULT_PHASES]
-    step: Count  # optimizer step at which to die (>= 1)
-    rank: int = Field(0, ge=0)  # which worker rank dies
-
-
 class Config(_Section):
     name: SafeName  # run name; used in file names
     model: ModelConfig = {}  # network shape
@@ -301,22 +286,16 @@ class Config(_Section):
     scaling: ScalingConfig = {}  # Ray workers
     failure: FailureConfig = {}  # Ray restart budget
     checkpoint: CheckpointConfig = {}  # save/load
-    fault: Optional[FaultConfig] = None  # test-only fault injection
 
     def _across(self) -> list[str]:
         """Problems between sections, each valid on its own."""
         p = self._across_training() if self.training is not None else []
-        s = self.scaling
         if self.data.pack and set(self.data.columns or {"input_ids": ""}) != {"input_ids"}:
             p.append(f"data.pack packs one column, input_ids; data.columns names {sorted(self.data.columns)}")
         syn = self.data.synthetic
         if syn is not None and (syn.min_doc_len or syn.max_doc_len) and not 1 <= syn.min_doc_len <= syn.max_doc_len:
             p.append(
                 f"data.synthetic needs 1 <= min_doc_len <= max_doc_len, got {syn.min_doc_len} and {syn.max_doc_len}"
-            )
-        if self.fault is not None and self.fault.rank >= s.max_workers:
-            p.append(
-                f"fault.rank={self.fault.rank} must be < the largest world size scaling.num_workers ({s.max_workers})"
             )
         return p
 

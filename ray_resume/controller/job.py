@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..calls import SAVE_AND_STOP, STOP_NOW
 from ..errors import LeaseLost
+from ..faults import Fault
 from ..checkpoint import paths
 from ..checkpoint.commit import commit_iteration
 from ..checkpoint.manifest import Manifest
@@ -89,13 +90,14 @@ class JobController(SnapshotLedger, Retention):
         driver_pid: int,
         keepers: dict | None = None,
         first_plan: ResumePlan | None = None,
+        fault: Fault | None = None,
     ):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         self.root = save_path
         self.job_id = job_id
         self.config = config
         self.driver_pid = driver_pid
-        self.fault = config.get("fault")
+        self.fault = fault  # the job's injected fault (tests, the quickstart's drill); None in production
         self.checkpoint_root = root_for(save_path, config["checkpoint"]["storage"]) if save_path else None
         self.storage = self.checkpoint_root.storage if save_path else None
         self.first_plan = first_plan or ResumePlan()  # the driver's, for the first start (and restarts before a commit)
@@ -284,13 +286,8 @@ class JobController(SnapshotLedger, Retention):
     def _before_tracker(self, iteration: int) -> None:
         """Fault injection between the JSON files and the tracker: the driver dies, or the write fails."""
         f = self.fault
-        if (
-            f
-            and f["step"] == iteration
-            and f["phase"] in ("commit_before_tracker", "commit_fails")
-            and self.claim_fault()
-        ):
-            if f["phase"] == "commit_fails":
+        if f and (f.at("commit_before_tracker", iteration) or f.at("commit_fails", iteration)) and self.claim_fault():
+            if f.phase == "commit_fails":
                 raise OSError(errno.EIO, f"injected fault: the tracker write for iteration {iteration} failed")
             self._kill_driver(f"before moving the tracker to {iteration}")
 

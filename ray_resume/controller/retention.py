@@ -15,6 +15,7 @@ from ..checkpoint import paths
 from ..checkpoint.reader import read_tracker
 from ..checkpoint.lease import Lease
 from ..checkpoint.storage import TEMP_MARK, Storage
+from ..faults import Fault
 
 logger = logging.getLogger("ray_resume.controller")
 
@@ -25,7 +26,7 @@ class Retention:
     root: str
     storage: Storage
     deleter: ThreadPoolExecutor  # one thread: deletions in commit order, off the commit's path
-    fault: dict | None
+    fault: Fault | None
     attempt: int
     lease: Lease | None
     committed_by_job: list[int]
@@ -117,7 +118,7 @@ class Retention:
         iter_dir = paths.iteration_dir(self.root, step)
         self.storage.remove(paths.join(iter_dir, paths.COMMON))
         f = self.fault
-        if f and f["phase"] == "retention_delete" and f["step"] == step and self.claim_fault():
+        if f and f.at("retention_delete", step) and self.claim_fault():
             self._kill_driver(f"while deleting iteration {step}")
         self.storage.remove_tree(iter_dir)
         logger.info("retention (save_max=%d): removed iteration %d", self.config["checkpoint"]["save_max"], step)
