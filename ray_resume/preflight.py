@@ -18,6 +18,7 @@ import torch
 from . import parallel
 from .checkpoint import names, paths, state
 from .checkpoint.checks import check_optimizer_state, check_weights, refuse_foreign_slots, refuse_optimizer_change
+from .checkpoint.fallback import select_iteration
 from .checkpoint.dcp import dcp_checkpoint, describe, full_resume_problem, optimizer_specs, weight_specs
 from .checkpoint.root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .checkpoint.schema import Iteration
@@ -138,7 +139,7 @@ def _load_source(ckpt, built_in: bool) -> tuple[ResumeSource | None, Iteration |
                 "set checkpoint.no_load_optim: true to start from its weights"
             )
         return WeightsExport(ckpt.load_path), None
-    it = root.select(fallback=ckpt.fallback)
+    it = select_iteration(root, fallback=ckpt.fallback)
     if it is None:
         if resuming_own_root:
             logger.info("nothing to resume in %s yet: starting from step 0", ckpt.load_path)

@@ -25,6 +25,7 @@ from ray_resume.checkpoint.loader import (
     owned_parts,
 )
 from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
+from ray_resume.checkpoint.root import CheckpointRoot
 from ray_resume.checkpoint.schema import Iteration, StoredFile
 from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
@@ -253,7 +254,7 @@ def _open(rank: int, root: str, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     storage = CountingStorage()
     try:
-        it = open_shared(storage, root, 5, rank, WORLD)
+        it = open_shared(CheckpointRoot(root, storage=storage), 5, rank, WORLD)
         report = {"raw": it.raw, "common": it.common, "path": it.path}
     except CheckpointError as exc:
         report = {"error": str(exc)}

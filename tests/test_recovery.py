@@ -18,7 +18,7 @@ from conftest import FINAL, driver_checks, run_on_harness, shard_bytes, tiny_con
 from ray_resume.checkpoint import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.lease import LEASE_DIR
-from ray_resume.checkpoint.root import CommittedIteration
+from ray_resume.checkpoint.root import CheckpointRoot, CommittedIteration
 from ray_resume.preflight import resolve_source
 from ray_resume.checkpoint.digest import block_bounds
 from ray_resume.checkpoint.fallback import select_iteration
@@ -48,7 +48,7 @@ def flip_byte(path: Path) -> None:
 
 
 def test_intact_tracker_iteration_is_used(root):
-    assert select_iteration(LocalStorage(), str(root), fallback=True).step == 10
+    assert select_iteration(CheckpointRoot(str(root)), fallback=True).step == 10
 
 
 def restore(root: Path, step: int, **checkpoint):
@@ -138,7 +138,7 @@ def test_a_storage_error_is_not_damage(root, monkeypatch):
 
     monkeypatch.setattr(LocalStorage, "read_bytes", read_bytes)
     with pytest.raises(OSError, match="injected EIO"):
-        select_iteration(LocalStorage(), str(root), fallback=True)
+        select_iteration(CheckpointRoot(str(root)), fallback=True)
     assert tree(root) == before
 
 
@@ -149,7 +149,7 @@ def test_an_iteration_that_disagrees_with_itself_is_damage_and_falls_back(root, 
     common_file = root / "iteration_00000010" / "common.json"
     common_file.write_text(json.dumps({**json.loads(common_file.read_text()), "global_step": 5}))
     with caplog.at_level(logging.WARNING):
-        assert select_iteration(LocalStorage(), str(root), fallback=True).step == 5
+        assert select_iteration(CheckpointRoot(str(root)), fallback=True).step == 5
     assert "global_step 5 is not this directory's iteration 10" in caplog.text
 
 
@@ -170,9 +170,9 @@ def test_missing_or_garbled_tracker_with_valid_iterations(root, tracker):
         (root / paths.TRACKER).unlink()
     else:
         (root / paths.TRACKER).write_text(tracker)
-    assert select_iteration(LocalStorage(), str(root), fallback=True).step == 10
+    assert select_iteration(CheckpointRoot(str(root)), fallback=True).step == 10
     with pytest.raises(CheckpointError, match=r"Iterations that check out: \[10, 5\]"):
-        select_iteration(LocalStorage(), str(root), fallback=False)
+        select_iteration(CheckpointRoot(str(root)), fallback=False)
 
 
 def lie_about_offsets(directory: Path) -> None:

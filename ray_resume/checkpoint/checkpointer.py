@@ -26,7 +26,7 @@ from .loader import StateLoader, assign, from_mindformers, is_fsdp_shard, load_w
 from .plan import TensorSpec, needed_range
 from .export import read_export
 from .reader import load_rank_extras
-from .root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
+from .root import CheckpointRoot, CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .state import DTYPE_TAGS, DTYPES, class_path, optimizer_slots
 from .writer import SnapshotBuffers, live_data, shard_layouts, write_shards
 from .writer_process import ProcessWriter, writes_in_a_process
@@ -93,13 +93,12 @@ class Checkpointer:
             return Start(source=source.path, bytes_read=read), {}
         if isinstance(source, DcpCheckpoint):
             return self._restore_dcp(model, optimizer, source.path, full=full, gbs=global_batch_size, step=step), {}
-        storage = root_for(source.root, self.ckpt.storage).storage
+        root = root_for(source.root, self.ckpt.storage)
         try:
             return self._restore(
-                storage,
+                root,
                 model,
                 optimizer,
-                source.root,
                 source.step,
                 full=full,
                 gbs=global_batch_size,
@@ -109,7 +108,7 @@ class Checkpointer:
             logger.warning("rank %d: %s", self.rank, exc)
             damage = str(exc)
             older = decided_by_rank0(
-                lambda: fall_back(storage, source.root, source.step, damage, fallback=self.ckpt.fallback).step,
+                lambda: fall_back(root, source.step, damage, fallback=self.ckpt.fallback).step,
                 self.rank,
                 f"fall back from the damaged iteration {source.step}",
             )
@@ -123,18 +122,18 @@ class Checkpointer:
             )
 
     def _restore(
-        self, storage, model, optimizer, root: str, step: int, *, full: bool, gbs: int | None, rank0_extras: bool
+        self, root: CheckpointRoot, model, optimizer, step: int, *, full: bool, gbs: int | None, rank0_extras: bool
     ) -> tuple[Start, dict[str, str]]:
         try:
-            it = open_shared(storage, root, step, self.rank, self.world_size)
+            it = open_shared(root, step, self.rank, self.world_size)
         except CheckpointError as exc:
-            if not storage.is_dir(paths.iteration_dir(root, step)):
+            if not root.storage.is_dir(root.iteration_dir(step)):
                 # Set aside by an earlier attempt of this job, whose ranks found it damaged: the
                 # restart falls back the same way, where the driver and controller still name it.
                 raise DamagedShards(str(exc)) from exc
             raise
         kinds = (paths.MODEL_KIND, paths.OPTIM_KIND) if full and it.has_optimizer else (paths.MODEL_KIND,)
-        loader = StateLoader(storage, it, self.rank, self.world_size, self.ckpt.load_balanced, kinds)
+        loader = StateLoader(root.storage, it, self.rank, self.world_size, self.ckpt.load_balanced, kinds)
         where = paths.join(it.path, paths.METADATA)
         live = state.model_tensors(model)
         specs = it.specs(paths.MODEL_KIND)

@@ -23,18 +23,19 @@ import time
 
 from . import paths
 from .reader import check_no_extra_shards, find_committed, iteration_steps, open_iteration
+from .root import CheckpointRoot
 from .schema import Iteration
 from ..errors import AbnormalIteration, CheckpointError
 
 logger = logging.getLogger(__name__)
 
 
-def checked_iteration(storage, root: str, step: int) -> Iteration:
+def checked_iteration(root: CheckpointRoot, step: int) -> Iteration:
     """Iteration `step`, its JSON parsed, its listing and shard sizes checked against it: what the
     job resumes, parsed once (a CheckpointError says what is wrong with it)."""
-    it = open_iteration(storage, root, step)
-    check_no_extra_shards(storage, it)
-    for name, actual in storage.sizes(it.path, sorted(it.files)).items():
+    it = open_iteration(root.storage, root.uri, step)
+    check_no_extra_shards(root.storage, it)
+    for name, actual in root.storage.sizes(it.path, sorted(it.files)).items():
         listed = it.files[name].size
         if actual != listed:
             path = paths.join(it.path, name)
@@ -46,38 +47,40 @@ def checked_iteration(storage, root: str, step: int) -> Iteration:
     return it
 
 
-def newest_first(storage, root: str) -> list[int]:
-    return iteration_steps(storage, root)[::-1]
+def newest_first(root: CheckpointRoot) -> list[int]:
+    return iteration_steps(root.storage, root.uri)[::-1]
 
 
-def select_iteration(storage, root: str, *, fallback: bool) -> Iteration | None:
+def select_iteration(root: CheckpointRoot, *, fallback: bool) -> Iteration | None:
     """The iteration under `root` to load, parsed and checked, or None when nothing was ever committed there."""
     try:
-        tracked = find_committed(storage, root)
+        tracked = find_committed(root.storage, root.uri)
         if tracked is None:
-            present = newest_first(storage, root)
+            present = newest_first(root)
             if not present:
                 return None
-            failure = f"{paths.tracker_path(root)}: missing, but iterations {sorted(present)} are present"
+            failure = f"{paths.tracker_path(root.uri)}: missing, but iterations {sorted(present)} are present"
         else:
             try:
-                return checked_iteration(storage, root, tracked)
+                return checked_iteration(root, tracked)
             except CheckpointError as exc:
                 failure = exc
     except CheckpointError as exc:  # a garbled tracker, or one naming a missing iteration
         tracked, failure = None, exc
-    return fall_back(storage, root, tracked, failure, fallback=fallback)
+    return fall_back(root, tracked, failure, fallback=fallback)
 
 
-def fall_back(storage, root: str, damaged: int | None, failure: CheckpointError | str, *, fallback: bool) -> Iteration:
+def fall_back(
+    root: CheckpointRoot, damaged: int | None, failure: CheckpointError | str, *, fallback: bool
+) -> Iteration:
     """Iteration `damaged` (None: the tracker) cannot be used because of `failure`: the newest older
     iteration that checks out, with `damaged` set aside (never an abnormal one: not damage); or,
     without `fallback`, an error listing them."""
     valid = []
-    for step in newest_first(storage, root):
+    for step in newest_first(root):
         if damaged is None or step < damaged:
             try:
-                valid.append(checked_iteration(storage, root, step))
+                valid.append(checked_iteration(root, step))
             except CheckpointError:
                 continue
             if fallback:  # the newest is the one
@@ -89,7 +92,7 @@ def fall_back(storage, root: str, damaged: int | None, failure: CheckpointError 
         )
     if not valid:
         raise CheckpointError(
-            f"{failure}; and no older iteration under {root} checks out, so there is nothing safe to resume"
+            f"{failure}; and no older iteration under {root.uri} checks out, so there is nothing safe to resume"
         )
     chosen = valid[0]
     logger.warning(
@@ -98,12 +101,12 @@ def fall_back(storage, root: str, damaged: int | None, failure: CheckpointError 
         chosen.step,
     )
     if damaged is not None and not isinstance(failure, AbnormalIteration):
-        set_aside(storage, root, damaged)
+        set_aside(root, damaged)
     return chosen
 
 
-def set_aside(storage, root: str, step: int) -> None:
-    src = paths.iteration_dir(root, step)
+def set_aside(root: CheckpointRoot, step: int) -> None:
+    storage, src = root.storage, root.iteration_dir(step)
     if not storage.is_dir(src):
         return  # already set aside (by an earlier attempt)
     dst = f"{src}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"

@@ -43,6 +43,7 @@ from .checks import check_weights
 from .plan import TensorSpec, needed_range
 from .reader import ShardReader, check_no_extra_shards, open_iteration, plan_reads
 from .parse import parse_iteration
+from .root import CheckpointRoot
 from .schema import Iteration
 from ..errors import CheckpointError, DamagedShards
 from .state import DTYPE_TAGS, DTYPES
@@ -50,7 +51,7 @@ from .state import DTYPE_TAGS, DTYPES
 logger = logging.getLogger(__name__)
 
 
-def open_shared(storage, root: str, step: int, rank: int, world_size: int) -> Iteration:
+def open_shared(root: CheckpointRoot, step: int, rank: int, world_size: int) -> Iteration:
     """The iteration's JSON files and shard listing, read and checked by rank 0 alone, then broadcast.
 
     Every rank needs metadata.json, but at 12,288 ranks on S3 each fetching
@@ -59,12 +60,12 @@ def open_shared(storage, root: str, step: int, rank: int, world_size: int) -> It
     parsed = []  # rank 0's own parse, kept: the iteration is parsed once in each process
 
     def read() -> dict:
-        parsed.append(open_iteration(storage, root, step))
-        check_no_extra_shards(storage, parsed[0])
+        parsed.append(open_iteration(root.storage, root.uri, step))
+        check_no_extra_shards(root.storage, parsed[0])
         return parsed[0].raw
 
-    raw = decided_by_rank0(read, rank, f"read iteration {step} under {root}")
-    return parsed[0] if parsed else parse_iteration(raw, root, step)
+    raw = decided_by_rank0(read, rank, f"read iteration {step} under {root.uri}")
+    return parsed[0] if parsed else parse_iteration(raw, root.uri, step)
 
 
 def balanced_owners(it: Iteration, kinds, world_size: int) -> dict[tuple[str, int], int]:

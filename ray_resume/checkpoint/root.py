@@ -14,12 +14,11 @@ import threading
 from dataclasses import dataclass
 
 from . import paths
-from .fallback import select_iteration
 from .lease import Lease
 from .export import export_specs, is_export
 from .reader import find_committed, open_iteration
 from .schema import Iteration
-from .storage import storage_for
+from .storage import Storage, storage_for
 
 
 @dataclass(frozen=True)
@@ -93,9 +92,13 @@ class ResumePlan:
 
 
 class CheckpointRoot:
-    def __init__(self, uri: str, options=None):
+    """A root, by its URI, and the storage that reaches it: what is passed around above the reader's and
+    writer's functions (which take the two apart). `root_for` makes one per root and process; `storage`
+    is given where a test watches the calls."""
+
+    def __init__(self, uri: str, options=None, *, storage: Storage | None = None):
         self.uri = uri
-        self.storage = storage_for(uri, options)
+        self.storage = storage if storage is not None else storage_for(uri, options)
 
     def exists(self) -> bool:
         return self.storage.is_dir(self.uri)
@@ -103,11 +106,6 @@ class CheckpointRoot:
     def committed(self) -> int | None:
         """The step the tracker names (checked to exist), None when nothing was committed."""
         return find_committed(self.storage, self.uri)
-
-    def select(self, *, fallback: bool) -> Iteration | None:
-        """The iteration to resume, parsed: the tracker's if it checks out, else the newest older one
-        that does (the damaged one set aside, unless `fallback` is off); None when nothing was committed."""
-        return select_iteration(self.storage, self.uri, fallback=fallback)
 
     def iteration(self, step: int) -> Iteration:
         """Iteration `step`'s JSON files, read and checked."""
