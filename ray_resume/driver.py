@@ -58,7 +58,16 @@ JobControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16, 
 
 class TrainingFailed(ray.train.TrainingFailedError):
     """The run failed and Ray Train's restarts could not save it (or a commit failed): what was
-    committed stays, and the message says why in one line. The error underneath is `__cause__`."""
+    committed stays, and the message says why in one line. The error underneath is `__cause__`;
+    `worker_failures` maps each rank that failed to its own exception, as Ray Train's
+    WorkerGroupError does (empty where no rank failed: a commit, the controller)."""
+
+    def __init__(self, message: str, worker_failures: dict[int, BaseException] | None = None):
+        super().__init__(message)
+        self.worker_failures = dict(worker_failures or {})
+
+    def __reduce__(self):
+        return (self.__class__, (str(self), self.worker_failures))
 
 
 @dataclass
@@ -127,11 +136,19 @@ def launch(
         error = TrainingFailed(f"training failed: {outcome.commit_error}")
         error.__cause__ = CommitError(outcome.commit_error)
     elif error is not None:
-        reason = next(
-            (line for line in str(error).splitlines()[1:] + str(error).splitlines() if line.strip()),
-            type(error).__name__,
-        )
-        failed = TrainingFailed(f"training failed: {reason.strip()}")
+        ranks = getattr(error, "worker_failures", None) or {}
+        if ranks:  # Ray Train's WorkerGroupError: each rank's own exception, the first said
+            rank, exc = min(ranks.items(), key=lambda item: item[0])
+            first = next((line for line in str(exc).splitlines() if line.strip()), "")
+            reason = f"rank {rank}: {type(exc).__name__}: {first}" + (
+                f" (and {len(ranks) - 1} more)" if len(ranks) > 1 else ""
+            )
+        else:
+            reason = next(
+                (line for line in str(error).splitlines()[1:] + str(error).splitlines() if line.strip()),
+                type(error).__name__,
+            )
+        failed = TrainingFailed(f"training failed: {reason.strip()}", ranks)
         failed.__cause__ = error
         error = failed
     if error is None and outcome.metrics.get("stopped"):

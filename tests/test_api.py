@@ -185,3 +185,32 @@ def test_extra_state_with_no_save_optim_is_refused_before_anything_loads(tmp_pat
         ConfigError, match="extra state rides in the optimizer shards, which checkpoint.no_save_optim: true leaves out"
     ):
         ck.restore(model, opt, extra={"sched": sched})
+
+
+def raises_on_rank_1(config: dict) -> None:
+    import ray.train
+
+    if ray.train.get_context().get_world_rank() == 1:
+        raise ValueError("rank 1 met a bug of the user's")
+
+
+@pytest.mark.usefixtures("ray_cluster", "by_value")
+def test_a_failed_fit_names_each_ranks_failure_as_ray_trains_error_does(tmp_path):
+    """A bug (not a mistake we can name) on rank 1, no restart left: fit raises TrainingFailed, a
+    ray.train.TrainingFailedError, in one line, and `worker_failures` (the name Ray Train's
+    WorkerGroupError gives it) holds rank 1's own exception, of its class."""
+    import ray.train
+
+    with pytest.raises(ray.train.TrainingFailedError) as ei:
+        ray_resume.fit(
+            raises_on_rank_1,
+            checkpoint={"save_path": str(tmp_path / "ckpt")},
+            scaling_config={"num_workers": 2},
+            failure_config={"max_failures": 0},
+        )
+    failed = ei.value
+    assert isinstance(failed, ray_resume.TrainingFailed)
+    assert str(failed) == "training failed: rank 1: ValueError: rank 1 met a bug of the user's"
+    assert set(failed.worker_failures) == {1}
+    assert isinstance(failed.worker_failures[1], ValueError)
+    assert "rank 1 met a bug of the user's" in str(failed.worker_failures[1])
