@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from . import paths
 from .lease import Lease
 from .export import export_specs, is_export
-from .reader import find_committed, open_iteration
+from .reader import find_committed, iteration_steps, open_iteration, read_tracker
 from .schema import Iteration
 from .storage import Storage, storage_for
 
@@ -106,6 +106,14 @@ class CheckpointRoot:
     def committed(self) -> int | None:
         """The step the tracker names (checked to exist), None when nothing was committed."""
         return find_committed(self.storage, self.uri)
+
+    def tracker(self) -> int | None:
+        """The step the tracker names, as written (None: no tracker); a garbled one is a CheckpointError."""
+        return read_tracker(self.storage, self.uri)
+
+    def steps(self) -> list[int]:
+        """The steps of the iteration directories here, ascending."""
+        return iteration_steps(self.storage, self.uri)
 
     def iteration(self, step: int) -> Iteration:
         """Iteration `step`'s JSON files, read and checked."""

@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from ..checkpoint import paths
-from ..checkpoint.reader import ShardReader, check_no_extra_shards, iteration_steps, open_iteration, read_tracker
-from ..checkpoint.root import root_for
+from ..checkpoint.reader import ShardReader, check_no_extra_shards
+from ..checkpoint.root import CheckpointRoot, root_for
 from ..checkpoint.schema import Iteration, parse_json
 from ..checkpoint.storage import Storage
 from ..errors import AbnormalIteration, CheckpointError, CliError
@@ -17,15 +17,15 @@ def emit_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=False))
 
 
-def open_root(root: str) -> Storage:
-    """The storage of `root`; a missing root or an unsupported scheme is a usage error."""
+def open_root(uri: str) -> CheckpointRoot:
+    """The checkpoint root at `uri`; a missing root or an unsupported scheme is a usage error."""
     try:
-        storage = root_for(root).storage
+        root = root_for(uri)
     except ValueError as exc:
         raise CliError(str(exc), 2) from None
-    if not storage.is_dir(root):
-        raise CliError(f"checkpoint root {root!r} does not exist or is not a directory", 2)
-    return storage
+    if not root.exists():
+        raise CliError(f"checkpoint root {uri!r} does not exist or is not a directory", 2)
+    return root
 
 
 def dir_size(storage: Storage, path: str) -> int:
@@ -39,18 +39,19 @@ def dir_size(storage: Storage, path: str) -> int:
     return total
 
 
-def resolve_iteration(storage: Storage, root: str, requested: int | None) -> tuple[int, int | None]:
+def resolve_iteration(checkpoint_root: CheckpointRoot, requested: int | None) -> tuple[int, int | None]:
     """(step to inspect, tracker step). Default: the tracker's iteration."""
-    tracker = read_tracker(storage, root)  # CheckpointError: garbled tracker -> exit 1
+    storage, root = checkpoint_root.storage, checkpoint_root.uri
+    tracker = checkpoint_root.tracker()  # CheckpointError: garbled tracker -> exit 1
     if requested is not None:
         if requested < 0 or not storage.is_dir(paths.iteration_dir(root, requested)):
-            present = ", ".join(map(str, iteration_steps(storage, root))) or "none"
+            present = ", ".join(map(str, checkpoint_root.steps())) or "none"
             raise CliError(
                 f"{paths.iteration_dir(root, max(requested, 0))}: no such iteration (iterations here: {present})", 2
             )
         return requested, tracker
     if tracker is None:
-        present = ", ".join(map(str, iteration_steps(storage, root))) or "none"
+        present = ", ".join(map(str, checkpoint_root.steps())) or "none"
         raise CliError(
             f"{paths.tracker_path(root)}: missing, so no iteration is committed here "
             f"(iterations present: {present}); pass --iteration N to inspect one anyway"
@@ -95,7 +96,8 @@ def verify_iteration(storage: Storage, it: Iteration) -> dict:
     return {"ok": not problems, "problems": problems, "files": files}
 
 
-def describe_iteration(storage: Storage, root: str, step: int, tracker: int | None, verify: bool) -> dict:
+def describe_iteration(checkpoint_root: CheckpointRoot, step: int, tracker: int | None, verify: bool) -> dict:
+    storage, root = checkpoint_root.storage, checkpoint_root.uri
     path = paths.iteration_dir(root, step)
     row: dict[str, Any] = {
         "step": step,
@@ -129,7 +131,7 @@ def describe_iteration(storage: Storage, root: str, step: int, tracker: int | No
         row["error"] = f"{common_file}: missing; this iteration was never committed (or is being rewritten)"
     else:
         try:
-            it = open_iteration(storage, root, step)
+            it = checkpoint_root.iteration(step)
             row.update(
                 status="ok",
                 origin=it.origin,

@@ -6,7 +6,6 @@ import json
 import os
 
 from ..checkpoint import paths
-from ..checkpoint.reader import open_iteration
 from ..checkpoint.schema import Iteration
 from ..text_table import human_size
 from ..errors import CliError
@@ -21,14 +20,15 @@ def cmd_export(args) -> int:
 
     from ..checkpoint.loader import load_state
 
-    storage = open_root(args.root)
+    root = open_root(args.root)
+    storage = root.storage
     out = args.out_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise CliError(f"{out!r} exists and is not a directory", 2)
     if os.path.isdir(out) and os.listdir(out) and not args.force:
         raise CliError(f"output directory {out!r} is not empty; choose an empty one or pass --force to overwrite", 2)
-    step, _ = resolve_iteration(storage, args.root, args.iteration)
-    it = open_iteration(storage, args.root, step)
+    step, _ = resolve_iteration(root, args.iteration)
+    it = root.iteration(step)
     kinds = [paths.MODEL_KIND] + ([paths.OPTIM_KIND] if args.with_optimizer else [])
     if args.with_optimizer and not it.has_optimizer:
         raise CliError(

@@ -7,7 +7,6 @@ import os
 import sys
 
 from ..checkpoint import dcp, paths
-from ..checkpoint.reader import iteration_steps, open_iteration, read_tracker
 from ..checkpoint.schema import first_row, local_shape, readable_by_mindformers
 from ..errors import CheckpointError
 from ..text_table import human_size, table
@@ -15,15 +14,13 @@ from .common import describe_iteration, emit_json, open_root, resolve_iteration,
 
 
 def cmd_list(args) -> int:
-    storage = open_root(args.root)
+    root = open_root(args.root)
     tracker, tracker_error = None, None
     try:
-        tracker = read_tracker(storage, args.root)
+        tracker = root.tracker()
     except CheckpointError as exc:
         tracker_error = str(exc)
-    rows = [
-        describe_iteration(storage, args.root, s, tracker, args.verify) for s in iteration_steps(storage, args.root)
-    ]
+    rows = [describe_iteration(root, s, tracker, args.verify) for s in root.steps()]
     if tracker is not None and not any(r["tracker"] for r in rows):
         tracker_error = f"{paths.tracker_path(args.root)}: names iteration {tracker}, but {paths.iteration_dirname(tracker)}/ does not exist"
     bad = tracker_error is not None or any(r["tracker"] and r["status"] != "ok" for r in rows)
@@ -104,13 +101,13 @@ def _dcp_dir(args) -> str | None:
 def cmd_verify(args) -> int:
     if (dcp_dir := _dcp_dir(args)) is not None:
         return dcp_report(dcp_dir, args, verify=True)
-    storage = open_root(args.root)
-    step, tracker = resolve_iteration(storage, args.root, args.iteration)
-    path, origin = paths.iteration_dir(args.root, step), None
+    root = open_root(args.root)
+    step, tracker = resolve_iteration(root, args.iteration)
+    path, origin = root.iteration_dir(step), None
     try:
-        it = open_iteration(storage, args.root, step)
+        it = root.iteration(step)
         origin = it.origin
-        result = verify_iteration(storage, it)
+        result = verify_iteration(root.storage, it)
     except CheckpointError as exc:
         result = {"ok": False, "problems": [str(exc)], "files": {}}
     report = {
@@ -166,9 +163,9 @@ def cmd_verify(args) -> int:
 def cmd_show(args) -> int:
     if (dcp_dir := _dcp_dir(args)) is not None:
         return dcp_report(dcp_dir, args, verify=False)
-    storage = open_root(args.root)
-    step, tracker = resolve_iteration(storage, args.root, args.iteration)
-    it = open_iteration(storage, args.root, step)  # CheckpointError -> exit 1
+    root = open_root(args.root)
+    step, tracker = resolve_iteration(root, args.iteration)
+    it = root.iteration(step)  # CheckpointError -> exit 1
     tensors = []
     for kind, by_name in it.tensors.items():
         for name, stored in by_name.items():
