@@ -214,3 +214,18 @@ def test_a_failed_fit_names_each_ranks_failure_as_ray_trains_error_does(tmp_path
     assert set(failed.worker_failures) == {1}
     assert isinstance(failed.worker_failures[1], ValueError)
     assert "rank 1 met a bug of the user's" in str(failed.worker_failures[1])
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_train_func_the_workers_cannot_import_is_named_in_one_line(tmp_path):
+    """A train_func in a module only the driver can import (here this test module, not sent by value):
+    the one line names the module and where to put it, not Ray's 'input arguments could not be computed'."""
+    with pytest.raises(ray_resume.TrainingFailed) as ei:
+        ray_resume.fit(
+            raises_on_rank_1,
+            checkpoint={"save_path": str(tmp_path / "ckpt")},
+            scaling_config={"num_workers": 2},
+            failure_config={"max_failures": 0},
+        )
+    assert str(ei.value).startswith("training failed: the workers could not import module 'test_api'"), str(ei.value)
+    assert "working_dir" in str(ei.value) and len(str(ei.value).splitlines()) == 1
