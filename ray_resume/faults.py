@@ -22,15 +22,14 @@ from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# phase -> what happens there
-PHASES = {
-    "after_optimizer_step": "the rank dies after the step's optimizer step",
-    "mid_shard_write": "the rank dies half way through writing a shard file of the step's save",
-    "before_report": "the rank dies after writing the step's shards, before reporting them",
-    "commit_before_tracker": "the driver dies after the step's iteration JSON files, before the tracker moves",
-    "commit_fails": "the tracker write of the step's commit fails (an I/O error)",
-    "retention_delete": "the driver dies half way through deleting iteration `step` (retention)",
-}
+PHASES = (
+    "after_optimizer_step",  # the rank dies after the step's optimizer step
+    "mid_shard_write",  # the rank dies half way through writing a shard file of the step's save
+    "before_report",  # the rank dies after writing the step's shards, before reporting them
+    "commit_before_tracker",  # the driver dies after the step's iteration JSON files, before the tracker moves
+    "commit_fails",  # the tracker write of the step's commit fails (an I/O error)
+    "retention_delete",  # the driver dies half way through deleting iteration `step` (retention)
+)
 ON_THE_DRIVER = ("commit_before_tracker", "commit_fails", "retention_delete")
 
 
