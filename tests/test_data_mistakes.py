@@ -79,16 +79,16 @@ CASES = {
         r"rows of 'input_ids' hold 33 tokens",
         "model.seq_len: 32",
     ),
-    "a dataset smaller than one global batch": (
-        lambda d: write(d, windows(n=10)),
-        {},
-        r"holds 10 samples, fewer than one global batch \(training\.global_batch_size: 16\)",
-        "training.global_batch_size",
-    ),
     "packed documents shorter than one global batch": (
         lambda d: write(d, documents(n=3), ids=False),
         {"data": {"pack": True}},
         r"holds \d+ windows of 17 tokens, fewer than one global batch",
+        "training.global_batch_size",
+    ),
+    "a dataset smaller than one global batch": (
+        lambda d: write(d, windows(n=10)),
+        {},
+        r"holds 10 samples, fewer than one global batch \(training\.global_batch_size: 16\)",
         "training.global_batch_size",
     ),
     "a negative token id": (
