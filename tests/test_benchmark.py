@@ -93,7 +93,9 @@ def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
     assert set(tiny["contenders"]) == {f"{mode}@{k}" for mode in CONTENDERS for k in (2, 3)}
     for key, c in tiny["contenders"].items():
         # One round: the ratio is its rate over the run beside it without saves; the spread, that one value.
-        assert c["vs_never"] == pytest.approx(c["steps_per_s"] / c["beside_never_steps_per_s"], rel=2e-3), key
+        # (to its 4 decimals: 0.0078 for 0.007757 on a loaded machine failed the relative bound alone)
+        ratio = c["steps_per_s"] / c["beside_never_steps_per_s"]
+        assert c["vs_never"] == pytest.approx(ratio, rel=2e-3, abs=5e-5), key
         assert c["vs_never_spread"] == [c["vs_never"], c["vs_never"]], key
         assert c["stall_s"] > 0, key
     row = tiny["contenders"]["async_process@3"]
