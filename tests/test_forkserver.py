@@ -145,9 +145,13 @@ def server(tmp_path):
         p.wait()
 
 
-def run_client(env: dict, argv: list[str], cwd: Path, *extra: str) -> subprocess.Popen:
+def run_client(env: dict, argv: list[str], cwd: Path, *extra: str, answer_s: float | None = None) -> subprocess.Popen:
+    """A client as Ray's worker command starts one; `answer_s`: how long it waits for a server's answer."""
+    how = ["-m", forkserver.MODULE]
+    if answer_s is not None:
+        how = ["-c", f"import sys, {forkserver.MODULE} as f; f.ANSWER_S = {answer_s}; f.main(sys.argv[1:])"]
     return subprocess.Popen(
-        [sys.executable, "-m", forkserver.MODULE, PRELOAD, *argv, *extra],
+        [sys.executable, *how, PRELOAD, *argv, *extra],
         env={**env, "MY_VAR": "x"},
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -266,12 +270,12 @@ def test_a_server_that_does_not_answer_is_passed_by(tmp_path):
         mute.bind("\0" + address)
         mute.listen(1)
         began = time.monotonic()
-        client = run_client(env, argv, tmp_path)
+        client = run_client(env, argv, tmp_path, answer_s=2.0)  # not 10 s: the wait, not its length, is the point
         client.wait(timeout=60)
         waited = time.monotonic() - began
     out, _ = client.communicate(timeout=10)  # (the streams the client sent stayed in the mute socket's queue)
     assert (client.returncode, out, report(tmp_path)["pid"]) == (7, "hello from the worker\n", client.pid)
-    assert waited >= forkserver.ANSWER_S
+    assert waited >= 2.0
 
 
 def test_the_server_forks_only_with_no_thread_but_its_own():
