@@ -114,8 +114,9 @@ def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tm
 
 
 def test_ray_job_submit_to_a_running_cluster(tmp_path, reference):
-    """`ray job submit` to the session's Ray through its dashboard's job API, as to any cluster's head: the
-    job's entrypoint runs `python -m ray_resume.run` with RAY_ADDRESS set, which joins that cluster."""
+    """`ray job submit -- python -m ray_resume.run config.yaml` to the session's Ray through its dashboard's
+    job API, as to any cluster's head (ray_resume installed there, no working_dir): the entrypoint runs
+    with RAY_ADDRESS set, which joins that cluster."""
     config = write_config(tmp_path, reference, scaling={"num_workers": 1}, training={"micro_batch_size": 8})
     ray_cli = str(Path(sys.executable).parent / "ray")  # the venv's, whether or not it is activated
     submit = start(
@@ -125,8 +126,6 @@ def test_ray_job_submit_to_a_running_cluster(tmp_path, reference):
             "submit",
             "--address",
             SESSION_RAY["dashboard"],
-            "--working-dir",
-            str(REPO),
             "--",
             sys.executable,
             "-m",
