@@ -338,8 +338,9 @@ def test_a_resave_on_fewer_ranks_leaves_no_file_of_the_larger_world(tmp_path, lo
 
 @pytest.mark.invariant(1, 4)
 def test_a_failed_commit_ends_the_run_with_its_error_and_the_next_start_resumes(tmp_path, local_reference):
-    """The tracker write of iteration 8 fails: the ranks stop at the next step boundary (saving it),
-    the job ends with the failure named, and a new start resumes from the last good commit."""
+    """The tracker write of iteration 8 fails: the ranks stop at a step boundary after it (saving it),
+    the job ends with the failure named, and a new start resumes from the last good commit. (The ranks
+    learn of the failure in the background: on a loaded machine they may reach step 12 and commit it first.)"""
     cfg = tiny_config(tmp_path)
     cfg["data"]["path"] = local_reference["data"]
     root = cfg["checkpoint"]["save_path"]
@@ -347,12 +348,10 @@ def test_a_failed_commit_ends_the_run_with_its_error_and_the_next_start_resumes(
     assert outcome.error.startswith(
         "the commit of iteration 8 failed: [Errno 5] injected fault: the tracker write for iteration 8 failed"
     )
-    assert (
-        f"the tracker of {root} stays on iteration {outcome.committed}" in outcome.error and outcome.committed < FINAL
-    )
+    assert f"the tracker of {root} stays on iteration {outcome.committed}" in outcome.error
     assert tracker(root) == str(outcome.committed) and outcome.attempts == 1
     stops = {r["step"] for r in read_metrics(root) if r.get("event") == "stop"}
-    assert stops == {outcome.committed}  # the stop step was saved and committed
+    assert stops == {outcome.committed} or (outcome.committed == FINAL and not stops)  # the stop step saved, committed
     # Iteration 8's files and JSON were written, its tracker write failed: never committed, so cleared
     # once the stop step's commit is newer (found by the soak: it stayed, one more than save_max).
     assert not (Path(root) / "iteration_00000008").exists()
