@@ -19,7 +19,7 @@ RUN = [doc for doc in ex.DOCS if any(b.kind == "run" for b in ex.blocks(doc))]
 def test_every_example_of_the_document_runs_as_shown(doc, tmp_path, request):
     """The README's commands as a newcomer runs them, each starting a Ray of its own; the examples of
     docs/ join the suite's Ray instead (RAY_ADDRESS, as under `ray job submit`): a Ray start and stop
-    less for each of their dozen jobs, and the same lines printed."""
+    less for each of their jobs, and the same lines printed."""
     readme = doc.name == "README.md"
     if not readme:
         request.getfixturevalue("ray_cluster")
