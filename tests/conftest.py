@@ -34,24 +34,20 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group marks as the items are collected
 def pytest_collection_modifyitems(items):
     """`slow` is exactly the tests that need a Ray cluster: `pytest -m 'not slow'` runs the rest without one.
-    Under pytest-xdist those on the session's Ray are one group, run one after another by the process
-    whose Ray it is; those that start a Ray of their own are another, beside it (pyproject.toml's addopts)."""
+    Under pytest-xdist they are one group, run one after another by one process (the session's Ray is
+    that process's), beside the rest (pyproject.toml's addopts)."""
     for item in items:
-        if "ray_cluster" in item.fixturenames:
+        if "ray_cluster" in item.fixturenames or item.get_closest_marker("starts_ray"):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("ray"))
-        elif item.get_closest_marker("starts_ray"):
-            item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.xdist_group("own_ray"))
 
 
 @pytest.fixture(autouse=True)
 def one_ray_lane(request, tmp_path_factory):
-    """Under xdist, the tests on the session's Ray must all be run by one process (a second session Ray
-    would double the Ray work on a 2-core host, and two were seen to lose each other's job submissions):
-    the first claims the lane."""
+    """Under xdist, the tests with a Ray must all be run by one process (two Rays on one 2-core host
+    starve each other, and each sees the other's `ray_current_cluster`): the first claims the lane."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker and "ray_cluster" in request.fixturenames:
+    if worker and request.node.get_closest_marker("slow"):
         lane = tmp_path_factory.getbasetemp().parent / "ray-lane"  # the run's, shared by its workers
         with contextlib.suppress(FileExistsError), open(lane, "x") as f:
             f.write(worker)

@@ -15,20 +15,15 @@ RUN = [doc for doc in ex.DOCS if any(b.kind == "run" for b in ex.blocks(doc))]
 
 
 @pytest.mark.starts_ray
-def test_the_readmes_commands_run_as_shown(tmp_path):
-    """As a newcomer runs them: each starts a Ray of its own."""
-    follow(REPO / "README.md", tmp_path, env_for_subprocess())
-
-
-@pytest.mark.parametrize("doc", [doc for doc in RUN if doc.parent.name == "docs"], ids=lambda doc: doc.name)
-def test_every_example_of_the_document_runs_as_shown(doc, tmp_path, ray_cluster):
-    """The examples of docs/ join the suite's Ray (RAY_ADDRESS, as under `ray job submit`): a Ray start
-    and stop less for each of their jobs, and the same lines printed."""
-    follow(doc, tmp_path, env_for_subprocess(join_session_ray=True))
-
-
-def follow(doc, tmp_path, env: dict) -> None:
-    reader = ex.Reader(tmp_path, env)
+@pytest.mark.parametrize("doc", RUN, ids=lambda doc: doc.name)
+def test_every_example_of_the_document_runs_as_shown(doc, tmp_path, request):
+    """The README's commands as a newcomer runs them, each starting a Ray of its own; the examples of
+    docs/ join the suite's Ray instead (RAY_ADDRESS, as under `ray job submit`): a Ray start and stop
+    less for each of their jobs, and the same lines printed."""
+    readme = doc.name == "README.md"
+    if not readme:
+        request.getfixturevalue("ray_cluster")
+    reader = ex.Reader(tmp_path, env_for_subprocess(join_session_ray=not readme))
     reader.follow(doc)
     assert len(reader.ran) == sum(b.kind == "run" for b in ex.blocks(doc))
 
