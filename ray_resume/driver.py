@@ -137,18 +137,18 @@ def launch(
         error.__cause__ = CommitError(outcome.commit_error)
     elif error is not None:
         ranks = getattr(error, "worker_failures", None) or {}
-        missing = re.search(r"No module named '([^']+)'", str(error))
-        if missing and not ranks:  # Ray could not unpickle what a rank runs: the user's module is not there
-            reason = (
-                f"the workers could not import module '{missing[1]}' (the train function's, or one it needs); "
-                "send it with the runtime env's working_dir or py_modules (RunConfig.worker_runtime_env, "
-                "or ray.init(runtime_env=...))"
-            )
-        elif ranks:  # Ray Train's WorkerGroupError: each rank's own exception, the first said
+        if ranks:  # Ray Train's WorkerGroupError: each rank's own exception, the first said
             rank, exc = min(ranks.items(), key=lambda item: item[0])
             first = next((line for line in str(exc).splitlines() if line.strip()), "")
             reason = f"rank {rank}: {type(exc).__name__}: {first}" + (
                 f" (and {len(ranks) - 1} more)" if len(ranks) > 1 else ""
+            )
+        elif missing := re.search(r"No module named '([^']+)'", str(error)):
+            # Ray could not unpickle what a rank runs: the user's module is not there
+            reason = (
+                f"the workers could not import module '{missing[1]}' (the train function's, or one it needs); "
+                "send it with the runtime env's working_dir or py_modules (RunConfig.worker_runtime_env, "
+                "or ray.init(runtime_env=...))"
             )
         else:
             reason = next(
