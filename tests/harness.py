@@ -104,6 +104,18 @@ class DriverSide(controller_module.JobController, MemoryKeeper):
         return getattr(self, "fault_claimed_at", None)
 
 
+class CommitsFirst(DriverSide):
+    """The job's fault fires only once an iteration below its step is committed (at most 60 s): a rank
+    that dies while saving 8 finds 4 committed, however long the other ranks took to write 4. Without
+    it the test races the writers (on a busy machine rank 1 reached 8 before rank 0 had reported 4)."""
+
+    def claim_fault(self) -> bool:
+        deadline = time.monotonic() + 60
+        while not any(step < self.fault.step for step in self.committed_by_job) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().claim_fault()
+
+
 class SlowRetention(DriverSide):
     """Retention's deletion blocks until this job has committed one more iteration or is ending
     (at most 60 s): a controller that made training wait on its deletions never gets that commit."""
@@ -156,6 +168,7 @@ class Driver(BaseManager):
 
 
 Driver.register("JobController", DriverSide)
+Driver.register("CommitsFirst", CommitsFirst)
 Driver.register("SlowRetention", SlowRetention)
 Driver.register("StolenLease", StolenLease)
 Driver.register("LostSnapshots", LostSnapshots)

@@ -53,10 +53,15 @@ def test_a_job_on_the_harness_is_the_same_job_as_on_ray_train(local_reference, r
 @pytest.mark.invariant(1, 2, 3, 4, 8)
 def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, local_reference, phase, writer):
     """A rank SIGKILLed half way through writing a shard (with its writer process waiting on it, or
-    its writer thread), or after writing but before reporting."""
+    its writer thread), or after writing but before reporting. Rank 0's write of iteration 4 is slowed, as
+    a writer at nice 19 on a busy machine is, so that rank 1 reaches 8 before 4 is committed; the fault
+    fires once it is (CommitsFirst)."""
     cfg = tiny_config(tmp_path, checkpoint={"async_writer": writer})
     cfg["data"]["path"] = local_reference["data"]
-    assert run_on_harness(cfg, {"phase": phase, "step": 8, "rank": 1}).attempts == 2
+    slow_4 = [{"op": "write", "times": 0, "delay_s": 1.5, "path_contains": "iteration_00000004/ckpt-model-0000000"}]
+    faults = (slow_4, str(tmp_path / "injected.jsonl"))
+    fault = {"phase": phase, "step": 8, "rank": 1}
+    assert run_on_harness(cfg, fault, controller="CommitsFirst", storage_faults=faults).attempts == 2
     root = cfg["checkpoint"]["save_path"]
     restarts = starts(root)
     # Iteration 8 was being written when rank 1 died: the restart must use 4.
