@@ -37,7 +37,7 @@ def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_pa
     cfg = tiny_config(tmp_path)
     cfg["data"]["path"] = local_reference["data"]
     root = cfg["checkpoint"]["save_path"]
-    outcome = harness.run_job(cfg, fault=KILL_AT_6)
+    outcome = harness.run_job(cfg, fault=KILL_AT_6, controller="CommitsFirst")  # 4 committed before the kill
     assert outcome.attempts == 2
     [job] = {r["job"] for r in read_metrics(root)}
 

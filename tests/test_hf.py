@@ -79,7 +79,7 @@ def test_from_pretrained_trains_resumes_byte_identical_and_exports_for_from_pret
     roots = {}
     for name, fault in (("clean", None), ("killed", KILL_AT_6)):
         cfg = job(tmp_path / name, base)
-        run_on_harness(cfg, fault)
+        run_on_harness(cfg, fault, controller="CommitsFirst")  # 4 committed before the kill
         roots[name] = cfg["checkpoint"]["save_path"]
     assert_resumed_once(roots["killed"])
     assert shard_bytes(roots["killed"], 12) == shard_bytes(roots["clean"], 12)
