@@ -1,35 +1,33 @@
-"""Goodput under failures: the same job with a training worker SIGKILLed every `--every` seconds.
+"""What a worker kill costs: ours against Ray Train's own checkpoint pattern, in one run, part by part.
 
-    python -m benchmarks.goodput                 # 3 kills 30 s apart and 3 kills 120 s apart per contender, ~40 min
-    python -m benchmarks.goodput --every 30      # one interval
+    python -m benchmarks.goodput                       # the job's own step time, then steps of 0.5 s: ~15 min
+    python -m benchmarks.goodput --step-sleep 0        # the job's own step time only, ~3 min
+    python -m benchmarks.goodput --step-sleep 0 --only ours --ray-env RAY_worker_niceness=0   # a cluster setting
 
-Three contenders (four with `--without-fork-server`) on the same 2-worker job (the quickstart's GPT and data, global batch 32, DDP on CPU):
+Both contenders run the same train_func on 2 workers (the quickstart's GPT and data, global batch 32
+in one micro-batch of 16 per rank, DDP on CPU, AdamW, batches from the same `ray_resume.SampleStream`),
+through Ray Train with `FailureConfig(max_failures=-1)`. Only the checkpointing differs:
 
-* ours with the memory tier: durable saves every `--save-every` steps, snapshots every
-  `--memory-every` (20: Young's interval for a snapshot's cost here and a failure every 30 s);
-* ours with durable saves only;
-* with `--without-fork-server`, ours with the memory tier and `failure.fork_server: false` (the
-  other two start the restarted ranks from the fork server, by its default);
-* Ray Train without us: the pattern its docs teach, a `torch.save` of the model and optimizer
-  every `--save-every` steps handed to `ray.train.report(checkpoint=...)`, and
-  `ray.train.get_checkpoint()` + `torch.load` on a restart; its batches come from the same
-  `ray_resume.SampleStream`, restarted at the checkpoint's step, so only checkpointing differs.
+* ours: `ray_resume.fit`, `restore` once and `maybe_save` every step: a durable save every
+  `--save-every` steps and a memory snapshot every `--memory-every` (the memory tier);
+* Ray Train's pattern, as its docs teach it: a `torch.save` of the model and the optimizer every
+  `--save-every` steps handed to `ray.train.report(checkpoint=...)`, and `ray.train.get_checkpoint()`
+  + `torch.load` at a restart.
 
-First the restart floor (benchmarks/restart_floor.py: two fresh interpreters importing what a rank
-imports, at once), then each contender runs 800 steps without a kill (its steady step time, shown
-for reference and to size the runs). Then, per interval, a killer thread SIGKILLs a live `RayTrainWorker` every `--every`
-seconds from the first step on, `--kills` times, in a run long enough for them (the same steps
-for every contender). A run's steady step time is the mean of its steps after each group's first
-200 (saves included), measured in that run: this machine's speed drifts over minutes by more than
-the failures cost. Effective training time ratio (ETTR) = steps x the steady step time / the wall
-time of `fit()`. The time lost per failure is (wall - the run's own startup, fit() to its first
-step - steps x the steady step time) / failures: the restarts, the redone steps and each new
-group's slower first steps. Each failure on its own: "back
-in", from the last step finished before the kill to the moment that step is finished again (its
-mean, min and max over the failures), and its parts from the contender's own timestamps: restart
-(from the kill to the new group's train function; for ours, Ray Train noticing it and the new
-group, and of that the new processes' imports and setup), reload (to the resumed state) and redone
-steps (the steps run again, at the steady step time).
+With `--step-sleep S` every step of both sleeps S seconds besides its work: the step time of real
+training, where what a restart redoes costs what it costs there.
+
+Each run is `(kills + 1) x save_every` steps long. A killer thread SIGKILLs rank 1's process once
+rank 0 has logged step `k x save_every + offset_k` (k = 1..kills, the offsets drawn once from
+`--seed` in [1, save_every): the same steps for both contenders), so a kill lands anywhere between
+two durable saves, as a failure does. Per kill, from each contender's own timestamps: *noticed and
+new processes* (from the kill to the new rank 0's process start), *imports and setup* (to its
+train_func), *build and restore* (to the restored state), the *redone* steps (the steps run again,
+at the run's steady step time) and *back in* (from the last step finished before the kill to that
+step finished again). *Lost per kill* is the run's wall time less its startup and its steps at
+its steady step time (the mean step after each group's first SETTLE steps, saves included,
+measured in the same run), divided by the kills: all of the above and each new group's slower
+first steps.
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import random
 import signal
 import statistics
 import sys
@@ -46,111 +45,24 @@ import threading
 import time
 from pathlib import Path
 
-import ray
 
 QUICKSTART = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_layers": 2, "n_heads": 4}
 BATCH = 32
-CLEAN_STEPS = 800
-SETTLE = 200  # steps of each group's start left out of the steady step time (see _measured)
+SETTLE = 25  # steps of each group's start left out of the steady step time (its first steps run slower)
+CONTENDERS = ("ours, memory tier", "Ray Train + torch.save")
 
 
-def live_workers() -> list[int]:
-    return sorted(
-        a["Pid"]
-        for a in ray._private.state.actors(actor_state_name="ALIVE").values()
-        if a["ActorClassName"] == "RayTrainWorker" and a["Pid"]
-    )
+def process_started() -> float:
+    """When this process started, on time.time()'s clock."""
+    with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+        ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        since_boot = float(uptime.read().split()[0])
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
 
 
-class Killer(threading.Thread):
-    """SIGKILLs one live training worker every `every` seconds, `times` times, once `started()` is true."""
-
-    times = 3  # --kills
-
-    def __init__(self, every: float | None, started):
-        super().__init__(daemon=True)
-        self.every, self.started, self.kills, self.done = every, started, [], threading.Event()
-        if every:  # None: a clean run
-            self.start()
-
-    def run(self) -> None:
-        while not self.done.is_set() and not self.started():
-            time.sleep(0.2)
-        while len(self.kills) < self.times and not self.done.wait(self.every):
-            pids = live_workers()
-            if pids:
-                os.kill(pids[-1], signal.SIGKILL)
-                self.kills.append(time.time())
-
-
-def ours(
-    tmp: Path,
-    steps: int,
-    save_every: int,
-    memory_every: int,
-    every: float | None,
-    data: str,
-    fork_server: bool | str = "auto",
-) -> dict:
-    import ray.train
-
-    from ray_resume.api import train
-    from ray_resume.config import Config
-    from ray_resume.driver import RayTrain
-    from ray_resume.metrics import read_metrics
-
-    root = tmp / f"ours-{memory_every}"
-    cfg = Config.from_dict(
-        {
-            "name": f"goodput-{memory_every}",
-            "model": QUICKSTART,
-            "data": {"path": data, "synthetic": {"samples": 4096, "files": 4, "row_groups_per_file": 4}},
-            "training": {
-                "global_batch_size": BATCH,
-                "micro_batch_size": BATCH // 2,
-                "train_steps": steps,
-                "log_every": 50,
-            },
-            "scaling": {"num_workers": 2},
-            "failure": {"max_failures": -1, "fork_server": fork_server},
-            "checkpoint": {
-                "save_path": str(root),
-                "save_interleaved_steps": save_every,
-                "memory_interleaved_steps": memory_every,
-            },
-        }
-    )
-    killer = Killer(every, lambda: any(root.parent.glob(f"{root.name}-metrics/*.jsonl")))
-    began = time.time()
-    # Every run in a runtime env of its own: it starts its own fork server, as a new job does (this
-    # driver's runs are one Ray job, whose server would otherwise serve them all from the first).
-    train(
-        cfg,
-        backend=RayTrain(run_config=ray.train.RunConfig(worker_runtime_env={"env_vars": {"GOODPUT_RUN": str(root)}})),
-    )
-    killer.done.set()
-    records = read_metrics(str(root))
-    steps_run = [r for r in records if r.get("rank") == 0 and "loss" in r]
-    restarts = [r for r in records if r.get("event") == "restart"]
-    return _measured(
-        began,
-        time.time(),
-        steps_run,
-        killer.kills,
-        [
-            {
-                "restart": sum(r.get(k, 0) for k in ("detect_s", "new_group_s", "spawn_s", "setup_s")),
-                "setup": r.get("setup_s"),
-                "reload": r["restore_s"],
-                "redone": r["caught_up"] - r["step"],
-            }
-            for r in restarts
-        ],
-    )
-
-
-def plain_train_func(config: dict) -> None:
-    """What a Ray Train user writes without ray_resume (its docs' checkpointing pattern)."""
+def train_func(config: dict) -> None:
+    """One loop for both contenders; `config["ours"]` says whose checkpointing it uses."""
+    entered = time.time()
     import ray.train
     import ray.train.torch
     import torch
@@ -159,26 +71,31 @@ def plain_train_func(config: dict) -> None:
     from ray_resume.data import quiet_ray_data
     from ray_resume.model import GPT
 
-    quiet_ray_data()  # no progress bars, as in ours
-
-    entered = time.time()
+    quiet_ray_data()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(0)
     model = ray.train.torch.prepare_model(GPT(**QUICKSTART, dropout=0.0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    start = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
-        model.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start = state["step"]
+    if config["ours"]:
+        import ray_resume
+
+        ck = ray_resume.get_checkpointer()
+        start = ck.restore(model, opt).step
+    else:
+        start, checkpoint = 0, ray.train.get_checkpoint()
+        if checkpoint:
+            with checkpoint.as_directory() as d:
+                state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
+            model.module.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            start = state["step"]
     batches = iter(SampleStream(config["data"], 1234, True, BATCH, rank, world, start * BATCH))
     log = open(config["log"], "a")
     if rank == 0:
-        log.write(json.dumps({"event": "start", "entered": entered, "loaded": time.time(), "step": start}) + "\n")
+        started = {"process": process_started(), "entered": entered, "loaded": time.time(), "step": start}
+        log.write(json.dumps({"event": "start", **started}) + "\n")
+        log.flush()
     for step in range(start + 1, config["steps"] + 1):
         tokens = torch.as_tensor(next(batches)["input_ids"]).long()
         logits = model(tokens[:, :-1])
@@ -186,7 +103,10 @@ def plain_train_func(config: dict) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % config["save_every"] == 0 or step == config["steps"]:
+        time.sleep(config["sleep"])
+        if config["ours"]:
+            ck.maybe_save(step, consumed_samples=step * BATCH, global_batch_size=BATCH)
+        elif step % config["save_every"] == 0 or step == config["steps"]:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
                     torch.save(
@@ -199,131 +119,140 @@ def plain_train_func(config: dict) -> None:
         if rank == 0:
             log.write(json.dumps({"step": step, "time": time.time()}) + "\n")
             log.flush()
+        elif os.path.exists(config["kill"]):  # the killer's word: this process dies now, as a failure would
+            os.remove(config["kill"])
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
-def plain(tmp: Path, steps: int, save_every: int, every: float | None, data: str) -> dict:
+class Killer(threading.Thread):
+    """Has rank 1 SIGKILLed once rank 0 has logged each step of `at`: it leaves a word that rank 1 takes
+    at the end of its next step, so that the kill lands at the same step for both contenders."""
+
+    def __init__(self, log: Path, at: list[int], word: Path):
+        super().__init__(daemon=True)
+        self.log, self.at, self.word, self.kills, self.done = log, list(at), word, [], threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while self.at and not self.done.wait(0.01):
+            steps = [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+            if any(r.get("step", 0) >= self.at[0] and "time" in r for r in steps) and not self.word.exists():
+                self.word.touch()
+                self.kills.append({"step": self.at.pop(0), "time": time.time()})
+
+
+def run(
+    contender: str,
+    tmp: Path,
+    data: str,
+    *,
+    steps: int,
+    save_every: int,
+    memory_every: int,
+    sleep: float,
+    kill_at: list[int],
+) -> dict:
+    """One run of `contender` with its kills; its wall time and each kill's parts."""
+    import ray.train
     from ray.train.torch import TorchTrainer
 
-    log = tmp / "plain.jsonl"
-    killer = Killer(every, lambda: log.exists() and log.stat().st_size > 0)
-    trainer = TorchTrainer(
-        plain_train_func,
-        train_loop_config={"steps": steps, "save_every": save_every, "log": str(log), "data": data},
-        scaling_config=ray.train.ScalingConfig(num_workers=2),
-        run_config=ray.train.RunConfig(
-            name=f"plain-{time.time_ns()}",
-            storage_path=str(tmp / "plain"),
-            failure_config=ray.train.FailureConfig(max_failures=-1),
-        ),
+    import ray_resume
+
+    log, word = tmp / "steps.jsonl", tmp / "kill-now"
+    loop = {"steps": steps, "save_every": save_every, "log": str(log), "kill": str(word), "data": data, "sleep": sleep}
+    scaling = ray.train.ScalingConfig(num_workers=2)
+    run_config = ray.train.RunConfig(
+        failure_config=ray.train.FailureConfig(max_failures=-1), storage_path=str(tmp / "ray")
     )
+    killer = Killer(log, kill_at, word)
     began = time.time()
-    trainer.fit()
+    if contender.startswith("ours"):
+        checkpoint = {"save_path": str(tmp / "ckpt"), "save_interleaved_steps": save_every}
+        checkpoint["memory_interleaved_steps"] = memory_every
+        ray_resume.fit(
+            train_func,
+            train_loop_config={**loop, "ours": True},
+            checkpoint=checkpoint,
+            scaling_config=scaling,
+            run_config=run_config,
+        )
+    else:
+        TorchTrainer(
+            train_func, train_loop_config={**loop, "ours": False}, scaling_config=scaling, run_config=run_config
+        ).fit()
+    ended = time.time()
     killer.done.set()
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    attempt, steps_run, losses, reached = -1, [], [], 0
+    return measured(began, ended, [json.loads(line) for line in log.read_text().splitlines()], killer.kills)
+
+
+def measured(began: float, ended: float, records: list[dict], kills: list[dict]) -> dict:
+    """The run's wall time, startup and steady step time, and each kill's parts (see the module's doc)."""
+    starts, steps_run, attempt = [], [], -1
     for r in records:
         if r.get("event") == "start":
             attempt += 1
-            if reached:
-                losses.append(
-                    {
-                        "restart": r["entered"]
-                        - max([k for k in killer.kills if k < r["entered"]], default=r["entered"]),
-                        "reload": r["loaded"] - r["entered"],
-                        "redone": reached - r["step"],
-                    }
-                )
+            starts.append(r)
         else:
             steps_run.append({**r, "attempt": attempt})
-            reached = r["step"]
-    return _measured(began, time.time(), steps_run, killer.kills, losses)
-
-
-def _measured(began: float, ended: float, steps_run: list[dict], kills: list[float], losses: list[dict]) -> dict:
-    """A run's wall time, startup (to its first step), steady step time, and failures. The steady step
-    time is the mean of the steps that each group took after its first SETTLE (saves included): a
-    group's start (its first batches, the fork server's imports beside its steps) is left to
-    the run's startup and to the failure that caused it. `attempt_step_s`: the same per group."""
-    steps_run = sorted(steps_run, key=lambda r: r["time"])
-    first = {}
-    for r in steps_run:
-        first.setdefault(r["attempt"], r["step"])
-    gaps: dict[int, list[float]] = {}
-    for settle in (SETTLE, 0):  # a run whose groups all ran fewer than SETTLE steps: every step
-        for a, b in zip(steps_run, steps_run[1:]):
-            if (
-                b["step"] == a["step"] + 1
-                and b["attempt"] == a["attempt"]
-                and a["step"] - first[a["attempt"]] >= settle
-            ):
-                gaps.setdefault(a["attempt"], []).append(b["time"] - a["time"])
-        if gaps:
-            break
+    gaps = [
+        b["time"] - a["time"]
+        for a, b in zip(steps_run, steps_run[1:])
+        if b["attempt"] == a["attempt"]
+        and b["step"] == a["step"] + 1
+        and a["step"] - starts[a["attempt"]]["step"] >= SETTLE
+    ]
+    step_s = statistics.mean(gaps)
+    per_kill = []
+    for kill, start in zip(kills, starts[1:]):
+        before = [r for r in steps_run if r["time"] < kill["time"]]
+        again = [r["time"] for r in steps_run if r["time"] > kill["time"] and r["step"] >= before[-1]["step"]]
+        per_kill.append(
+            {
+                "step": kill["step"],
+                "new_processes_s": start["process"] - kill["time"],
+                "imports_and_setup_s": start["entered"] - start["process"],
+                "build_and_restore_s": start["loaded"] - start["entered"],
+                "redone_steps": before[-1]["step"] - start["step"],
+                "back_in_s": min(again) - before[-1]["time"],
+            }
+        )
+    startup = steps_run[0]["time"] - began - step_s
+    lost = (ended - began) - startup - len({r["step"] for r in steps_run}) * step_s
     return {
-        "began": began,
         "wall_s": ended - began,
-        "startup_s": steps_run[0]["time"] - began,
-        "step_s": statistics.mean(g for group in gaps.values() for g in group),
-        "attempt_step_s": [round(statistics.mean(group), 4) for _, group in sorted(gaps.items())],
+        "startup_s": startup,
+        "step_s": step_s,
         "kills": len(kills),
-        "losses": losses,
-        "back_in": _back_in(steps_run, kills),
+        "lost_per_kill_s": lost / max(1, len(kills)),
+        "per_kill": per_kill,
     }
 
 
-def _back_in(steps_run: list[dict], kills: list[float]) -> list[float]:
-    """Per kill: from the last step finished before it to that step finished again (or a later one)."""
-    out = []
-    for kill in kills:
-        before = [r for r in steps_run if r["time"] < kill]
-        if before:
-            again = [r["time"] for r in steps_run if r["time"] > kill and r["step"] >= before[-1]["step"]]
-            if again:
-                out.append(min(again) - before[-1]["time"])
-    return out
-
-
-def _row(steps: int, run: dict, clean: dict) -> dict:
-    """ETTR and the time lost per failure: the run's wall time less its own startup and its steps at
-    its own steady step time (measured in the same run: this machine's speed drifts by more than
-    the failures cost over minutes, so a clean run's step time is shown beside it, not used)."""
-    step_s, losses = run["step_s"], run["losses"]
-    part = lambda key: statistics.mean([x[key] for x in losses if x.get(key) is not None] or [0.0])
-    lost, back = run["wall_s"] - run["startup_s"] - steps * step_s, run["back_in"] or [0.0]
-    return {
-        "steps": steps,
-        "wall_s": round(run["wall_s"], 1),
-        "kills": run["kills"],
-        "failures": len(losses),
-        "back_in_s": round(statistics.mean(back), 1),
-        "back_in_min_s": round(min(back), 1),
-        "back_in_max_s": round(max(back), 1),
-        "setup_s": round(part("setup"), 1) if any(x.get("setup") is not None for x in losses) else None,
-        "startup_s": round(run["startup_s"], 1),
-        "step_s": round(step_s, 4),
-        "clean_step_s": round(clean["step_s"], 4),
-        "attempt_step_s": run["attempt_step_s"],
-        "ettr": round(steps * step_s / run["wall_s"], 3),
-        "lost_per_failure_s": round(lost / max(1, len(losses)), 1),
-        "restart_s": round(part("restart"), 1),
-        "reload_s": round(part("reload"), 2),
-        "redone_s": round(part("redone") * step_s, 1),
-    }
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--every", type=float, nargs="+", default=[30, 120], help="seconds between kills")
-    parser.add_argument("--kills", type=int, default=3, help="kills per run")
-    parser.add_argument(
-        "--steps", type=int, default=0, help="steps per run with kills (default: enough for --kills + 1/2 intervals)"
+def row(sleep: float, name: str, r: dict) -> str:
+    """A run's line of the table: its step time, what a kill lost, against Ray Train's, and the kill's parts."""
+    mean = lambda key: statistics.mean(k[key] for k in r["per_kill"]) if r["per_kill"] else 0.0
+    return (
+        f"| {sleep:g} s | {name} | {r['step_s']:.3f} s | {r['lost_per_kill_s']:.1f} s | {r['vs_ray_train']:.2f}× | "
+        f"{mean('back_in_s'):.1f} s | {mean('new_processes_s'):.1f} s | {mean('imports_and_setup_s'):.1f} s | "
+        f"{mean('build_and_restore_s'):.2f} s | {mean('redone_steps'):.1f} ({mean('redone_steps') * r['step_s']:.1f} s) | "
+        f"{r['kills']} |"
     )
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step-sleep", type=float, nargs="+", default=[0.0, 0.5], help="seconds each step sleeps")
+    parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--save-every", type=int, default=100)
-    parser.add_argument("--memory-every", type=int, default=20)
+    parser.add_argument("--memory-every", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0, help="draws the kill steps")
+    parser.add_argument("--only", choices=["ours", "theirs"], help="one contender (no ratio)")
     parser.add_argument(
-        "--without-fork-server",
-        action="store_true",
-        help="a fourth contender: the memory tier with failure.fork_server false (restarted ranks in new processes)",
+        "--ray-env",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="settings of the Ray started here (its raylet's environment)",
     )
     parser.add_argument("--out", default="benchmarks/goodput_results.json")
     args = parser.parse_args(argv)
@@ -331,65 +260,57 @@ def main(argv=None) -> None:
     from ray_resume.data import ensure_dataset
     from ray_resume.driver import init_local_ray
 
-    from benchmarks.restart_floor import CASES, timed
-
-    floor = statistics.median(timed(CASES["imports"], 2) for _ in range(3))
-    print(
-        f"restart floor: {floor:.2f} s for 2 fresh interpreters importing a rank's modules at once (median of 3)",
-        flush=True,
-    )
-    Killer.times = args.kills
+    draw = random.Random(args.seed)
+    kill_at = [k * args.save_every + draw.randrange(1, args.save_every) for k in range(1, args.kills + 1)]
+    steps = (args.kills + 1) * args.save_every
+    os.environ.update(setting.split("=", 1) for setting in args.ray_env)  # before Ray starts: its raylet's
     init_local_ray(num_cpus=4)
-    results = {"restart_floor_s": round(floor, 2)}
+    contenders = [c for c in CONTENDERS if args.only is None or (c == CONTENDERS[0]) == (args.only == "ours")]
+    results = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "kill_at": kill_at,
+        "steps": steps,
+        "ray_env": args.ray_env,
+        "runs": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
-        # Written once, before any run is timed (the first would count it as its startup).
         ensure_dataset(
             data,
             SyntheticDataConfig(samples=4096, files=4, row_groups_per_file=4),
             QUICKSTART["seq_len"],
             QUICKSTART["vocab_size"],
         )
-        contenders = {
-            "ours, memory tier": lambda t, n, every: ours(t, n, args.save_every, args.memory_every, every, data),
-            "ours, durable only": lambda t, n, every: ours(t, n, args.save_every, 0, every, data),
-            "Ray Train + torch.save": lambda t, n, every: plain(t, n, args.save_every, every, data),
-        }
-        if args.without_fork_server:
-            contenders["ours, memory tier, no fork server"] = lambda t, n, every: ours(
-                t, n, args.save_every, args.memory_every, every, data, False
-            )
-        clean = {}
-        for name, runner in contenders.items():
-            clean[name] = runner(Path(tempfile.mkdtemp(dir=tmp)), CLEAN_STEPS, None)
-            print(
-                f"no kills | {name}: startup {clean[name]['startup_s']:.1f} s, {clean[name]['step_s']:.4f} s per step",
-                flush=True,
-            )
-        for every in args.every:
-            steps = args.steps or math.ceil((args.kills + 0.5) * every / min(c["step_s"] for c in clean.values()))
-            for name, runner in contenders.items():
-                row = _row(steps, runner(Path(tempfile.mkdtemp(dir=tmp)), steps, every), clean[name])
-                results[f"every {every:g} s: {name}"] = row
-                print(f"kill every {every:g} s | {name}: {row}", flush=True)
-    print()
-    print(f"restart floor: {floor:.2f} s")
+        for sleep in args.step_sleep:
+            for name in contenders:
+                r = run(
+                    name,
+                    Path(tempfile.mkdtemp(dir=tmp)),
+                    data,
+                    steps=steps,
+                    save_every=args.save_every,
+                    memory_every=args.memory_every,
+                    sleep=sleep,
+                    kill_at=kill_at,
+                )
+                results["runs"][f"sleep {sleep:g} s: {name}"] = r
+                print(f"sleep {sleep:g} s | {name}: {json.dumps(r)}", flush=True)
     print(
-        "| kill every | contender | steady step | ETTR | lost per failure | back in: mean (min-max) | restart | of it imports and setup | reload | redone | kills |"
+        f"\n{steps} steps, rank 1 killed after steps {kill_at}; durable saves every {args.save_every} steps, ours with a memory snapshot every {args.memory_every}\n"
+    )
+    print(
+        "| step sleep | contender | steady step | lost per kill | × Ray Train's | back in | noticed and new processes | imports and setup | build and restore | redone steps | kills |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for key, r in results.items():
-        if not key.startswith("every "):
-            continue
-        every, name = key.split(": ", 1)
-        setup = "-" if r["setup_s"] is None else f"{r['setup_s']:.1f} s"
-        print(
-            f"| {every.removeprefix('every ')} | {name} | {r['step_s']:.4f} s | {r['ettr']:.2f} | {r['lost_per_failure_s']:.1f} s | "
-            f"{r['back_in_s']:.1f} s ({r['back_in_min_s']:.1f}-{r['back_in_max_s']:.1f}) | {r['restart_s']:.1f} s | {setup} | "
-            f"{r['reload_s']:.2f} s | {r['redone_s']:.1f} s | {r['kills']} |"
-        )
+    for sleep in args.step_sleep:
+        theirs = results["runs"].get(f"sleep {sleep:g} s: {CONTENDERS[1]}", {}).get("lost_per_kill_s", math.nan)
+        for name in contenders:
+            r = results["runs"][f"sleep {sleep:g} s: {name}"]
+            r["vs_ray_train"] = r["lost_per_kill_s"] / theirs
+            print(row(sleep, name, r))
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return results
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main() and 0)

@@ -15,8 +15,20 @@ loads neither torch nor Ray.
 from __future__ import annotations
 
 import importlib
+import os
 
 __version__ = "0.1.0"
+
+# Ray's driver folds lines of one shape (numbers aside) from several processes within 5 s into one
+# "[repeated Nx across cluster]": a restarted group's first progress lines, said by a new rank 0
+# within seconds of the lost one's, were missing from the console. Lines of a job's own (`[name] ...`,
+# a name being [A-Za-z0-9._-]) are let through by Ray's documented setting, which Ray reads once, as
+# it is imported: here, before it is (`python -m ray_resume.run`, or `import ray_resume` first).
+OWN_LINES = r"^\[[A-Za-z0-9._-]+\] "
+if OWN_LINES not in os.environ.get("RAY_DEDUP_LOGS_ALLOW_REGEX", ""):
+    os.environ["RAY_DEDUP_LOGS_ALLOW_REGEX"] = "|".join(
+        filter(None, (os.environ.get("RAY_DEDUP_LOGS_ALLOW_REGEX"), OWN_LINES))
+    )
 
 _WHERE = {
     "fit": "api",

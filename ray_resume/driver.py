@@ -31,7 +31,6 @@ import ray.train
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from . import forkserver
 from .checkpoint import paths
 from .checkpoint.memory import MemoryKeeper
 from .checkpoint.root import ResumePlan, ResumeSource, root_for
@@ -107,6 +106,8 @@ def launch(
     """Run `train_func(loop_config)` on every rank to the end (with restarts), as described above; the
     Result, its `error` set (not raised) when the run failed. `fault`: one to inject (faults.py), for
     the tests and the quickstart's drill."""
+    for line in cfg.failure.retired():
+        logger.warning("[%s] %s", cfg.name, line)
     job_id = uuid.uuid4().hex[:12]
     clock = {"launched": time.time()}  # the first start's stamps (summary.start_clock); the backend adds its own
     ckpt = cfg.checkpoint
@@ -220,18 +221,7 @@ class RayTrain:
     def run(self, cfg: Config, plan: ResumePlan, launch: RankLaunch, loop_config: dict) -> JobOutcome:
         """The job to its end: the controller's account, the failure `fit()` raised, and the wall time."""
         init_ray(self.address, cfg)
-        ranks_env = (self.run_config or ray.train.RunConfig()).worker_runtime_env
         scaling = self.scaling_config or scaling_config(cfg.scaling)
-        fork_server_off = forkserver.why_off(
-            cfg.failure.fork_server,
-            ranks_env,
-            ray.get_runtime_context().runtime_env,
-            ray_client=ray.util.client.ray.is_connected(),
-            gpu=scaling.use_gpu,
-        )
-        if fork_server_off is None:
-            ranks_env = forkserver.rank_runtime_env(ranks_env or {}, preload=(rank_entry.__module__, __name__))
-        print_every_line_of(cfg.name)
         job_id, clock = launch.job_id, launch.clock
         clock["ray_up"] = time.time()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -248,12 +238,12 @@ class RayTrain:
             ]
         )
         clock["fit"] = time.time()
-        launch = dataclasses.replace(launch, controller=controller, fork_server_off=fork_server_off)
+        launch = dataclasses.replace(launch, controller=controller)
         trainer = TorchTrainer(
             rank_entry,
             train_loop_config={INTERNAL: launch, USER: loop_config},
             scaling_config=scaling,
-            run_config=self._run_config(cfg, job_id, controller, ranks_env),
+            run_config=self._run_config(cfg, job_id, controller),
         )
         failure = None
         started = time.monotonic()
@@ -272,7 +262,7 @@ class RayTrain:
             ray.kill(keeper)
         return dataclasses.replace(outcome, failure=failure, wall_s=wall_s)
 
-    def _run_config(self, cfg: Config, job_id: str, controller, ranks_env: dict | None) -> ray.train.RunConfig:
+    def _run_config(self, cfg: Config, job_id: str, controller) -> ray.train.RunConfig:
         yours = self.run_config or ray.train.RunConfig()
         return dataclasses.replace(
             yours,
@@ -290,7 +280,6 @@ class RayTrain:
                 else ray.train.LoggingConfig(log_level="INFO" if self.verbose else "CRITICAL")
             ),
             callbacks=[*(yours.callbacks or []), FailedRanks(controller)],
-            worker_runtime_env=ranks_env,
         )
 
 
@@ -365,21 +354,6 @@ def init_ray(address: str | None, cfg: Config) -> None:
     else:
         # Room for the training workers plus the Ray Data read tasks beside them.
         init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers + 2))
-
-
-def print_every_line_of(name: str) -> None:
-    """This driver prints every line of the job's own (`[name] ...`) as its ranks say it. Ray's
-    driver folds lines of one shape (numbers aside) from several processes within 5 s into one
-    "[repeated Nx across cluster]": a restarted group's first progress lines, said by a new rank 0
-    within seconds of the lost one's, were missing from the console."""
-    from ray._private import ray_logging
-
-    ours = rf"\[{re.escape(name)}\] "
-    for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
-        if dedup.allow_re is None:
-            dedup.allow_re = re.compile(ours)
-        elif ours not in dedup.allow_re.pattern:  # a later job of this process, same name
-            dedup.allow_re = re.compile(f"{dedup.allow_re.pattern}|{ours}")
 
 
 def init_local_ray(**options) -> str:

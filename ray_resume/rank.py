@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 import torch
 
-from . import forked, forkserver
 from .checkpoint.checkpointer import Checkpointer, Start
 from .checkpoint.state import class_path
 from .collectives import decided_by_rank0
@@ -52,7 +51,6 @@ class RankLaunch:
     job_id: str
     clock: dict  # the first start's stamps so far (summary.start_clock): the backend adds its own, then sends it
     controller: Any = None  # the JobController actor's handle, once the backend started it
-    fork_server_off: str | None = None  # why the ranks are not forks of the fork server; None when they are
     fault: Fault | None = None  # the job's injected fault (tests, the quickstart's drill); None in production
 
 
@@ -83,15 +81,10 @@ def rank_entry(loop_config: dict) -> None:
     """Ray Train's entry point on every rank, for every job (`fit`'s and the built-in one)."""
     import ray.train
 
-    forked.size_thread_pools()  # a fork's, now that Ray has set this rank's OMP_NUM_THREADS
     launch: RankLaunch = loop_config[INTERNAL]
     controller = ControllerClient(launch.controller)
     cfg = Config.from_dict(controller.job_config())  # the train_loop_config Ray Train shows is redacted
     ctx = ray.train.get_context()
-    processes = None
-    if ctx.get_world_rank() == 0:  # rank 0's alone is recorded: the fork server is asked once per group
-        off = launch.fork_server_off
-        processes = forkserver.started_how() if off is None else f"off ({off})"
     run_rank(
         cfg,
         controller,
@@ -102,7 +95,6 @@ def rank_entry(loop_config: dict) -> None:
         job_id=launch.job_id,
         driver_clock=launch.clock,
         fault=launch.fault,
-        processes=processes,
     )
 
 
@@ -116,16 +108,14 @@ def run_rank(
     *,
     job_id: str,
     driver_clock: dict | None = None,
-    processes: str | None = None,
     fault: Fault | None = None,
 ) -> None:
     """One rank of a job in an initialised process group: `train_func(config)` with this rank's
     RankCheckpointer, for this worker-group start. A user's mistake is said once and never retried:
-    its rank reports it, and the group Ray Train restarts for it returns at once (JobController.user_failed).
-    `processes`: how this rank's process was started (the fork server's "forked", or why not)."""
+    its rank reports it, and the group Ray Train restarts for it returns at once (JobController.user_failed)."""
     global _current
     start = decided_by_rank0(
-        lambda: _start_attempt(controller, world, driver_clock, processes).to_json(), rank, "start the attempt"
+        lambda: _start_attempt(controller, world, driver_clock).to_json(), rank, "start the attempt"
     )
     start = AttemptStart.from_json(start)
     if start.user_error is not None:
@@ -142,18 +132,14 @@ def run_rank(
         _current = None
 
 
-def _start_attempt(
-    controller: ControllerClient, world: int, driver_clock: dict | None, processes: str | None
-) -> AttemptStart:
+def _start_attempt(controller: ControllerClient, world: int, driver_clock: dict | None) -> AttemptStart:
     """Rank 0's: the controller's new attempt and what it resumes, with what this start took so far
-    (`clock`; the first start's from the driver's stamps and this process's start) and how rank 0's
-    process started (`processes`)."""
+    (`clock`; the first start's from the driver's stamps and this process's start)."""
     started = process_started()
     start = controller.start_attempt(world, started)
-    clock = start_clock(driver_clock, started, time.time()) if start.attempt == 0 and driver_clock else start.clock
-    if processes and clock is not None:
-        clock = {**clock, "fork_server": processes}
-    return dataclasses.replace(start, clock=clock)
+    if start.attempt == 0 and driver_clock:
+        start = dataclasses.replace(start, clock=start_clock(driver_clock, started, time.time()))
+    return start
 
 
 def process_started() -> float | None:

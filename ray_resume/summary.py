@@ -32,11 +32,8 @@ START_PARTS = (("checks_s", "checks"), ("ray_s", "Ray"), ("actors_s", "our actor
 
 
 def _split(record: dict, parts) -> str:
-    """`record`'s parts among `parts`, as the summary says them; and where its group's processes
-    were not forks of the fork server, why (ray_resume.forkserver)."""
-    split = ", ".join(f"{label} {record[key]:.1f} s" for key, label in parts if key in record)
-    processes = record.get("fork_server", "forked")
-    return split + (f"; fork server: {processes}" if processes != "forked" else "")
+    """`record`'s parts among `parts`, as the summary says them."""
+    return ", ".join(f"{label} {record[key]:.1f} s" for key, label in parts if key in record)
 
 
 def restart_clock(last: float, noticed: float | None, process_started: float | None, now: float) -> dict:

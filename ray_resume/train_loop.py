@@ -41,9 +41,16 @@ def train_func(config: dict) -> None:
         ray.train.torch.get_device(),  # cuda:N with use_gpu (NCCL), else cpu (gloo)
         config["plugins"],
         stream=SampleStream,
-        preempted=lambda: ray.train.get_preemption_info() is not None,
+        preempted=preemption_notice,
         units=[ReadUnit(*u) for u in config["units"]],
     )
+
+
+def preemption_notice() -> bool:
+    """Whether Ray Train announced this rank's node will be preempted: `ray.train.get_preemption_info`,
+    public from Ray 2.58; an older Ray gives none, and a preempted node is then a lost worker."""
+    notice = getattr(ray.train, "get_preemption_info", None)
+    return notice is not None and notice() is not None
 
 
 def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: False, units=None) -> None:

@@ -1,5 +1,5 @@
 """Messages between our own processes on one node: length-prefixed JSON over a Unix socket, with
-file descriptors passed alongside (SCM_RIGHTS). The fork server and the writer process speak it."""
+file descriptors passed alongside (SCM_RIGHTS). The writer process speaks it."""
 
 from __future__ import annotations
 

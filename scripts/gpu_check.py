@@ -25,7 +25,6 @@ Needs torch, safetensors, pyarrow, pyyaml, pydantic, numpy and xxhash; not Ray.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -339,71 +338,6 @@ def determinism_cost(size: str, device: torch.device, steps: int = 10) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
-FORK_CHILD = """
-import os, sys, torch
-from ray_resume import forked
-if sys.argv[1] == "query":
-    torch.cuda.device_count()  # a device query: starts the driver without initialising torch's CUDA
-elif sys.argv[1] == "init":
-    torch.ones(1, device="cuda")
-said = {"cannot_fork": forked.cannot_fork(), "torch_cuda_initialized": torch.cuda.is_initialized()}
-read, write = os.pipe()
-if os.fork() == 0:  # what a fork of such a server could do on the GPU
-    try:
-        result = f"ok {float((torch.ones(64, 64, device='cuda') @ torch.ones(64, 64, device='cuda')).sum())}"
-    except Exception as exc:
-        result = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    os.write(write, result.encode())
-    os._exit(0)
-os.close(write)
-os.wait()
-said["fork_uses_cuda"] = os.read(read, 4096).decode()
-print(__import__("json").dumps(said))
-"""
-
-
-def fork_safety() -> dict:
-    """The fork server's gate on a GPU machine (issue 46): a process that imported torch may fork,
-    and its fork uses the GPU; after a device query, which starts the CUDA driver without
-    initialising torch's CUDA (`torch.cuda.is_initialized()`, the old gate, says False), and after
-    torch's CUDA is initialised, the gate refuses. The 2-rank NCCL `fit()` on and off
-    (scripts/fork_parity.py --gpu) where Ray and 2 GPUs are here."""
-    from ray_resume.forked import NO_THREADS_AT_LOAD
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), **NO_THREADS_AT_LOAD}  # as the server imports
-    results = {}
-    for case in ("fresh", "query", "init"):
-        out = subprocess.run(
-            [sys.executable, "-c", FORK_CHILD, case], env=env, capture_output=True, text=True, timeout=300
-        )
-        results[case] = (
-            json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
-        )
-    results["gate_holds"] = (
-        results["fresh"].get("cannot_fork") is None
-        and results["fresh"].get("fork_uses_cuda", "").startswith("ok")
-        and results["query"].get("cannot_fork") is not None
-        and results["init"].get("cannot_fork") == "CUDA is initialised in the server"
-    )
-    if importlib.util.find_spec("ray") is None:
-        results["fit"] = "skipped: no Ray on this machine"
-        return results
-    if torch.cuda.device_count() < 2:
-        results["fit"] = "skipped: 2 GPUs needed (one NCCL rank each)"
-        return results
-    out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "fork_parity.py"), "--gpu"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    results["fit"] = [line for line in out.stdout.splitlines() if line.startswith("[fork-parity]")] or out.stderr[
-        -2000:
-    ]
-    return results
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="directory for gpu_check.json")
@@ -439,7 +373,6 @@ def main(argv: list[str] | None = None) -> int:
             "exact_size": exact_size,
         }
         parts = [
-            *([("fork", fork_safety)] if gpu else []),
             ("exact", lambda: exact(exact_size, device, "plain", work)),
             ("fsdp", lambda: exact(exact_size, device, "fsdp", work)),
             ("determinism", lambda: determinism_cost(exact_size, device)),
@@ -455,12 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu-check] {name}: {summary(name, results[name])}", flush=True)
             write(args.out, results)
         results["ray_imported"] = "ray" in sys.modules  # the device has no Ray: nothing here may need it
-        ok = (
-            all("error" not in results[n] for n, _ in parts)
-            and results["exact"]["equal"]
-            and results["fsdp"]["equal"]
-            and results.get("fork", {}).get("gate_holds", True)
-        )
+        ok = all("error" not in results[n] for n, _ in parts) and results["exact"]["equal"] and results["fsdp"]["equal"]
         write(args.out, results)
         print(f"[gpu-check] {'every check held' if ok else 'FAILED'}; results in {args.out or '(no --out)'}")
         return 0 if ok else 1
@@ -476,14 +404,6 @@ def summary(name: str, r: dict) -> str:
             f"steps 1..{r['n']} vs load {r['k']} + {r['k'] + 1}..{r['n']} in a fresh process: "
             + ("shard bytes equal" if r["equal"] else f"DIFFER in {r['differ']}")
             + f", losses {'equal' if r['losses_equal'] else 'DIFFER'}"
-        )
-    if name == "fork":
-        return (
-            f"gate {'holds' if r['gate_holds'] else 'FAILED'}: torch imported: {r['fresh'].get('cannot_fork') or 'may fork'}, "
-            f"its fork on the GPU: {r['fresh'].get('fork_uses_cuda')}; after a device query: {r['query'].get('cannot_fork')} "
-            f"(torch's CUDA initialised: {r['query'].get('torch_cuda_initialized')}), its fork: {r['query'].get('fork_uses_cuda')}; "
-            f"after torch's CUDA: {r['init'].get('cannot_fork')}, its fork: {r['init'].get('fork_uses_cuda')}; "
-            f"fit on and off: {r['fit']}"
         )
     if name == "determinism":
         return f"{r['default_step_s'] * 1e3:.1f} ms/step, deterministic {r['deterministic_step_s'] * 1e3:.1f} ms/step ({r['deterministic_vs_default']:.2f}x)"

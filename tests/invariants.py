@@ -41,8 +41,8 @@ INVARIANTS = {
     13: "A user's mistake is found before Ray starts where it can be, and is never retried",
     14: "The seed's system agrees: MindFormers' own loader accepts what we commit, and we resume what its "
     "save_checkpoint writes",
-    15: "A rank is the process Ray would start: however it is made (a fork of the fork server), what a user can "
-    "observe is what a fresh Ray worker has",
+    15: "A rank is a process Ray started: nothing private of Ray imported, the Ray requirement a range whose "
+    "oldest and newest minors are proven",
     16: "Nothing of a user's reaches another user on the node: no socket, file or process through which another uid "
     "reads a job's environment, credentials, data or streams",
 }

@@ -246,6 +246,35 @@ def test_the_writer_process_dies_with_its_rank(tmp_path):
     assert not _alive(pid)
 
 
+@pytest.mark.invariant(16)
+def test_the_writer_process_is_reached_by_no_name_another_user_could_open(tmp_path):
+    """The rank and its writer share a socketpair and memfds, handed over as file descriptors: no
+    socket path, no abstract address, no file in /dev/shm or /tmp through which another uid could
+    read a job's tensors, its storage credentials (the setup message) or inject a write."""
+    model, opt = make_state()
+    ck = checkpointer_for(tmp_path / "ckpt", 0, 1, **MODES["process"])
+    shm_before = set(os.listdir("/dev/shm"))
+    ck.save(1, model, opt, {"global_step": 1})
+    ck.close()  # the write is done; the writer lives on with its buffers mapped and its socket open
+    try:
+        pid = ck.writer.pid
+        links = {fd.name: os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+        sockets = {int(link[len("socket:[") : -1]) for link in links.values() if link.startswith("socket:[")}
+        named = {}  # inode -> the name another process could connect to ("@..." is an abstract address)
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[6]) in sockets and len(fields) > 7:
+                named[int(fields[6])] = fields[7]
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        shared = {line.split(None, 5)[5] for line in maps if len(line.split(None, 5)) == 6 and "/memfd:" in line}
+        assert sockets and named == {}  # its one channel to the rank, with no name
+        assert shared and all(name.startswith("/memfd:") for name in shared)  # the snapshot buffers
+        assert set(os.listdir("/dev/shm")) == shm_before
+        assert os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    finally:
+        ck.writer.close()
+
+
 def _alive(pid: int) -> bool:
     """A process that runs (a zombie of an unrelated parent counts as gone)."""
     try:

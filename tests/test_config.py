@@ -121,6 +121,27 @@ def test_wrong_type_names_full_key():
     ]
 
 
+def test_a_config_saved_with_the_fork_server_key_still_runs_and_says_the_key_is_retired(tmp_path, caplog):
+    """Every config.yaml saved before the fork server went holds failure.fork_server (auto, its
+    default): it loads, the driver says once that the key does nothing, and no new save holds it."""
+    import yaml
+
+    import harness
+    from conftest import tiny_config
+
+    d = tiny_config(tmp_path, training={"train_steps": 4})
+    d["failure"] = {**d.get("failure", {}), "fork_server": "auto"}
+    with caplog.at_level("WARNING", logger="ray_resume"):
+        outcome = harness.run_job(d)
+    assert outcome.committed == 4
+    assert [r.getMessage() for r in caplog.records if "fork_server" in r.getMessage()] == [
+        "[tiny] failure.fork_server: auto is no longer used: restarted ranks are new processes Ray starts "
+        "(docs/restarts.md); remove the key"
+    ]
+    saved = yaml.safe_load((tmp_path / "ckpt" / "iteration_00000004" / "config.yaml").read_text())
+    assert "fork_server" not in saved["failure"]
+
+
 @pytest.mark.invariant(6, 13)
 def test_evaluation_needs_a_held_out_dataset():
     assert problems(cfg(training={"eval_every": 50})) == [

@@ -220,16 +220,27 @@ class FailureConfig(_Section):
     max_failures: int = Field(3, ge=-1)  # worker-group restarts Ray allows; -1 = unlimited
     # how often Ray Train polls the workers, so how soon a lost one is noticed (Ray's default: 2)
     health_check_interval_s: Number = Field(0.5, gt=0)
-    # start the ranks' processes as forks of a per-node server with their imports done (docs/restarts.md); auto: on for CPU ranks on Linux (RAY_RESUME_FORK_SERVER=true|false says otherwise for a host), off for GPU ranks and where the ranks' runtime env gives them a Python of its own
-    fork_server: Union[bool, Literal["auto"]] = "auto"
+    # no longer used: a restarted rank is a new process Ray starts (docs/restarts.md); any of its old values (true, false, auto) is accepted with a warning, so that a config.yaml saved with a checkpoint before still loads, and none is saved
+    fork_server: Union[bool, Literal["auto"], None] = Field(None, exclude=True)
 
     @field_validator("fork_server", mode="wrap")
     @classmethod
-    def _bool_or_auto(cls, value: Any, handler) -> Union[bool, str]:
+    def _bool_or_auto(cls, value: Any, handler) -> Union[bool, str, None]:
         try:
             return handler(value)
         except ValidationError:  # one line, not one per member of the union
             raise ConfigError(f"failure.fork_server must be true, false or auto, {got(value)}") from None
+
+    def retired(self) -> list[str]:
+        """What the driver warns of: keys this section still accepts and no longer uses."""
+        return (
+            []
+            if self.fork_server is None
+            else [
+                f"failure.fork_server: {str(self.fork_server).lower()} is no longer used: restarted ranks are new "
+                "processes Ray starts (docs/restarts.md); remove the key"
+            ]
+        )
 
 
 class StorageConfig(_Section):

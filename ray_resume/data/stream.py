@@ -137,9 +137,9 @@ def quiet_ray_data() -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    # "Progress bars disabled", once per process
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # ERROR, not WARNING: Ray Data warns "Progress bars disabled" once per process, from a module of its
+    # own internals whose logger name is not a public one to quiet alone
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
 
 
 class ReadCost:
