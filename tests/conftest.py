@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,30 @@ STORAGE_SECRETS = {
 # long to learn that a rank finished or died. Set before any Ray starts, so the session's Ray
 # and the drivers started by tests (which inherit this environment) poll 4x as often.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+RAY_VENV_BUILD = pytest.StashKey()
+
+
+def pytest_sessionstart(session):
+    """The oldest admitted Ray's venv (tests/test_ray_range.py) is built from the start, in the background
+    beside the tests, by the process that runs the session (xdist's controller, not a worker), and only
+    for a run that may reach the test: the whole suite, its file, not the quick loop without Ray."""
+    config = session.config
+    if os.environ.get("PYTEST_XDIST_WORKER") or "not slow" in (config.option.markexpr or ""):
+        return
+    here = Path(__file__).resolve().parent
+    if any(Path(arg.split("::")[0]).resolve() in (here, REPO, here / "test_ray_range.py") for arg in config.args):
+        import test_ray_range
+
+        config.stash[RAY_VENV_BUILD] = test_ray_range.start_building()
+
+
+def pytest_sessionfinish(session):
+    build = session.config.stash.get(RAY_VENV_BUILD, None)
+    if build is not None and build.poll() is None:  # the run ended before the test needed it: no venv half made
+        os.killpg(build.pid, signal.SIGTERM)
+        build.wait()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group marks as the items are collected

@@ -30,8 +30,6 @@ LAYERS = [
         "text_table",
         "collectives",
         "wire",
-        "forked",
-        "forkserver",
         "checkpoint",
         "checkpoint.paths",
         "checkpoint.names",
@@ -172,6 +170,57 @@ def test_the_import_map_has_no_circle():
 
 def test_no_module_is_over_500_lines():
     assert {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 500} == {}
+
+
+@pytest.mark.invariant(15)
+def test_the_package_reaches_nothing_private_of_ray():
+    """Ray's public surface only (`ray._private`, `ray._raylet`, any `_internal` module, by import or by
+    name, as a logger's): what is below it changes between minors, and the requirement is a range."""
+    import re
+
+    private = re.compile(r"ray\._|_internal")
+    found = [
+        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert found == []
+
+
+def test_every_import_of_the_tests_and_benchmarks_is_declared_by_an_extra():
+    """`pip install -e .[test]` (or `.[bench]`) brings whatever the suite (or a benchmark) imports: a
+    package that only arrives with another (psutil with MindSpore) is named in pyproject.toml too."""
+    import importlib.metadata
+    import re
+    import sys
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {
+        re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        for requirement in project["dependencies"] + sum(project["optional-dependencies"].values(), [])
+    }
+    declared.add("mindformers")  # scripts/setup.sh installs it (--no-deps; see the mindformers extra)
+    ours = {path.stem for folder in ("tests", "benchmarks", "scripts") for path in (REPO / folder).glob("*.py")}
+    ours |= {"ray_resume", "benchmarks", "examples"}
+    distributions = importlib.metadata.packages_distributions()
+    undeclared = set()
+    for folder in ("tests", "benchmarks", "scripts"):
+        for path in sorted((REPO / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module]
+                    if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                    else []
+                )
+                for top in {name.split(".")[0] for name in names} - set(sys.stdlib_module_names) - ours:
+                    found = {d.lower().replace("_", "-") for d in distributions.get(top, [top])}
+                    if not found & declared:
+                        undeclared.add(f"{path.relative_to(REPO)}: {top} ({', '.join(sorted(found))})")
+    assert sorted(undeclared) == []
 
 
 @pytest.mark.invariant(9, 13)
