@@ -17,14 +17,14 @@ through Ray Train with `FailureConfig(max_failures=-1)`. Only the checkpointing 
 With `--step-sleep S` every step of both sleeps S seconds besides its work: the step time of real
 training, where what a restart redoes costs what it costs there.
 
-Each run is `(kills + 1) x save_every` steps long. A killer thread SIGKILLs rank 1's process once
-rank 0 has logged step `k x save_every + offset_k` (k = 1..kills, the offsets drawn once from
+Each run is `(kills + 1) x save_every` steps long. Rank 1 SIGKILLs itself at the end of the step
+after rank 0 has logged step `k x save_every + offset_k` (k = 1..kills, the offsets drawn once from
 `--seed` in [1, save_every): the same steps for both contenders), so a kill lands anywhere between
-two durable saves, as a failure does. Per kill, from each contender's own timestamps: *noticed and
-new processes* (from the kill to the new rank 0's process start), *imports and setup* (to its
-train_func), *build and restore* (to the restored state), the *redone* steps (the steps run again,
-at the run's steady step time) and *back in* (from the last step finished before the kill to that
-step finished again). *Lost per kill* is the run's wall time less its startup and its steps at
+two durable saves, as a failure does. Per kill, from each contender's own timestamps and from the
+lost group's last finished step: *noticed and new processes* (to the new rank 0's process start),
+*imports and setup* (to its train_func), *build and restore* (to the restored state), the *redone*
+steps (the steps run again, at the run's steady step time) and *back in* (to that last step
+finished again). *Lost per kill* is the run's wall time less its startup and its steps at
 its steady step time (the mean step after each group's first SETTLE steps, saves included,
 measured in the same run), divided by the kills: all of the above and each new group's slower
 first steps.
@@ -203,17 +203,17 @@ def measured(began: float, ended: float, records: list[dict], kills: list[dict])
     ]
     step_s = statistics.mean(gaps)
     per_kill = []
-    for kill, start in zip(kills, starts[1:]):
-        before = [r for r in steps_run if r["time"] < kill["time"]]
-        again = [r["time"] for r in steps_run if r["time"] > kill["time"] and r["step"] >= before[-1]["step"]]
+    for lost, (kill, start) in enumerate(zip(kills, starts[1:])):
+        last = [r for r in steps_run if r["attempt"] == lost][-1]  # the lost group's last finished step
+        again = [r["time"] for r in steps_run if r["attempt"] > lost and r["step"] >= last["step"]]
         per_kill.append(
             {
-                "step": kill["step"],
-                "new_processes_s": start["process"] - kill["time"],
+                "step": last["step"],
+                "new_processes_s": start["process"] - last["time"],
                 "imports_and_setup_s": start["entered"] - start["process"],
                 "build_and_restore_s": start["loaded"] - start["entered"],
-                "redone_steps": before[-1]["step"] - start["step"],
-                "back_in_s": min(again) - before[-1]["time"],
+                "redone_steps": last["step"] - start["step"],
+                "back_in_s": min(again) - last["time"],
             }
         )
     startup = steps_run[0]["time"] - began - step_s

@@ -22,9 +22,6 @@ import os
 import tempfile
 import time
 
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto import event_pb2, summary_pb2
-
 from .checkpoint import paths
 from .checkpoint.root import root_for
 
@@ -100,6 +97,12 @@ class Curves:
         self.local = tempfile.mkdtemp(prefix="ray_resume-tb-") if self.remote else self.dir.removeprefix("file://")
         os.makedirs(self.local, exist_ok=True)
         self.attempt, self.part = attempt, 0
+        # Imported here, by rank 0 alone: tensorboardX (and the botocore it imports) is 0.1 s of every
+        # process's imports, on the path of a restart.
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2, summary_pb2
+
+        self._writer_class, self._event, self._summary = EventsWriter, event_pb2, summary_pb2
         self._open()
         self.writer.write_event(
             event_pb2.Event(
@@ -110,13 +113,13 @@ class Curves:
         )
 
     def _open(self) -> None:
-        self.writer = EventsWriter(os.path.join(self.local, "events"), f".attempt{self.attempt}.{self.part:05d}")
+        self.writer = self._writer_class(os.path.join(self.local, "events"), f".attempt{self.attempt}.{self.part:05d}")
 
     def add(self, step: int, values: dict[str, float]) -> None:
-        summary = summary_pb2.Summary(
-            value=[summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in values.items()]
+        summary = self._summary.Summary(
+            value=[self._summary.Summary.Value(tag=k, simple_value=v) for k, v in values.items()]
         )
-        self.writer.write_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+        self.writer.write_event(self._event.Event(wall_time=time.time(), step=step, summary=summary))
 
     def flush(self) -> None:
         self.writer.flush()
