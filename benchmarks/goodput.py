@@ -9,7 +9,9 @@ in one micro-batch of 16 per rank, DDP on CPU, AdamW, batches from the same `ray
 through Ray Train with `FailureConfig(max_failures=-1)`. Only the checkpointing differs:
 
 * ours: `ray_resume.fit`, `restore` once and `maybe_save` every step: a durable save every
-  `--save-every` steps and a memory snapshot every `--memory-every` (the memory tier);
+  `--save-every` steps and the memory tier as configured by default (`memory_interleaved_steps:
+  auto`: each group snapshots at the interval that costs at most 5% of its time), or every
+  `--memory-every` steps;
 * Ray Train's pattern, as its docs teach it: a `torch.save` of the model and the optimizer every
   `--save-every` steps handed to `ray.train.report(checkpoint=...)`, and `ray.train.get_checkpoint()`
   + `torch.load` at a restart.
@@ -148,7 +150,7 @@ def run(
     *,
     steps: int,
     save_every: int,
-    memory_every: int,
+    memory_every: int | str,
     sleep: float,
     kill_at: list[int],
 ) -> dict:
@@ -244,7 +246,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--step-sleep", type=float, nargs="+", default=[0.0, 0.5], help="seconds each step sleeps")
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--save-every", type=int, default=100)
-    parser.add_argument("--memory-every", type=int, default=5)
+    parser.add_argument(
+        "--memory-every",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="ours: memory_interleaved_steps",
+    )
     parser.add_argument("--seed", type=int, default=0, help="draws the kill steps")
     parser.add_argument("--only", choices=["ours", "theirs"], help="one contender (no ratio)")
     parser.add_argument(
@@ -296,7 +303,7 @@ def main(argv=None) -> dict:
                 results["runs"][f"sleep {sleep:g} s: {name}"] = r
                 print(f"sleep {sleep:g} s | {name}: {json.dumps(r)}", flush=True)
     print(
-        f"\n{steps} steps, rank 1 killed after steps {kill_at}; durable saves every {args.save_every} steps, ours with a memory snapshot every {args.memory_every}\n"
+        f"\n{steps} steps, rank 1 killed after steps {kill_at}; durable saves every {args.save_every} steps, ours with memory_interleaved_steps: {args.memory_every}\n"
     )
     print(
         "| step sleep | contender | steady step | lost per kill | × Ray Train's | back in | noticed and new processes | imports and setup | build and restore | redone steps | kills |"

@@ -40,10 +40,10 @@ streams (torch, numpy, python, CUDA), and `extra`: objects with
 size every rank gets rank 0's param groups and extra state, and its RNG
 streams are not restored (each rank keeps the ones it has). common.json
 records the `consumed_samples` and `global_batch_size` your loop gives
-`maybe_save` (null where it gives none). With
-`checkpoint.memory_interleaved_steps`, `maybe_save` also snapshots all of
-it into memory between saves, and a restart of the same size resumes from
-there (ray_resume.checkpoint.memory).
+`maybe_save` (null where it gives none). Between saves `maybe_save` also
+snapshots all of it into memory (`checkpoint.memory_interleaved_steps`,
+`auto` by default), and a restart of the same size resumes from there
+(ray_resume.checkpoint.memory).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -32,7 +33,7 @@ from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .checkpoint import paths
-from .checkpoint.memory import MemoryKeeper
+from .checkpoint.keeper import MemoryKeeper
 from .checkpoint.root import ResumePlan, ResumeSource, root_for
 from .checkpoint.schema import Iteration
 from .checkpoint.storage import s3_filesystem
@@ -231,12 +232,8 @@ class RayTrain:
             cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers, plan, launch.fault
         )
         ring = list(keepers.values())
-        ray.get(
-            [
-                keeper.attach.remote(controller, ring[(i + 1) % len(ring)] if len(ring) > 1 else None)
-                for i, keeper in enumerate(ring)
-            ]
-        )
+        for i, keeper in enumerate(ring):  # not waited for: they start beside the first group (MemoryKeeper.attached)
+            keeper.attach.remote(controller, ring[(i + 1) % len(ring)] if len(ring) > 1 else None)
         clock["fit"] = time.time()
         launch = dataclasses.replace(launch, controller=controller)
         trainer = TorchTrainer(
@@ -302,7 +299,7 @@ def start_keepers() -> dict:
     return {
         node["NodeID"]: actor.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-        ).remote()
+        ).remote(attaching=True)
         for node in ray.nodes()
         if node["Alive"]
     }
@@ -356,6 +353,26 @@ def init_ray(address: str | None, cfg: Config) -> None:
         init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers + 2))
 
 
+def free_port() -> int:
+    """A free loopback port between Ray's worker ports (10002-19999) and the kernel's ephemeral range,
+    which no process is handed by bind(0): a port from bind(0) was taken by one of Ray's own
+    processes before its dashboard bound it ("Failed to find a valid port for dashboard"), and the job
+    waited 60 s to fail."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
+    for port in random.sample(range(20000, max(20001, ephemeral)), 50):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port between 20000 and the ephemeral range for Ray's dashboard")
+
+
 def init_local_ray(**options) -> str:
     """Start a new Ray of our own (never a stale `ray start` cluster) with its dashboard on a
     free loopback port; returns the dashboard's URL.
@@ -368,9 +385,7 @@ def init_local_ray(**options) -> str:
     Ray Train Controller actor state". RAY_API_SERVER_ADDRESS sends the state API of every
     process of this job to our own dashboard.
     """
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     ray.init(
         address="local",

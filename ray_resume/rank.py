@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from .checkpoint import memory
 from .checkpoint.checkpointer import Checkpointer, Start
 from .checkpoint.state import class_path
 from .collectives import decided_by_rank0
@@ -30,6 +33,7 @@ from .extra_state import MAX_EXTRA, OptimizerState, dump_extra, load_extra
 from .faults import Fault, FaultInjector
 from .summary import start_clock
 
+logger = logging.getLogger("ray_resume")
 INTERNAL = "ray_resume"  # train_loop_config as the TorchTrainer gets it: {INTERNAL: a RankLaunch, USER: the loop's own}
 USER = "config"
 _current: "RankCheckpointer | None" = None
@@ -168,6 +172,10 @@ class RankCheckpointer:
         self._saved: int | None = None  # the last step saved
         self._finished = False
         self.last_snapshot_step: int | None = None  # the step of the last memory snapshot
+        every = cfg.checkpoint.memory_interleaved_steps
+        self._memory_every: int | None = None if every == "auto" else every  # auto: this group decides it
+        self._step_times: list[float] = []  # until then, when each maybe_save came
+        self._snapshot_warm = False  # a first snapshot was sent: the path to the node's keeper is up
 
     def restore(
         self,
@@ -245,19 +253,53 @@ class RankCheckpointer:
         self._global_batch_size = global_batch_size or self._global_batch_size
         said = {"consumed_samples": consumed_samples, "common": common}
         self._last = (step, said)
+        if self._memory_every is None:
+            self._step_times.append(time.perf_counter())
         if self.saves_at(step) or (force and ckpt.enable_save):
             self._save(step, said, durable=True)
             return True
-        if ckpt.memory_interleaved_steps and step % ckpt.memory_interleaved_steps == 0:
+        if self._memory_every is None and len(self._step_times) >= memory.AUTO_AFTER:
+            self._memory_every = self._auto_memory_interval(step, said)
+        elif self._memory_every and step % self._memory_every == 0:
             self._save(step, said, durable=False)
         return False
+
+    def _auto_memory_interval(self, step: int, said: dict) -> int | None:
+        """`memory_interleaved_steps: auto`: a snapshot now, sent before training goes on; from the second
+        (the first finds its node's keeper still starting), rank 0's interval for the whole group, from
+        how long that snapshot took and the group's steps before the first (memory.auto_interval)."""
+        job, ckpt = self.job, self._cfg.checkpoint
+        began = time.perf_counter()
+        share_bytes = self._save(step, said, durable=False)
+        self._checkpointer.memory_sender.wait()
+        if not self._snapshot_warm:
+            self._snapshot_warm = True
+            return None
+        snapshot_s = time.perf_counter() - began
+        times = self._step_times[1 : memory.AUTO_AFTER]  # the group's first step is its slowest
+        step_s = (times[-1] - times[0]) / (len(times) - 1)
+        every, why = decided_by_rank0(
+            lambda: memory.auto_interval(
+                snapshot_s,
+                step_s,
+                share_bytes,
+                memory.ranks_on_node(job.world),
+                memory.object_store_bytes(),
+                ckpt.save_interleaved_steps if ckpt.enable_save else math.inf,
+            ),
+            job.rank,
+            "decide the memory tier's interval",
+        )
+        if job.rank == 0:
+            logger.info("[%s] memory tier (auto): %s", self._cfg.name, why)
+        return every
 
     def saves_at(self, step: int) -> bool:
         """Whether `maybe_save(step)` writes a durable save without being forced."""
         ckpt = self._cfg.checkpoint
         return ckpt.enable_save and step % ckpt.save_interleaved_steps == 0
 
-    def _save(self, step: int, said: dict, *, durable: bool) -> None:
+    def _save(self, step: int, said: dict, *, durable: bool) -> int | None:
         optimizer = self._optimizer
         extras = {}
         if isinstance(optimizer, OptimizerState):
@@ -283,8 +325,8 @@ class RankCheckpointer:
             self._checkpointer.save(step, self._model, optimizer, common, extras=extras)
             self._saved = step
         else:
-            self._checkpointer.snapshot(step, self._model, optimizer, common, extras)
             self.last_snapshot_step = step
+            return self._checkpointer.snapshot(step, self._model, optimizer, common, extras)
 
     @property
     def last_stall_s(self) -> float | None:

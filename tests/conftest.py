@@ -146,7 +146,8 @@ def tiny_config(tmp: Path, name: str = "tiny", **sections) -> dict:
         },
         "scaling": {"num_workers": 2},
         "failure": {"max_failures": 2},
-        "checkpoint": {"save_path": str(tmp / "ckpt"), "save_interleaved_steps": 4},
+        # the memory tier off (its default is auto): these jobs resume from their durable saves, as they assert
+        "checkpoint": {"save_path": str(tmp / "ckpt"), "save_interleaved_steps": 4, "memory_interleaved_steps": 0},
     }
     for section, values in sections.items():
         if values is None or not isinstance(values, dict):

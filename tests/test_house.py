@@ -40,6 +40,7 @@ LAYERS = [
         "checkpoint.writer_process",
         "checkpoint.async_save",
         "checkpoint.manifest",
+        "checkpoint.keeper",
     ],
     [
         "checkpoint.schema",

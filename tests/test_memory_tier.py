@@ -12,7 +12,8 @@ import torch
 
 import harness
 from conftest import assert_same_as_reference, per_step, read_metrics, run_driver, run_on_harness, tiny_config
-from ray_resume.checkpoint.memory import MemoryKeeper, pack, unpack
+from ray_resume.checkpoint.keeper import MemoryKeeper
+from ray_resume.checkpoint.memory import pack, unpack
 from ray_resume.controller import JobController
 
 
@@ -62,6 +63,42 @@ def test_a_rank_killed_resumes_from_memory_byte_identical(tmp_path, local_refere
     ranks = restarted_ranks(root)  # every rank took back its own snapshot, none read storage
     assert [(r["rank"], r["source"], r["bytes_read"]) for r in ranks] == [(rank, again["source"], 0) for rank in (0, 1)]
     assert_same_as_reference(root, twin)
+
+
+@pytest.mark.invariant(2)
+def test_auto_snapshots_from_the_groups_eighth_step_and_a_kill_resumes_from_memory(tmp_path, local_reference):
+    """`memory_interleaved_steps: auto` (the default): a group's steps 1-7, then step 8 a durable save,
+    then a first snapshot at 9 and a timed one at 10, from which rank 0 sets the interval for all. Killed
+    after step 11, the group resumes from the snapshot of step 10, newer than iteration 8, and ends
+    byte-identical."""
+    cfg = with_snapshots(tmp_path, local_reference["data"], checkpoint={"memory_interleaved_steps": "auto"})
+    assert run_on_harness(cfg, kill_at(11)).attempts == 2
+    root = cfg["checkpoint"]["save_path"]
+    assert [(r["step"], r["source"]) for r in starts(root)] == [(0, None), (10, "memory snapshot of step 10")]
+    assert_same_as_reference(root, local_reference)
+
+
+def test_auto_takes_the_interval_whose_snapshots_cost_a_twentieth_and_is_off_where_they_would_not_fit():
+    from ray_resume.checkpoint.memory import auto_interval
+
+    mib, gib = 1 << 20, 1 << 30
+    # 0.1 s a snapshot, 0.5 s a step: 5% of the time is one snapshot every 4 steps
+    assert auto_interval(0.1, 0.5, 100 * mib, 2, 8 * gib, 1000) == (
+        4,
+        "a snapshot every 4 steps (one took 0.100 s, a step 0.500 s: at most 5% of the time)",
+    )
+    assert auto_interval(0.001, 0.5, 100 * mib, 2, 8 * gib, 1000)[0] == 1  # never less than every step
+    assert auto_interval(0.1, 0.5, 100 * mib, 2, None, 1000)[0] == 4  # outside Ray: no object store to fit
+    # 6 snapshots of 8 ranks' 1 GiB each on a node with 64 GiB of object store: 48 GiB, more than half
+    assert auto_interval(0.1, 0.5, gib, 8, 64 * gib, 1000) == (
+        0,
+        "off: its snapshots would take 48.0 GiB of this node's object store, more than half of its 64.0 GiB; "
+        "restarts resume from durable saves",
+    )
+    assert auto_interval(2.0, 0.5, mib, 2, 8 * gib, 50) == (
+        0,
+        "off: a snapshot every 80 steps (one took 2.000 s, a step 0.500 s) is no more often than the durable saves",
+    )
 
 
 @pytest.mark.invariant(2)

@@ -345,9 +345,9 @@ class Checkpointer:
             waited,
         )
 
-    def snapshot(self, step: int, model, optimizer, common: dict, extras: dict[str, str]) -> None:
+    def snapshot(self, step: int, model, optimizer, common: dict, extras: dict[str, str]) -> int:
         """Copy this rank's whole state at `step` and send it to its node's MemoryKeeper in the
-        background (see checkpoint.memory)."""
+        background (see checkpoint.memory); the bytes of its tensors."""
         start = time.perf_counter()
         self.memory_sender.wait()  # at most one snapshot in flight: memory stays bounded
         snap = {
@@ -377,6 +377,7 @@ class Checkpointer:
         logger.debug(
             "rank %d: memory snapshot of step %d blocked training %.3f s", self.rank, step, time.perf_counter() - start
         )
+        return sum(data.nbytes for kind in snap["tensors"].values() for _, _, data in kind.values())
 
     def restore_snapshot(self, model, optimizer, step: int) -> tuple[Start, dict[str, str]] | None:
         """This rank's state from its memory snapshot of `step`; None on every rank if any rank's

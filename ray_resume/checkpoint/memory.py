@@ -3,7 +3,7 @@ worker's death does not take it.
 
 A snapshot is one rank's whole state at a step, as it stands in that rank (its FSDP shards, its
 own buffers): model and optimizer tensors as raw bytes, the RNG streams and extras as text, and
-the iteration's common fields (step, data cursor, loss scale). It goes to the `MemoryKeeper` of
+the iteration's common fields (step, data cursor, loss scale). It goes to the `MemoryKeeper` (checkpoint.keeper) of
 the rank's node, an actor the driver starts on every node of the cluster, which puts it in Ray's
 object store under its own ownership: the object outlives the worker that sent it, and the
 worker-group restart, as the job's controller does. With more than one node, each keeper
@@ -20,30 +20,26 @@ but the newest one whose replicas are all in: a keeper holds at most three per r
 
 from __future__ import annotations
 
-import sys
+import math
 
 import numpy as np
 import torch
 
+from .keeper import node_id, running_ray
 from .state import local_tensor
 
 MEMORY_SOURCE = "memory snapshot of step {step}"  # what a resume from it names as its source
+# `memory_interleaved_steps: auto`, decided by each group at its AUTO_AFTER-th step (its first steps run
+# slower than the rest, beside Ray Train's new actors): the interval whose snapshots take at most
+# AUTO_BUDGET of the training time, from one snapshot timed then and the steps before it (CheckFreq's
+# way: an overhead bound, the interval measured), unless a keeper could not hold them.
+AUTO_AFTER = 8
+AUTO_BUDGET = 0.05
+HELD = 6  # snapshots a keeper holds per rank of its node at most: three, and as many replicas of another's
 
 
 def is_memory_source(source: str | None) -> bool:
     return bool(source) and source.startswith(MEMORY_SOURCE.split("{")[0])
-
-
-def _ray():
-    """Ray, where this process runs in one (the checkpoint core itself imports no Ray: scripts/gpu_check.py)."""
-    ray = sys.modules.get("ray")
-    return ray if ray is not None and ray.is_initialized() else None
-
-
-def node_id() -> str:
-    """This process's Ray node ("local" outside Ray: the in-process harness has one keeper)."""
-    ray = _ray()
-    return ray.get_runtime_context().get_node_id() if ray else "local"
 
 
 def pack(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], np.ndarray]]:
@@ -64,9 +60,45 @@ def pack(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], np
 FETCH_TIMEOUT_S = 60.0  # a keeper on a node that is going: Ray declares it dead within its health checks
 
 
+def auto_interval(
+    snapshot_s: float, step_s: float, share_bytes: int, ranks_on_node: int, store_bytes: int | None, save_every: int
+) -> tuple[int, str]:
+    """`memory_interleaved_steps: auto`: the interval (0: off) and, in words, why. `snapshot_s`: one
+    snapshot, its copy and its send; `store_bytes`: the node's object store (None: not in Ray)."""
+    held = HELD * share_bytes * ranks_on_node
+    if store_bytes is not None and held > store_bytes / 2:
+        return 0, (
+            f"off: its snapshots would take {held / 2**30:.1f} GiB of this node's object store, more than half of "
+            f"its {store_bytes / 2**30:.1f} GiB; restarts resume from durable saves"
+        )
+    every = max(1, math.ceil(snapshot_s / (AUTO_BUDGET * step_s)))
+    measured = f"one took {snapshot_s:.3f} s, a step {step_s:.3f} s"
+    if every >= save_every:
+        return 0, f"off: a snapshot every {every} steps ({measured}) is no more often than the durable saves"
+    return every, f"a snapshot every {every} steps ({measured}: at most {AUTO_BUDGET:.0%} of the time)"
+
+
+def object_store_bytes() -> int | None:
+    """This node's object store, where its keeper holds the snapshots (None outside Ray)."""
+    ray = running_ray()
+    if ray is None:
+        return None
+    here = node_id()
+    return next((int(n["Resources"].get("object_store_memory", 0)) for n in ray.nodes() if n["NodeID"] == here), None)
+
+
+def ranks_on_node(world: int) -> int:
+    """How many of the group's ranks share this node (all of them outside Ray Train)."""
+    if running_ray() is None:
+        return world
+    import ray.train
+
+    return ray.train.get_context().get_local_world_size()
+
+
 def fetch(keeper, step: int, rank: int) -> dict | None:
     """`rank`'s snapshot of `step` from `keeper`, or None if it has none; raises if the keeper is gone."""
-    ray = _ray()
+    ray = running_ray()
     if ray is None or not isinstance(keeper, ray.actor.ActorHandle):
         held = keeper.snapshot(step, rank)
         return None if held is None else held[0]
@@ -80,40 +112,3 @@ def unpack(packed: dict[str, tuple[str, list[int], np.ndarray]]) -> dict[str, to
         name: torch.from_numpy(np.array(data)).view(getattr(torch, dtype)).reshape(shape)
         for name, (dtype, shape, data) in packed.items()
     }
-
-
-class MemoryKeeper:
-    """Snapshots of the ranks of one node, in Ray's object store, owned by this actor; and a
-    replica of those of the node before it (its `peer` holds this one's), for a node loss."""
-
-    def __init__(self):
-        self.held: dict[tuple[int, int], list] = {}  # (step, rank) -> [its ObjectRef] (or the snapshot, outside Ray)
-        self.controller = self.peer = None
-
-    def attach(self, controller, peer) -> None:
-        """The job's controller, told of each replica, and the keeper that replicates this one's."""
-        self.controller, self.peer = controller, peer
-
-    def keep_snapshot(self, step: int, rank: int, snapshot: dict, replica: bool = False) -> None:
-        # ray.put here: the sender's copy is owned by the sender and would die with it.
-        ray = _ray()
-        held = self.held[(step, rank)] = [ray.put(snapshot)] if ray else [snapshot]
-        if replica:
-            from ..calls import tell
-
-            tell(self.controller, "replicated", step, rank, node_id())
-        # the ref, resolved on the peer's node: the object travels there, off every rank's path
-        elif self.peer is not None:
-            self.peer.keep_snapshot.remote(step, rank, held[0], True)
-
-    def snapshot(self, step: int, rank: int) -> list | None:
-        """[the ObjectRef] (in a list, so Ray hands the reference over, not a copy), or None."""
-        return self.held.get((step, rank))
-
-    def drop_before(self, step: int, keep: int | None = None) -> None:
-        """`step` is complete for every rank: older snapshots but `keep` will never be resumed."""
-        for key in [k for k in self.held if k[0] < step and k[0] != keep]:
-            del self.held[key]
-
-    def held_steps(self) -> list[tuple[int, int]]:
-        return sorted(self.held)

@@ -260,8 +260,8 @@ class CheckpointConfig(_Section):
     enable_save: bool = True  # write checkpoints during training
     save_path: str = ""  # checkpoint root: a local/NFS path, file://..., or s3://bucket/prefix
     save_interleaved_steps: Count = 1000  # save when global_step % N == 0, and after the last step
-    # between saves, snapshot every rank's state into memory (Ray's object store) every N steps, for restarts (0 = off)
-    memory_interleaved_steps: int = Field(0, ge=0)
+    # between saves, snapshot every rank's state into memory (Ray's object store) every N steps, for restarts (0 = off); auto: every group times one snapshot and its steps and takes the interval whose snapshots cost at most 5% of the time, off where the node's object store could not hold them (docs/restarts.md)
+    memory_interleaved_steps: Union[Annotated[int, Field(ge=0)], Literal["auto"]] = "auto"
     no_save_optim: bool = False  # skip optimizer state when saving
     save_max: Count = 5  # iterations of this job to keep (never the tracker's, never an earlier job's)
     # a root to resume from (ours, MindFormers', a DCP checkpoint or torchtitan's folder of step-N/), or a model.safetensors directory's weights; "" = start fresh; equal to save_path = resume if there is something to resume
@@ -279,6 +279,16 @@ class CheckpointConfig(_Section):
     fallback: bool = True  # if the tracker's iteration is damaged, load the newest older one that verifies
     # the writer lease on save_path expires this long after a dead job's last renewal
     lease_ttl_s: Number = Field(60.0, gt=0)
+
+    @field_validator("memory_interleaved_steps", mode="wrap")
+    @classmethod
+    def _steps_or_auto(cls, value: Any, handler) -> Union[int, str]:
+        try:
+            return handler(value)
+        except ValidationError:  # one line, not one per member of the union
+            raise ConfigError(
+                f"checkpoint.memory_interleaved_steps must be an integer >= 0 or auto, {got(value)}"
+            ) from None
 
     @field_validator("save_path")
     @classmethod
