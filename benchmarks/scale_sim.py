@@ -21,7 +21,7 @@ For each saving world size W it
   rank's manifest as `writer.write_shards` reports it (sizes with an estimated header, a fake
   xxh3-128 digest per 4 MiB block, the rank's chunks), creates the shard files as sparse files,
   and runs the driver's real commit (`commit.commit_iteration`) through a storage wrapper that
-  counts its calls; then times metadata.json's write, read and parse (`reader.open_iteration`);
+  counts its calls; then times metadata.json's write, read and parse (`iterations.open_iteration`);
 - plans the load on W' = 3W/4 ranks with load_balanced off and on, from that metadata.json: one
   rank's plan is `plan.overlaps` over `needed_range` of every tensor (and `loader.balanced_owners`
   over the checksum blocks for load_balanced), timed, and the bytes, requests and files of a
@@ -68,7 +68,8 @@ from ray_resume.checkpoint.digest import block_bounds
 from ray_resume.checkpoint.loader import balanced_owners
 from ray_resume.checkpoint.manifest import Manifest, WrittenFile
 from ray_resume.checkpoint.plan import SavePlan, TensorSpec, dim0_chunk, needed_range, overlaps
-from ray_resume.checkpoint.reader import consecutive_runs, open_iteration
+from ray_resume.checkpoint.reader import consecutive_runs
+from ray_resume.checkpoint.iterations import open_iteration
 from ray_resume.checkpoint.schema import SAFETENSORS_ORDER, Iteration, dumps
 from ray_resume.checkpoint.state import capture_rng
 from ray_resume.checkpoint.storage import LocalStorage

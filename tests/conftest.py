@@ -322,7 +322,7 @@ def local_reference(tmp_path_factory):
 def committed_as(root, step: int) -> tuple[dict, dict]:
     """Iteration `step` as a load sees it (validated, no unlisted shard): what its metadata.json says of
     each file (size and block digests) and its common.json without what differs between two jobs."""
-    from ray_resume.checkpoint.reader import check_no_extra_shards, open_iteration
+    from ray_resume.checkpoint.iterations import check_no_extra_shards, open_iteration
     from ray_resume.checkpoint.storage import LocalStorage
 
     it = open_iteration(LocalStorage(), str(root), step)

@@ -30,7 +30,8 @@ from ray_resume.checkpoint import state
 from ray_resume.errors import AsyncSaveError
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.reader import ShardReader, load_rank_extras, open_iteration
+from ray_resume.checkpoint.reader import ShardReader, load_rank_extras
+from ray_resume.checkpoint.iterations import open_iteration
 from ray_resume.checkpoint.schema import local_shape
 from ray_resume.checkpoint import storage as storage_module
 from ray_resume.checkpoint import writer_process

@@ -80,7 +80,7 @@ def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
     out = tmp_path / "throughput.json"
     proc, results = run_benchmark(
         "throughput",
-        *"--sizes tiny --rounds 1 --cycles 1 --intervals 2,3".split(),
+        *"--sizes tiny --rounds 1 --cycles 1 --intervals 3".split(),  # every contender, at one interval
         "--out",
         str(out),
         "--dir",
@@ -89,8 +89,8 @@ def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
         on_session_ray=True,
     )
     tiny = results["sizes"]["tiny"]
-    # Every contender at every interval (ours each committed every save, or the run would have failed).
-    assert set(tiny["contenders"]) == {f"{mode}@{k}" for mode in CONTENDERS for k in (2, 3)}
+    # Every contender (ours each committed every save, or the run would have failed).
+    assert set(tiny["contenders"]) == {f"{mode}@3" for mode in CONTENDERS}
     for key, c in tiny["contenders"].items():
         # One round: the ratio is its rate over the run beside it without saves; the spread, that one value.
         # (to its 4 decimals: 0.0078 for 0.007757 on a loaded machine failed the relative bound alone)
@@ -99,8 +99,7 @@ def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
         assert c["vs_never_spread"] == [c["vs_never"], c["vs_never"]], key
         assert c["stall_s"] > 0, key
     row = tiny["contenders"]["async_process@3"]
-    assert f"| async_process | {tiny['contenders']['async_process@2']['vs_never']:.3f}x" in proc.stdout
-    assert f"{row['vs_never']:.3f}x [{row['vs_never']:.3f}, {row['vs_never']:.3f}] |" in proc.stdout
+    assert f"| async_process | {row['vs_never']:.3f}x [{row['vs_never']:.3f}, {row['vs_never']:.3f}] |" in proc.stdout
     assert not list((tmp_path / "work").iterdir())  # every run's checkpoints are cleaned up
 
 

@@ -22,15 +22,8 @@ from ray_resume.checkpoint import names, paths, reader, state
 from ray_resume.checkpoint.digest import BlockDigests, block_bounds
 from ray_resume.checkpoint.loader import load_state
 from ray_resume.checkpoint.plan import SavePlan, TensorSpec
-from ray_resume.checkpoint.reader import (
-    ShardReader,
-    check_no_extra_shards,
-    find_committed,
-    load_rank_extras,
-    open_iteration,
-    plan_reads,
-    read_verified,
-)
+from ray_resume.checkpoint.reader import ShardReader, load_rank_extras, plan_reads, read_verified
+from ray_resume.checkpoint.iterations import check_no_extra_shards, find_committed, open_iteration
 from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage, storage_for
 from ray_resume.checkpoint.writer import CHECKSUM_BLOCK, save_shards

@@ -47,6 +47,7 @@ LAYERS = [
         "checkpoint.parse",
         "checkpoint.state",
         "checkpoint.writer",
+        "checkpoint.iterations",
         "checkpoint.reader",
         "checkpoint.loader",
         "checkpoint.commit",
@@ -171,6 +172,19 @@ def test_the_import_map_has_no_circle():
 
 def test_no_module_is_over_500_lines():
     assert {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 500} == {}
+
+
+@pytest.mark.parametrize("module", ["controller.job", "checkpoint.root", "checkpoint.commit", "checkpoint.keeper"])
+def test_the_job_controller_the_keepers_and_what_they_read_load_no_torch(module):
+    """Every job starts a controller actor and, with the memory tier, a keeper per node: processes of
+    their own. torch there was seconds of a core per job for nothing (they commit JSON, read metadata
+    and hold snapshots, never a tensor)."""
+    import subprocess
+    import sys
+
+    code = f"import sys, ray_resume.{module}; print([m for m in ('torch', 'safetensors.torch') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 @pytest.mark.invariant(15)

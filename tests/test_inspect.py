@@ -12,7 +12,7 @@ import torch
 
 from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.reader import open_iteration
+from ray_resume.checkpoint.iterations import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.cli import main
 from ray_resume.metrics import read_metrics

@@ -24,7 +24,8 @@ from ray_resume.checkpoint.loader import (
     open_shared,
     owned_parts,
 )
-from ray_resume.checkpoint.reader import load_rank_extras, open_iteration
+from ray_resume.checkpoint.reader import load_rank_extras
+from ray_resume.checkpoint.iterations import open_iteration
 from ray_resume.checkpoint.root import CheckpointRoot
 from ray_resume.checkpoint.schema import Iteration, StoredFile
 from ray_resume.errors import CheckpointError

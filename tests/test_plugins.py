@@ -14,7 +14,7 @@ from ray_resume import parallel, train
 from ray_resume.checkpoint import state
 from ray_resume.checkpoint.loader import load_weights
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.reader import open_iteration
+from ray_resume.checkpoint.iterations import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.checkpoint.writer import save_shards
 from ray_resume.config import Config, load_config

@@ -19,7 +19,8 @@ import yaml
 from conftest import FINAL, read_metrics, tiny_config
 from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.reader import open_iteration, read_verified, saved_pieces
+from ray_resume.checkpoint.reader import read_verified, saved_pieces
+from ray_resume.checkpoint.iterations import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.run import main
 

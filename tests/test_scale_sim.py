@@ -15,7 +15,7 @@ from benchmarks import scale_sim
 from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.commit import commit_iteration
 from ray_resume.checkpoint.plan import SavePlan, TensorSpec, format4_pieces, overlaps
-from ray_resume.checkpoint.reader import open_iteration
+from ray_resume.checkpoint.iterations import open_iteration
 from ray_resume.checkpoint.parse import parse_iteration
 from ray_resume.checkpoint.schema import parse_json
 from ray_resume.checkpoint.storage import LocalStorage, storage_for

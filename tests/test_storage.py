@@ -17,7 +17,8 @@ import pytest
 from conftest import FINAL, KILL_AT_6, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
 from ray_resume.checkpoint import paths
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.reader import find_committed, open_iteration, read_verified
+from ray_resume.checkpoint.reader import read_verified
+from ray_resume.checkpoint.iterations import find_committed, open_iteration
 from ray_resume.checkpoint.commit import remove_unlisted
 from ray_resume.checkpoint.digest import BlockDigests
 from ray_resume.checkpoint.storage import storage_for

@@ -30,7 +30,7 @@ from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.root import CommittedIteration, WeightsExport
 from ray_resume.preflight import resolve_source
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.reader import open_iteration
+from ray_resume.checkpoint.iterations import open_iteration
 from ray_resume.errors import CheckpointError
 from ray_resume.checkpoint.storage import LocalStorage
 from ray_resume.config import Config

@@ -22,9 +22,17 @@ from .async_save import BackgroundSave
 from .dcp import load_dcp, optimizer_specs, weight_specs
 from .fallback import fall_back
 from .checks import check_optimizer_state, check_weights, refuse_foreign_slots, refuse_optimizer_change
-from .loader import StateLoader, assign, from_mindformers, is_fsdp_shard, load_weights, open_shared, shaped
+from .loader import (
+    StateLoader,
+    assign,
+    from_mindformers,
+    is_fsdp_shard,
+    load_weights,
+    open_shared,
+    read_export,
+    shaped,
+)
 from .plan import TensorSpec, needed_range
-from .export import read_export
 from .reader import load_rank_extras
 from .root import CheckpointRoot, CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .state import DTYPE_TAGS, DTYPES, class_path, optimizer_slots

@@ -1,18 +1,14 @@
 """A consolidated safetensors export, as `ray-resume export` writes it and Hugging Face's
-`save_pretrained` does: found, its tensors' specs read from the headers, its weights read whole."""
+`save_pretrained` does: found, and its tensors' specs read from the headers (no torch here; its
+weights are read whole by loader.read_export)."""
 
 from __future__ import annotations
 
-import struct
-
-import torch
-
 from ..errors import CheckpointError
-from . import paths
+from . import names, paths
 from .plan import TensorSpec
-from .reader import parse_shard
-from .schema import MAX_HEADER, parse_json
-from .state import DTYPES
+from .iterations import read_header
+from .schema import parse_json
 from .storage import Storage
 
 
@@ -46,42 +42,16 @@ def export_files(storage: Storage, path: str) -> tuple[list[str], dict | None]:
     return files, weight_map
 
 
-def read_export(storage: Storage, path: str) -> tuple[dict[str, torch.Tensor], int]:
-    """Weights from `model.safetensors`, or from the shards a `model.safetensors.index.json` maps; and the bytes read."""
-    files, weight_map = export_files(storage, path)
-    out: dict[str, torch.Tensor] = {}
-    read = 0
-    for file in files:
-        data = storage.read_bytes(file)
-        read += len(data)
-        out.update(parse_shard(data, file))
-    if weight_map is not None and set(weight_map) != set(out):
-        missing = sorted(set(weight_map) - set(out)) or sorted(set(out) - set(weight_map))
-        raise CheckpointError(
-            f"{paths.join(path, EXPORT_INDEX)}: weight_map and the shard files disagree about tensor {missing[0]!r}"
-        )
-    return out, read
-
-
 def export_specs(storage: Storage, path: str) -> dict[str, TensorSpec]:
     """Name, dtype and shape of every tensor of an export, from its safetensors headers alone."""
     specs = {}
     for file in export_files(storage, path)[0]:
-        size = storage.size(file)
-        if size < 8:
-            raise CheckpointError(
-                f"{file}: not a valid safetensors file ({size} bytes, no room for its header's length)"
-            )
-        (length,) = struct.unpack("<Q", storage.read_range(file, 0, 8))
-        if not 8 + length <= size or length > MAX_HEADER:
-            raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, a header of {length})")
-        header = parse_json(storage.read_range(file, 8, length), file)
-        for name, t in header.items():
+        for name, t in read_header(storage, file)[1].items():
             if name == "__metadata__":
                 continue
             shape = t.get("shape") if isinstance(t, dict) else None
             if not (isinstance(shape, list) and all(isinstance(n, int) for n in shape)):
                 raise CheckpointError(f"{file}: not a valid safetensors file (tensor {name!r} has no integer shape)")
-            dtype = DTYPES.get(t.get("dtype"))
-            specs[name] = TensorSpec(name, t.get("dtype"), tuple(shape), dtype.itemsize if dtype else 0)
+            tag = t.get("dtype")
+            specs[name] = TensorSpec(name, tag, tuple(shape), names.itemsize(tag) if tag in names.DTYPES else 0)
     return specs

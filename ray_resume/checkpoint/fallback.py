@@ -22,7 +22,7 @@ import logging
 import time
 
 from . import paths
-from .reader import check_no_extra_shards, find_committed, iteration_steps, open_iteration
+from .iterations import check_no_extra_shards, find_committed, iteration_steps, open_iteration
 from .root import CheckpointRoot
 from .schema import Iteration
 from ..errors import AbnormalIteration, CheckpointError

@@ -41,10 +41,13 @@ from ..collectives import collective_device, decided_by_rank0, largest
 from . import names, paths, state
 from .checks import check_weights
 from .plan import TensorSpec, needed_range
-from .reader import ShardReader, check_no_extra_shards, open_iteration, plan_reads
+from .export import EXPORT_INDEX, export_files
+from .reader import ShardReader, parse_shard, plan_reads
+from .iterations import check_no_extra_shards, open_iteration
 from .parse import parse_iteration
 from .root import CheckpointRoot
 from .schema import Iteration
+from .storage import Storage
 from ..errors import CheckpointError, DamagedShards
 from .state import DTYPE_TAGS, DTYPES
 
@@ -374,3 +377,20 @@ def _elements(t: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
 def shaped(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A loaded range in its tensor's shape: the whole tensor, or a dim-0 chunk of rows."""
     return flat.reshape(spec.shape) if flat.numel() == spec.numel else flat.reshape(-1, *spec.shape[1:])
+
+
+def read_export(storage: Storage, path: str) -> tuple[dict[str, torch.Tensor], int]:
+    """Weights from `model.safetensors`, or from the shards a `model.safetensors.index.json` maps; and the bytes read."""
+    files, weight_map = export_files(storage, path)
+    out: dict[str, torch.Tensor] = {}
+    read = 0
+    for file in files:
+        data = storage.read_bytes(file)
+        read += len(data)
+        out.update(parse_shard(data, file))
+    if weight_map is not None and set(weight_map) != set(out):
+        missing = sorted(set(weight_map) - set(out)) or sorted(set(out) - set(weight_map))
+        raise CheckpointError(
+            f"{paths.join(path, EXPORT_INDEX)}: weight_map and the shard files disagree about tensor {missing[0]!r}"
+        )
+    return out, read

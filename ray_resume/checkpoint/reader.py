@@ -1,4 +1,4 @@
-"""Find, verify and load a committed iteration.
+"""Verify and load a committed iteration's tensors (its metadata: iterations.py).
 
 Order matters: the tracker names an iteration, its JSON is validated, every
 file it lists is checked for size and the digest of each checksum block,
@@ -23,87 +23,13 @@ import torch
 from . import paths
 from .digest import BlockDigests, hexdigest
 from .plan import Piece, TensorSpec, overlaps
-from .parse import parse_iteration
-from .schema import MAX_HEADER, Iteration, StoredFile, parse_json
+from .schema import Iteration, StoredFile, parse_json
 from ..errors import CheckpointError
 from .state import DTYPES
 from .storage import READ_BLOCK, Storage, retried
 from .writer import RANK_EXTRAS_KEY
 
 logger = logging.getLogger(__name__)
-
-
-def read_tracker(storage: Storage, root: str) -> int | None:
-    """The step the tracker names, None when there is no tracker; errors name the file."""
-    path = paths.tracker_path(root)
-    if not storage.exists(path):
-        return None
-    text = storage.read_bytes(path).decode(errors="replace").strip()
-    if not text:
-        raise CheckpointError(
-            f"{path}: tracker is empty; write the newest complete iteration number into it or remove it"
-        )
-    if not text.isdigit():
-        raise CheckpointError(f"{path}: tracker must hold a non-negative iteration number, got {text[:40]!r}")
-    return int(text)
-
-
-def find_committed(storage: Storage, root: str) -> int | None:
-    """The newest committed iteration under `root`, or None when nothing was committed."""
-    if not storage.is_dir(root):
-        raise CheckpointError(f"checkpoint.load_path {root!r} does not exist or is not a directory")
-    step = read_tracker(storage, root)
-    if step is not None and not storage.is_dir(paths.iteration_dir(root, step)):
-        raise CheckpointError(
-            f"{paths.tracker_path(root)}: names iteration {step}, but {paths.iteration_dirname(step)}/ does not exist"
-        )
-    return step
-
-
-def open_iteration(storage: Storage, root: str, step: int) -> Iteration:
-    """The iteration's JSON files read and checked (and, for one MindFormers wrote, its shards'
-    safetensors headers): O(metadata), no shard byte beyond the headers."""
-    path = paths.iteration_dir(root, step)
-    raw = {}
-    for key, name in (("common", paths.COMMON), ("metadata", paths.METADATA)):
-        file = paths.join(path, name)
-        raw[key] = parse_json(storage.read_bytes(file), file) if storage.exists(file) else None
-    if raw["common"] is None:
-        raise CheckpointError(
-            f"{paths.join(path, paths.COMMON)}: missing; iteration {step} was never committed or was damaged"
-        )
-    ours = raw["metadata"] is not None and ("ray_resume" in raw["metadata"] or "format_version" in raw["metadata"])
-    if not ours:  # written by MindFormers: its shards are described by their headers
-        raw["headers"] = read_headers(storage, path)
-        if raw["metadata"] is None and any(paths.parse_shard_filename(n)["world"] != 1 for n in raw["headers"]):
-            raise CheckpointError(
-                f"{paths.join(path, paths.METADATA)}: missing; iteration {step} was never committed or was "
-                "damaged (only a one-card MindFormers checkpoint goes without it)"
-            )
-    return parse_iteration(raw, root, step)
-
-
-def read_headers(storage: Storage, directory: str) -> dict[str, dict]:
-    """{shard file: {"size", "data_start", "header"}} of every shard file in `directory`."""
-    out = {}
-    for name in storage.listdir(directory):
-        if paths.parse_shard_filename(name) is None:
-            continue
-        file = paths.join(directory, name)
-        size = storage.size(file)
-        if size is None or size < 8:
-            raise CheckpointError(
-                f"{file}: not a valid safetensors file ({size} bytes, no room for its header's length)"
-            )
-        (length,) = struct.unpack("<Q", storage.read_range(file, 0, 8))
-        if not 8 + length <= size or length > MAX_HEADER:
-            raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, a header of {length})")
-        out[name] = {
-            "size": size,
-            "data_start": 8 + length,
-            "header": parse_json(storage.read_range(file, 8, length), file),
-        }
-    return out
 
 
 def read_verified(storage: Storage, it: Iteration, files: list[str]) -> dict[str, bytes]:
@@ -117,18 +43,6 @@ def read_verified(storage: Storage, it: Iteration, files: list[str]) -> dict[str
             reader.check_block(name, index, hexdigest(reader.checksum(name), out[name][lo:hi]))
         reader.check_header(name, out[name][: it.files[name].data_start])
     return out
-
-
-def check_no_extra_shards(storage: Storage, it: Iteration) -> None:
-    """No shard file of ours beside the ones the commit listed (a leftover of another world size or attempt).
-    MindFormers' iterations may hold copies its metadata does not pick: they are its own."""
-    if it.origin != "ray_resume":
-        return
-    for name in storage.listdir(it.path):
-        if paths.parse_shard_filename(name) and name not in it.files:
-            raise CheckpointError(
-                f"{paths.join(it.path, name)}: shard file not listed in metadata.json; remove it or restore the matching metadata.json"
-            )
 
 
 @dataclass(frozen=True)
@@ -429,13 +343,3 @@ def load_rank_extras(reader: ShardReader, rank: int) -> dict[str, str]:
     if not isinstance(extras, str):
         raise CheckpointError(f"{reader.path(name)}: header has no {RANK_EXTRAS_KEY!r} (the rank's RNG state)")
     return parse_json(extras.encode(), f"{reader.path(name)}: {RANK_EXTRAS_KEY}")
-
-
-def iteration_steps(storage: Storage, root: str) -> list[int]:
-    """Steps of every `iteration_XXXXXXXX` directory under `root`, ascending."""
-    steps = []
-    for name in storage.listdir(root):
-        step = paths.parse_iteration_dirname(name)
-        if step is not None and storage.is_dir(paths.join(root, name)):
-            steps.append(step)
-    return sorted(steps)

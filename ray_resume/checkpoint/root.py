@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from . import paths
 from .lease import Lease
 from .export import export_specs, is_export
-from .reader import find_committed, iteration_steps, open_iteration, read_tracker
+from .iterations import find_committed, iteration_steps, open_iteration, read_tracker
 from .schema import Iteration
 from .storage import Storage, storage_for
 

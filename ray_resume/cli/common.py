@@ -6,7 +6,8 @@ import json
 from typing import Any
 
 from ..checkpoint import paths
-from ..checkpoint.reader import ShardReader, check_no_extra_shards
+from ..checkpoint.reader import ShardReader
+from ..checkpoint.iterations import check_no_extra_shards
 from ..checkpoint.root import CheckpointRoot, root_for
 from ..checkpoint.schema import Iteration, parse_json
 from ..checkpoint.storage import Storage

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..checkpoint import paths
-from ..checkpoint.reader import read_tracker
+from ..checkpoint.iterations import read_tracker
 from ..checkpoint.lease import Lease
 from ..checkpoint.storage import TEMP_MARK, Storage
 from ..faults import Fault
