@@ -15,7 +15,7 @@ from ray import cloudpickle
 import ray_resume
 from conftest import shard_bytes
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.reader import open_iteration
+from ray_resume.checkpoint.iterations import open_iteration
 from ray_resume.checkpoint.storage import LocalStorage
 from test_elastic import resume_root
 
