@@ -40,7 +40,7 @@ from .checkpoint.storage import s3_filesystem
 from .config import Config, ScalingConfig
 from .controller import JobController
 from .controller.job import JobOutcome
-from .errors import USER_ERRORS, CommitError, ConfigError
+from .errors import CommitError
 from .faults import Fault
 from .metrics import read_metrics
 from .preflight import resolve_source
@@ -89,8 +89,8 @@ class Result(ray.train.Result):
 def ray_checkpoint(uri: str, storage) -> ray.train.Checkpoint:
     """Ray Train's Checkpoint of an iteration directory, with the filesystem of checkpoint.storage (an s3://
     URI alone would send Ray to AWS itself, not to the configured endpoint)."""
-    if "://" not in uri or uri.startswith("file://"):
-        return ray.train.Checkpoint(uri.removeprefix("file://"))
+    if not paths.on_object_storage(uri):
+        return ray.train.Checkpoint(paths.local_path(uri))
     return ray.train.Checkpoint(uri.split("://", 1)[1], filesystem=s3_filesystem(storage))
 
 
@@ -132,14 +132,16 @@ def launch(
     path = paths.iteration_dir(ckpt.save_path, committed) if committed is not None else None
     error = outcome.failure
     if outcome.user_error:  # what Ray Train's error wraps, in our words and of its class (it was not retried)
-        kind = {cls.__name__: cls for cls in USER_ERRORS}.get(outcome.user_error_kind, ConfigError)
-        error = kind(outcome.user_error)
+        error = outcome.user_error.error()
     elif outcome.commit_error:
         error = TrainingFailed(f"training failed: {outcome.commit_error}")
         error.__cause__ = CommitError(outcome.commit_error)
     elif error is not None:
         ranks = getattr(error, "worker_failures", None) or {}
         if ranks:  # Ray Train's WorkerGroupError: each rank's own exception, the first said
+            for rank, exc in ranks.items():  # its traceback, as rank.run_rank took it
+                if isinstance(getattr(exc, "rank_traceback", None), str):
+                    exc.add_note(f"rank {rank}'s traceback:\n{exc.rank_traceback.rstrip()}")
             rank, exc = min(ranks.items(), key=lambda item: item[0])
             first = next((line for line in str(exc).splitlines() if line.strip()), "")
             reason = f"rank {rank}: {type(exc).__name__}: {first}" + (

@@ -9,7 +9,9 @@ is imported: this module is the checkpoint core's, which runs without Ray.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 class ConfigError(ValueError):
@@ -67,3 +69,41 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+
+
+def user_error_classes() -> dict[str, type]:
+    """The classes of USER_ERRORS and their subclasses here, by name: what a RankError may name."""
+    return {k.__name__: k for k in globals().values() if isinstance(k, type) and issubclass(k, USER_ERRORS)}
+
+
+@dataclass(frozen=True)
+class RankError:
+    """A mistake of the user's that a rank found, as it crosses to the job's controller and from it to the
+    driver: the name of its class (one of this module's: a user's own subclass travels as the nearest of
+    them), its message, ConfigError's problems, and the rank's traceback text."""
+
+    rank: int
+    kind: str
+    message: str
+    problems: tuple[str, ...] = ()
+    traceback: str = ""
+
+    def __post_init__(self):
+        if self.kind not in user_error_classes():
+            raise TypeError(f"a rank's error of kind {self.kind!r}, which is not one of ray_resume.errors' user errors")
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException) -> "RankError":
+        classes = user_error_classes()
+        kind = next(k.__name__ for k in type(exc).__mro__ if classes.get(k.__name__) is k)
+        problems = tuple(exc.problems) if isinstance(exc, ConfigError) else ()
+        return cls(rank, kind, str(exc), problems, "".join(traceback.format_exception(exc)))
+
+    def error(self) -> Exception:
+        """The exception of its class, with its problems, its message naming the rank, the rank's traceback
+        as a note (shown under the message when it is not caught)."""
+        kind = user_error_classes()[self.kind]
+        exc = kind(list(self.problems) or self.message) if issubclass(kind, ConfigError) else kind(self.message)
+        exc.args = (f"rank {self.rank}: {exc}",)
+        exc.add_note(f"rank {self.rank}'s traceback:\n{self.traceback.rstrip()}")
+        return exc

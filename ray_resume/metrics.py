@@ -93,8 +93,8 @@ class Curves:
     def __init__(self, save_path: str, storage_options, *, job: str, attempt: int, purge_step: int):
         self.dir = paths.join(metrics_dir(save_path), "tensorboard", job)
         self.storage = root_for(save_path, storage_options).storage  # the root's own: it serves its siblings too
-        self.remote = "://" in self.dir and not self.dir.startswith("file://")
-        self.local = tempfile.mkdtemp(prefix="ray_resume-tb-") if self.remote else self.dir.removeprefix("file://")
+        self.remote = paths.on_object_storage(self.dir)
+        self.local = tempfile.mkdtemp(prefix="ray_resume-tb-") if self.remote else paths.local_path(self.dir)
         os.makedirs(self.local, exist_ok=True)
         self.attempt, self.part = attempt, 0
         # Imported here, by rank 0 alone: tensorboardX (and the botocore it imports) is 0.1 s of every

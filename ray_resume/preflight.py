@@ -19,6 +19,7 @@ from . import parallel
 from .checkpoint import names, paths, state
 from .checkpoint.checks import check_optimizer_state, check_weights, refuse_foreign_slots, refuse_optimizer_change
 from .checkpoint.fallback import select_iteration
+from .checkpoint.iterations import resume_step
 from .checkpoint.dcp import dcp_checkpoint, describe, full_resume_problem, optimizer_specs, weight_specs
 from .checkpoint.root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .checkpoint.schema import Iteration
@@ -48,7 +49,7 @@ def absolute_paths(cfg: Config) -> Config:
     """Workers may run in another directory: hand them absolute local paths."""
 
     def fix(path: str) -> str:
-        return os.path.abspath(path) if path and "://" not in path else path
+        return os.path.abspath(paths.local_path(path)) if path and not paths.on_object_storage(path) else path
 
     ckpt = cfg.checkpoint.model_copy(
         update={"save_path": fix(cfg.checkpoint.save_path), "load_path": fix(cfg.checkpoint.load_path)}
@@ -296,13 +297,10 @@ def refuse_step_rewind(cfg: Config, it: Iteration) -> None:
     iteration directories of the run it resumes, committed ones included, while the
     tracker still names them: a crash then could leave the tracker on a half-rewritten
     iteration. Such a resume must write to a new save_path."""
-    consumed = it.common["consumed_samples"]
-    if consumed is None:
-        return
-    resume_step = consumed // cfg.training.global_batch_size
-    if resume_step < it.step:
+    step, _ = resume_step(it.common, cfg.training.global_batch_size)
+    if step < it.step:
         raise CheckpointError(
             f"global_batch_size {it.common['global_batch_size']} -> {cfg.training.global_batch_size} resumes iteration {it.step} "
-            f"at step {resume_step}, and its saves would overwrite iterations up to {it.step} in {it.root}; "
+            f"at step {step}, and its saves would overwrite iterations up to {it.step} in {it.root}; "
             "set checkpoint.save_path to a new directory (checkpoint.load_path stays where it is)"
         )

@@ -10,12 +10,14 @@ gets from `get_checkpointer()`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,7 +30,7 @@ from .collectives import decided_by_rank0
 from .config import Config
 from .controller.client import ControllerClient
 from .controller.job import AttemptStart
-from .errors import USER_ERRORS, ConfigError
+from .errors import USER_ERRORS, ConfigError, RankError
 from .extra_state import MAX_EXTRA, OptimizerState, dump_extra, load_extra
 from .faults import Fault, FaultInjector
 from .summary import start_clock
@@ -130,7 +132,11 @@ def run_rank(
         train_func(config)
         _current.finish()
     except USER_ERRORS as exc:
-        controller.user_failed(rank, str(exc), next(kind.__name__ for kind in USER_ERRORS if isinstance(exc, kind)))
+        controller.user_failed(RankError.of(rank, exc))
+        raise
+    except Exception as exc:  # Ray Train hands the driver the exception without it: the driver makes it a note
+        with contextlib.suppress(AttributeError):  # an exception class with __slots__ takes no attribute
+            exc.rank_traceback = "".join(traceback.format_exception(exc))
         raise
     finally:
         _current = None

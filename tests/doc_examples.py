@@ -129,16 +129,23 @@ class Reader:
         for name in LINKED:
             if not (self.scratch / name).exists():
                 (self.scratch / name).symlink_to(REPO / name)
-        self.env = dict(self.env, PATH=os.path.dirname(sys.executable) + os.pathsep + self.env.get("PATH", ""))
+        self.env = self.with_venv(self.env)
 
-    def follow(self, doc: Path, text: str | None = None, timeout: float = 600) -> None:
-        """Every block of the document, in order; AssertionError at the first that does not hold."""
+    @staticmethod
+    def with_venv(env: dict) -> dict:
+        return dict(env, PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+
+    def follow(self, doc: Path, text: str | None = None, timeout: float = 600, then_env: dict | None = None) -> None:
+        """Every block of the document, in order; AssertionError at the first that does not hold. The
+        `run` blocks after the first run with `then_env`, where it is given."""
         found = blocks(doc, text)
         unmarked = [b.where for b in found if b.kind == "unmarked"]
         assert not unmarked, f"blocks without a marker (see tests/doc_examples.py): {unmarked}"
         for b in found:
             if b.kind == "run":
                 self.run(b, timeout)
+                if then_env is not None:
+                    self.env, then_env = self.with_venv(then_env), None
             elif b.kind == "output":
                 compare(b, self.printed)
             elif b.kind == "excerpt":

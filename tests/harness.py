@@ -345,7 +345,11 @@ class LocalBackend:
                 self.outcome = Outcome(None, attempts, True, error)
                 return JobOutcome(failure=RuntimeError(error), wall_s=time.monotonic() - started)
             self.outcome = Outcome(
-                result.committed, attempts, False, result.user_error or error or result.commit_error, result.attempts
+                result.committed,
+                attempts,
+                False,
+                result.user_error and str(result.user_error.error()) or error or result.commit_error,
+                result.attempts,
             )
             return dataclasses.replace(
                 result, failure=RuntimeError(error) if error else None, wall_s=time.monotonic() - started

@@ -20,6 +20,7 @@ from ray_resume.checkpoint.storage import LocalStorage
 from test_elastic import resume_root
 
 STEPS, EVERY, BATCH = 12, 4, 8
+DROPOUT_UNTIL = 8  # masks drawn from each rank's own stream up to 8; after it the steps 1 rank can redo for 2
 
 
 class Counter:
@@ -37,8 +38,8 @@ class Counter:
 
 
 def train_func(config: dict) -> None:
-    """A plain Ray Train loop: DDP via prepare_model, SGD with momentum, a cosine schedule, dropout,
-    a global batch that is a pure function of the step, sliced by rank."""
+    """A plain Ray Train loop: DDP via prepare_model, SGD with momentum, a cosine schedule, dropout
+    until DROPOUT_UNTIL, a global batch that is a pure function of the step, sliced by rank."""
     import ray.train
     import ray.train.torch
 
@@ -46,9 +47,8 @@ def train_func(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(config["dropout"]), torch.nn.Linear(32, 3)
-    )
+    dropout = torch.nn.Dropout(0.2)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), dropout, torch.nn.Linear(32, 3))
     model = ray.train.torch.prepare_model(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=0.01)
@@ -59,6 +59,7 @@ def train_func(config: dict) -> None:
         np.random.seed(100 + rank)
         random.seed(100 + rank)
     for step in range(start.step + 1, STEPS + 1):
+        dropout.p = 0.2 if step <= DROPOUT_UNTIL else 0.0
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
         xs, ys = x[rank::world], y[rank::world]
@@ -103,24 +104,27 @@ def fit(root, *, workers: int = 2, load=None, **loop):
 @pytest.mark.usefixtures("ray_cluster", "by_value")
 @pytest.mark.invariant(2)
 def test_your_train_func_resumes_byte_identical_after_a_worker_sigkill_and_on_another_world_size(tmp_path):
-    fit(tmp_path / "clean", dropout=0.2)
-    fit(tmp_path / "killed", dropout=0.2, kill_at=6, marker=str(tmp_path / "killed-once"))
+    """Three fits (about 20 s each alone, the most of which is Ray Train starting a worker group): the
+    uninterrupted run, its twin with rank 1 SIGKILLed, and a 1-rank resume from the first's iteration 8;
+    the first is the reference of both."""
+    fit(tmp_path / "clean")
+    fit(tmp_path / "killed", kill_at=6, marker=str(tmp_path / "killed-once"))
     assert (tmp_path / "killed-once").exists()  # rank 1 was SIGKILLed after step 6 and the group resumed from 4
     for step in (4, 8, STEPS):  # model, optimizer (momentum, the scheduler's lr in the groups), RNG, counters
         assert shard_bytes(tmp_path / "killed", step) == shard_bytes(tmp_path / "clean", step), step
 
-    # From iteration 8 on 2 ranks and on 1 (dropout off: 1 rank cannot draw 2 ranks' masks): the same
-    # global batches, so the same weights to float rounding (the gradient mean is summed another way).
+    # From iteration 8 on 1 rank (no dropout after 8: 1 rank cannot draw 2 ranks' masks): the same global
+    # batches, so the 2-rank run's weights to float rounding (the gradient mean is summed another way).
     at8 = resume_root(str(tmp_path / "clean"), 8, tmp_path / "at8")
-    weights = {}
-    for workers in (2, 1):
-        fit(tmp_path / f"on{workers}", workers=workers, load=at8, dropout=0.0)
-        weights[workers] = load_state(
-            LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / f"on{workers}"), STEPS), "model"
-        )
-    assert weights[1].keys() == weights[2].keys() == {"0.weight", "0.bias", "3.weight", "3.bias"}
-    for name, tensor in weights[2].items():
-        torch.testing.assert_close(weights[1][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    fit(tmp_path / "on1", workers=1, load=at8)
+    weights = {
+        run: load_state(LocalStorage(), open_iteration(LocalStorage(), str(tmp_path / run), STEPS), "model")
+        for run in ("clean", "on1")
+    }
+    assert weights["on1"].keys() == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    assert weights["clean"].keys() == weights["on1"].keys()
+    for name, tensor in weights["clean"].items():
+        torch.testing.assert_close(weights["on1"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.invariant(6)
@@ -214,6 +218,73 @@ def test_a_failed_fit_names_each_ranks_failure_as_ray_trains_error_does(tmp_path
     assert set(failed.worker_failures) == {1}
     assert isinstance(failed.worker_failures[1], ValueError)
     assert "rank 1 met a bug of the user's" in str(failed.worker_failures[1])
+    (note,) = failed.worker_failures[1].__notes__  # the rank's traceback, which Ray Train keeps in its log only
+    assert note.startswith("rank 1's traceback:\nTraceback (most recent call last):"), note
+    assert "in raises_on_rank_1" in note and note.endswith("ValueError: rank 1 met a bug of the user's"), note
+
+
+def test_a_ranks_error_crosses_processes_as_its_class_its_problems_and_its_traceback():
+    """RankError, what a rank sends the controller: rebuilt on the driver as the class the rank raised (a
+    user's own subclass as the nearest of ray_resume's), ConfigError's problems whole; a name that is not a
+    user error is refused where it is received."""
+    import pickle
+
+    from ray_resume.errors import AbnormalIteration, CheckpointError, ConfigError, RankError
+
+    class MyCheckpointError(AbnormalIteration):
+        pass
+
+    def raised(exc):
+        try:
+            raise exc
+        except Exception as caught:
+            return pickle.loads(pickle.dumps(RankError.of(3, caught))).error()
+
+    problems = ["model.layers: must be positive", "training.lr: must be positive"]
+    config = raised(ConfigError(problems))
+    assert type(config) is ConfigError and config.problems == problems
+    assert str(config).startswith("rank 3: 2 config problems:\n  - model.layers: must be positive")
+    mine = raised(MyCheckpointError("iteration_00000004: abnormal"))
+    assert type(mine) is AbnormalIteration and isinstance(mine, CheckpointError)
+    assert str(mine) == "rank 3: iteration_00000004: abnormal"
+    assert mine.__notes__[0].startswith("rank 3's traceback:\nTraceback (most recent call last):")
+    assert mine.__notes__[0].endswith("MyCheckpointError: iteration_00000004: abnormal"), mine.__notes__
+    with pytest.raises(TypeError, match="'ValueError', which is not one of ray_resume.errors' user errors"):
+        RankError(0, "ValueError", "x")
+
+
+def abnormal_on_rank_1(config: dict) -> None:
+    import ray.train
+
+    from ray_resume.errors import AbnormalIteration
+
+    if ray.train.get_context().get_world_rank() == 1:
+        with open(config["tries"], "a") as f:
+            f.write("rank 1 ran\n")
+        raise AbnormalIteration("iteration_00000008/common.json: ckpt_status 1")
+
+
+@pytest.mark.usefixtures("ray_cluster", "by_value")
+def test_a_ray_resume_error_a_rank_raises_reaches_fit_as_itself_with_the_ranks_traceback(tmp_path):
+    """A mistake of the user's that a rank finds crosses as what it is: fit raises AbnormalIteration (a
+    CheckpointError's subclass), not retried though failures were left, its traceback the rank's."""
+    from ray_resume.errors import AbnormalIteration
+
+    tries = tmp_path / "tries"
+    with pytest.raises(AbnormalIteration) as ei:
+        ray_resume.fit(
+            abnormal_on_rank_1,
+            train_loop_config={"tries": str(tries)},
+            checkpoint={"save_path": str(tmp_path / "ckpt")},
+            scaling_config={"num_workers": 2},
+            failure_config={"max_failures": 2},
+        )
+    assert str(ei.value) == "rank 1: iteration_00000008/common.json: ckpt_status 1"
+    (note,) = ei.value.__notes__
+    assert note.startswith("rank 1's traceback:\nTraceback (most recent call last):"), note
+    assert "in abnormal_on_rank_1" in note, note
+    assert note.endswith("AbnormalIteration: iteration_00000008/common.json: ckpt_status 1"), note
+    assert tries.read_text() == "rank 1 ran\n"  # a user's mistake is not retried
 
 
 @pytest.mark.usefixtures("ray_cluster")

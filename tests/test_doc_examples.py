@@ -17,14 +17,13 @@ RUN = [doc for doc in ex.DOCS if any(b.kind == "run" for b in ex.blocks(doc))]
 @pytest.mark.starts_ray
 @pytest.mark.parametrize("doc", RUN, ids=lambda doc: doc.name)
 def test_every_example_of_the_document_runs_as_shown(doc, tmp_path, request):
-    """The README's commands as a newcomer runs them, each starting a Ray of its own; the examples of
-    docs/ join the suite's Ray instead (RAY_ADDRESS, as under `ray job submit`): a Ray start and stop
-    less for each of their jobs, and the same lines printed."""
+    """The README's first command as a newcomer runs it, starting a Ray of its own; every other example
+    joins the suite's Ray instead (RAY_ADDRESS, as under `ray job submit`): a Ray start and stop less
+    for each of their jobs, and the same lines printed."""
     readme = doc.name == "README.md"
-    if not readme:
-        request.getfixturevalue("ray_cluster")
+    request.getfixturevalue("ray_cluster")
     reader = ex.Reader(tmp_path, env_for_subprocess(join_session_ray=not readme))
-    reader.follow(doc)
+    reader.follow(doc, then_env=env_for_subprocess(join_session_ray=True) if readme else None)
     assert len(reader.ran) == sum(b.kind == "run" for b in ex.blocks(doc))
 
 

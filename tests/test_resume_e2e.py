@@ -97,5 +97,8 @@ def test_a_user_mistake_a_rank_finds_ends_the_run_once_in_our_words(tmp_path, re
         r"scalar floating-point tensor \(reduce it over the batch, with \.mean\(\) say\)",
         str(err.value),
     )
+    assert err.value.problems == [str(err.value).split(": ", 1)[1]]  # ConfigError's own field, the rank's
+    assert "traceback:\nTraceback (most recent call last):" in err.value.__notes__[0]
+    assert "in scalar_loss" in err.value.__notes__[0], err.value.__notes__
     started = [r for r in read_metrics(cfg["checkpoint"]["save_path"]) if r.get("event") == "start"]
     assert {r["attempt"] for r in started} == {0}

@@ -21,6 +21,7 @@ from . import memory, names, paths, state
 from .async_save import BackgroundSave
 from .dcp import load_dcp, optimizer_specs, weight_specs
 from .fallback import fall_back
+from .iterations import resume_step
 from .checks import check_optimizer_state, check_weights, refuse_foreign_slots, refuse_optimizer_change
 from .loader import (
     StateLoader,
@@ -88,7 +89,7 @@ class Checkpointer:
         `full` restores optimizer, RNG and progress too (the spec's
         no_load_optim: false); otherwise only weights are taken, training
         starts at step 0, and the fp32 main params are refreshed from them.
-        A `global_batch_size` other than the saved one rescales the step (see _progress).
+        A `global_batch_size` other than the saved one rescales the step (iterations.resume_step).
         `rank0_extras`: on another world size, every rank takes rank 0's extras (param groups, extra state).
         `step`: the step a DCP checkpoint without `train_state.step` was taken at (the loop's word).
         """
@@ -204,8 +205,10 @@ class Checkpointer:
                 "%s has no optimizer state (no_save_optim): resuming weights and progress, fresh optimizer", it.path
             )
             optimizer.reload_main_params_from_model()
-        step, consumed = self._progress(it, gbs)
-        return Start(step, consumed, it.path, loader.bytes_read), extras
+        step, rescaled = resume_step(it.common, gbs)
+        if rescaled:
+            logger.warning(rescaled)
+        return Start(step, it.common["consumed_samples"], it.path, loader.bytes_read), extras
 
     def _restore_dcp(self, model, optimizer, path: str, *, full: bool, gbs: int | None, step: int | None) -> Start:
         """A DCP checkpoint (torchtitan's), resharded by DCP's own planner: the weights, and with `full`
@@ -275,32 +278,6 @@ class Checkpointer:
             and t.numel() == ranges[n][1]
         }
         return loader.load(kind, ranges, shared=set(specs) - sharded, into=in_place)
-
-    def _progress(self, it, gbs: int | None) -> tuple[int, int]:
-        """Step and data cursor to continue from, rescaled when global_batch_size changed (spec 1.4).
-
-        resume_step = saved_step x saved_gbs / current_gbs keeps the consumed
-        samples equal. When that is not a whole number the step is rounded
-        down but the data cursor stays at the exact consumed-sample count, so
-        no sample is skipped or repeated.
-        """
-        c = it.common
-        saved_gbs, consumed = c["global_batch_size"], c["consumed_samples"]
-        if gbs is None or saved_gbs in (None, gbs) or consumed is None:  # nothing to rescale, or nothing to rescale by
-            return c["global_step"], consumed
-        step, leftover = divmod(consumed, gbs)
-        logger.warning(
-            "global_batch_size changed %d -> %d: resume step = %d x %d / %d = %s%s; data continues at sample %d",
-            saved_gbs,
-            gbs,
-            c["global_step"],
-            saved_gbs,
-            gbs,
-            f"{consumed / gbs:g}",
-            f", rounded down to {step}" if leftover else "",
-            consumed,
-        )
-        return step, consumed
 
     def poll(self) -> None:
         """Raise the error of a background save that failed (once), at any step, saving or not."""

@@ -238,9 +238,9 @@ _METADATA_CLASSES = {
 def dcp_checkpoint(path: str) -> str | None:
     """The DCP checkpoint `path` names: itself when it holds `.metadata`, else the newest of its
     torchtitan `step-N/` directories that does; None when neither (or not on a local file system)."""
-    if "://" in path and not path.startswith("file://"):
+    if paths.on_object_storage(path):
         return None
-    path = path.removeprefix("file://")
+    path = paths.local_path(path)
     if os.path.isfile(os.path.join(path, DCP_METADATA)):
         return path
     steps = sorted(

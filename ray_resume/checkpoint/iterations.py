@@ -107,3 +107,21 @@ def read_header(storage: Storage, file: str) -> tuple[int, dict]:
     if not 8 + length <= size or length > MAX_HEADER:
         raise CheckpointError(f"{file}: not a valid safetensors file ({size} bytes, a header of {length})")
     return 8 + length, parse_json(storage.read_range(file, 8, length), file)
+
+
+def resume_step(common: dict, gbs: int | None) -> tuple[int, str | None]:
+    """The step to continue from after an iteration whose common.json is `common`, at global batch size
+    `gbs` (None: the saved one), and how it was rescaled (a line for the log; None when it was not).
+
+    Spec 1.4: resume_step = saved_step x saved_gbs / current_gbs keeps the consumed samples equal. When that
+    is not a whole number the step is rounded down, but the data cursor stays at the exact consumed-sample
+    count, so no sample is skipped or repeated."""
+    saved_gbs, consumed = common["global_batch_size"], common["consumed_samples"]
+    if gbs is None or saved_gbs in (None, gbs) or consumed is None:  # nothing to rescale, or nothing to rescale by
+        return common["global_step"], None
+    step, leftover = divmod(consumed, gbs)
+    rounded = f", rounded down to {step}" if leftover else ""
+    return step, (
+        f"global_batch_size changed {saved_gbs} -> {gbs}: resume step = {common['global_step']} x {saved_gbs} / {gbs} "
+        f"= {consumed / gbs:g}{rounded}; data continues at sample {consumed}"
+    )

@@ -35,6 +35,17 @@ _SHARD_RE = re.compile(
 )
 
 
+def on_object_storage(uri: str) -> bool:
+    """Whether `uri` names object storage (s3://...) rather than a local or network file system (a plain
+    path or file://...): the one place that decides it."""
+    return "://" in uri and not uri.startswith("file://")
+
+
+def local_path(uri: str) -> str:
+    """The file system path of a local `uri` (file:// taken off)."""
+    return uri.removeprefix("file://")
+
+
 def join(*parts: str) -> str:
     """Join path pieces with "/", keeping a URI scheme ("s3://b/x") intact."""
     head, *rest = parts

@@ -23,6 +23,8 @@ from typing import Protocol
 
 import pyarrow.fs as pafs
 
+from ray_resume.checkpoint import paths
+
 logger = logging.getLogger(__name__)
 
 # Streamed reads (verification, whole-shard loads) hold one block at a time.
@@ -85,26 +87,22 @@ def retried(call: Callable, what: str):
             time.sleep(wait)
 
 
-def _local(path: str) -> str:
-    return path[len("file://") :] if path.startswith("file://") else path
-
-
 class LocalStorage:
     """A local or network (NFS) file system reached through POSIX calls."""
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(_local(path), exist_ok=True)
+        os.makedirs(paths.local_path(path), exist_ok=True)
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(_local(path))
+        return os.path.exists(paths.local_path(path))
 
     def is_dir(self, path: str) -> bool:
-        return os.path.isdir(_local(path))
+        return os.path.isdir(paths.local_path(path))
 
     def size(self, path: str) -> int | None:
         """The file's size in bytes, or None when it does not exist."""
         try:
-            return os.stat(_local(path)).st_size
+            return os.stat(paths.local_path(path)).st_size
         except FileNotFoundError:
             return None
 
@@ -114,20 +112,20 @@ class LocalStorage:
 
     def listdir(self, path: str) -> list[str]:
         try:
-            return sorted(os.listdir(_local(path)))
+            return sorted(os.listdir(paths.local_path(path)))
         except FileNotFoundError:
             return []
 
     def read_bytes(self, path: str) -> bytes:
-        with open(_local(path), "rb") as f:
+        with open(paths.local_path(path), "rb") as f:
             return f.read()
 
     def open_read(self, path: str):
         """A seekable binary file with `readinto` (unbuffered: bytes land in the caller's buffer)."""
-        return open(_local(path), "rb", buffering=0)
+        return open(paths.local_path(path), "rb", buffering=0)
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
-        with open(_local(path), "rb") as f:
+        with open(paths.local_path(path), "rb") as f:
             f.seek(offset)
             data = f.read(length)
         if len(data) != length:
@@ -148,7 +146,7 @@ class LocalStorage:
 
     def _publish(self, path: str, data: bytes, move) -> None:
         """`data` fsynced under a temp name, then `move`d (renamed or linked) to `path`, the directory fsynced."""
-        local = _local(path)
+        local = paths.local_path(path)
         tmp = f"{local}{TEMP_MARK}{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "wb") as f:
@@ -164,7 +162,7 @@ class LocalStorage:
     def write_durable(self, path: str, chunks: Iterable[bytes], digest) -> int:
         """Stream `chunks` into `path`, fsync, and return the size; `digest` hashes each chunk while it is written."""
         size = 0
-        local = _local(path)
+        local = paths.local_path(path)
         with open(local, "wb") as f:
             for chunk in chunks:
                 digest.update(chunk)
@@ -177,16 +175,16 @@ class LocalStorage:
 
     def remove(self, path: str) -> None:
         try:
-            os.unlink(_local(path))
+            os.unlink(paths.local_path(path))
         except FileNotFoundError:
             pass
 
     def remove_tree(self, path: str) -> None:
-        shutil.rmtree(_local(path), ignore_errors=True)
+        shutil.rmtree(paths.local_path(path), ignore_errors=True)
 
     def rename(self, src: str, dst: str) -> None:
-        os.replace(_local(src), _local(dst))
-        _fsync_dir(os.path.dirname(_local(dst)) or ".")
+        os.replace(paths.local_path(src), paths.local_path(dst))
+        _fsync_dir(os.path.dirname(paths.local_path(dst)) or ".")
 
 
 def _fsync_dir(path: str) -> None:
@@ -350,7 +348,7 @@ wrappers: list[Callable] = []
 
 def storage_for(uri: str, options=None) -> Retrying:
     """The backend that serves `uri`, with retries; `options` is a config.StorageConfig (or None: environment only)."""
-    if "://" not in uri or uri.startswith("file://"):
+    if not paths.on_object_storage(uri):
         backend = LocalStorage()
     else:
         scheme = uri.split("://", 1)[0]

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..calls import Polled, call, tell
 from ..checkpoint.manifest import Manifest
+from ..errors import RankError
 from .job import AttemptStart
 
 
@@ -33,8 +34,8 @@ class ControllerClient:
     def claim_fault(self) -> bool:
         return call(self.handle, "claim_fault")
 
-    def user_failed(self, rank: int, message: str, kind: str) -> None:
-        call(self.handle, "user_failed", rank, message, kind)
+    def user_failed(self, error: RankError) -> None:
+        call(self.handle, "user_failed", error)
 
     def stepped(self, attempt: int, step: int) -> None:
         """Rank 0 finished `step` (not waited for)."""

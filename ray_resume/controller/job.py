@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from ..calls import SAVE_AND_STOP, STOP_NOW
-from ..errors import LeaseLost
+from ..errors import LeaseLost, RankError
 from ..faults import Fault
 from ..checkpoint import paths
 from ..checkpoint.commit import commit_iteration
@@ -75,8 +75,7 @@ class JobOutcome:
     commit_error: str | None = None  # a commit failed: why, and where the tracker stays
     # per worker-group start: the last step rank 0 finished, and when
     attempts: list[dict] = field(default_factory=list)
-    user_error: str | None = None  # a mistake of the user's a rank found (the job ended with it)
-    user_error_kind: str | None = None  # its class's name (errors.USER_ERRORS)
+    user_error: RankError | None = None  # a mistake of the user's a rank found (the job ended with it)
     failure: BaseException | None = None  # what the backend's run raised (Ray Train's error)
     wall_s: float = 0.0  # the run's wall time
 
@@ -114,8 +113,7 @@ class JobController(SnapshotLedger, Retention):
         self.final_metrics: dict = {}
         self.stop_requested = False
         self.commit_error: str | None = None  # the first failed commit, for the driver's result
-        self.user_error: str | None = None  # the first mistake of the user's a rank found: the job ends with it
-        self.user_error_kind: str | None = None  # its class (errors.USER_ERRORS), which the caller gets back
+        self.user_error: RankError | None = None  # the first mistake of the user's a rank found: the job ends with it
         self.lease_lost = False  # a commit found another job holding the writer lease
         SnapshotLedger.__init__(self, keepers)  # the memory tier (checkpoint.memory_interleaved_steps)
         self.lock = threading.RLock()  # attempts, manifests and commits, one at a time (a commit claims its fault)
@@ -156,18 +154,20 @@ class JobController(SnapshotLedger, Retention):
         return AttemptStart(
             self.attempt,
             plan,
-            self.user_error,
+            self.user_error and self.user_error.message,
             failed_after,
             {str(rank): why for rank, why in sorted(lost.items())},
             clock,
         )
 
-    def user_failed(self, rank: int, message: str, kind: str = "ConfigError") -> None:
+    def user_failed(self, error: RankError) -> None:
         """A rank hit a mistake of the user's (a loss that is not a scalar...): running it again would
         hit it again, so the group Ray Train restarts for it returns at once and the run ends with it,
-        raised to the caller as the rank raised it (`kind`, the name of its class)."""
+        raised to the caller as the rank raised it (its class, problems and traceback)."""
+        if not isinstance(error, RankError):
+            raise TypeError(f"user_failed takes a RankError, not a {type(error).__name__}")
         if self.user_error is None:
-            self.user_error, self.user_error_kind = f"rank {rank}: {message}", kind
+            self.user_error = error
 
     def ranks_failed(self, why: dict[int, str]) -> None:
         """Ray Train saw these ranks fail (rank -> its error's first line): the restart names them."""
@@ -216,9 +216,7 @@ class JobController(SnapshotLedger, Retention):
             last = self.last_committed()
             where = f"iteration {last}, the last good commit" if last is not None else "what it named before"
             error = f"{self.commit_error}; the tracker of {self.root} stays on {where}; run again with checkpoint.load_path={self.root} to resume from it"
-        return JobOutcome(
-            self.last_committed(), self.final_metrics, error, self.reached, self.user_error, self.user_error_kind
-        )
+        return JobOutcome(self.last_committed(), self.final_metrics, error, self.reached, self.user_error)
 
     def last_committed(self) -> int | None:
         return self.committed_by_job[-1] if self.committed_by_job else None

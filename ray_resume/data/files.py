@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from ..checkpoint.paths import local_path, on_object_storage
 from ..errors import DataError
 
 SAMPLE_ID = "sample_id"
@@ -114,15 +115,11 @@ def _check_schema(file: str, schema: pa.Schema, columns: Dict[str, str], ids: bo
                             f"{want} or list<{want}> or a narrower type (data.columns.{name}: {dtype}; set it to the column's type)")
 
 
-def _on_object_storage(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
 def _parquet(file: str, storage=None) -> pq.ParquetFile:
     """A parquet file on local disk, or on object storage (s3://) with `storage`'s settings
     (checkpoint.storage's: the same endpoint and credential chain as the checkpoints)."""
-    if not _on_object_storage(file):
-        return pq.ParquetFile(file.removeprefix("file://"))
+    if not on_object_storage(file):
+        return pq.ParquetFile(local_path(file))
     from ..checkpoint.storage import s3_filesystem
 
     return pq.ParquetFile(s3_filesystem(storage).open_input_file(file.split("://", 1)[1]))
@@ -130,8 +127,8 @@ def _parquet(file: str, storage=None) -> pq.ParquetFile:
 
 def _parquet_files(path: str, storage=None) -> List[str]:
     """The ``*.parquet`` files directly under `path`, sorted by name: one listing."""
-    if not _on_object_storage(path):
-        p = Path(path.removeprefix("file://"))
+    if not on_object_storage(path):
+        p = Path(local_path(path))
         if not p.is_dir():
             raise DataError(f"data.path {path!r} is not a directory (of *.parquet files); check data.path")
         return [str(f.resolve()) for f in sorted(p.glob("*.parquet"), key=lambda f: f.name)]

@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import DataError
-from .files import INPUT_IDS, SAMPLE_ID, _on_object_storage
+from ..checkpoint.paths import on_object_storage
+from .files import INPUT_IDS, SAMPLE_ID
 
 def _synthetic_rows(rng: np.random.Generator, n: int, seq_len: int, vocab: int) -> np.ndarray:
     """Noisy arithmetic sequences mod vocab: learnable, not pure noise."""
@@ -150,7 +151,7 @@ def ensure_dataset(path: Union[str, os.PathLike], synthetic: Any, seq_len: int, 
     process wins that race, ours is discarded. Missing without ``synthetic`` →
     :class:`DataError`.
     """
-    if _on_object_storage(str(path)):  # read as it is: scan_units says what is wrong with it
+    if on_object_storage(str(path)):  # read as it is: scan_units says what is wrong with it
         return str(path)
     p = Path(path)
     if p.exists():
