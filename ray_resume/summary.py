@@ -9,6 +9,7 @@ controller's account of how far the attempt got is not.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 # What a worker-group start costs, a restart's and the first one's alike: the new group up to its
 # first call (where the process's start is known: the old group's shutdown, if any, and Ray Train's
@@ -52,6 +53,16 @@ def restart_clock(last: float, noticed: float | None, process_started: float | N
     return {**clock, "spawn_s": spawned - since, "setup_s": now - spawned}
 
 
+@dataclass(frozen=True)
+class Reached:
+    """How far a worker-group start got, by the controller's account: the last step rank 0 finished
+    (None before one), and when (time.time())."""
+
+    attempt: int
+    step: int | None = None
+    time: float | None = None
+
+
 def start_clock(driver: dict, process_started: float | None, now: float) -> dict:
     """The first start's parts up to rank 0's first call, from the driver's stamps (`launched`,
     `checked`, and where Ray Train runs the job `ray_up` and `fit`) and rank 0's process start."""
@@ -62,7 +73,7 @@ def start_clock(driver: dict, process_started: float | None, now: float) -> dict
 
 
 def summarize(
-    records: list[dict], attempts: list[dict], *, job_id: str, global_batch_size: int, wall_s: float
+    records: list[dict], attempts: list[Reached], *, job_id: str, global_batch_size: int, wall_s: float
 ) -> list[str]:
     """The summary's lines, from this job's `records` and the controller's `attempts`."""
     mine = [r for r in records if r.get("job") == job_id]
@@ -93,15 +104,15 @@ def summarize(
     parts = {r["attempt"]: r for r in mine if r["rank"] == 0 and r.get("event") == "restart"}
     restarts = []
     for lost, again in zip(attempts, attempts[1:]):
-        start = starts.get(again["attempt"])
-        if start is None or lost["step"] is None:
+        start = starts.get(again.attempt)
+        if start is None or lost.step is None:
             continue
-        redone = lost["step"] - start["step"]
-        beyond = [r["time"] for r in steps if r["attempt"] == again["attempt"] and r["step"] > lost["step"]]
-        cost = f"{min(beyond) - lost['time']:.1f} s" if beyond else "the rest of the run"
-        split = _split(parts.get(again["attempt"], {}), RESTART_PARTS)
+        redone = lost.step - start["step"]
+        beyond = [r["time"] for r in steps if r["attempt"] == again.attempt and r["step"] > lost.step]
+        cost = f"{min(beyond) - lost.time:.1f} s" if beyond else "the rest of the run"
+        split = _split(parts.get(again.attempt, {}), RESTART_PARTS)
         restarts.append(
-            f"after step {lost['step']}: resumed from {start['step']}, {redone} steps redone, {cost} lost"
+            f"after step {lost.step}: resumed from {start['step']}, {redone} steps redone, {cost} lost"
             + (f" ({split})" if split else "")
         )
     if len(attempts) > 1:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import harness
 from conftest import FINAL, KILL_AT_6, env_for_subprocess, per_step, read_metrics, shard_bytes, tiny_config
-from ray_resume.summary import summarize
+from ray_resume.summary import Reached, summarize
 
 
 def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
@@ -47,7 +47,7 @@ def test_a_restarted_run_ends_with_a_summary_and_one_curve_in_tensorboard(tmp_pa
     lines = summarize(read_metrics(root), list(outcome.reached), job_id=job, global_batch_size=16, wall_s=10.0)
     assert lines[0] == f"{FINAL} steps (1-{FINAL}) in 10.0 s: {FINAL * 16 / 10:.0f} samples/s overall"
     assert lines[1].startswith("3 saves; training blocked ") and lines[1].endswith(" s at most (any rank)")
-    reached = outcome.reached[0]["step"]
+    reached = outcome.reached[0].step
     assert reached in (5, 6)  # rank 0 finished 5 or 6 before the group was ended
     assert lines[2].startswith(f"1 restart: after step {reached}: resumed from 4, {reached - 4} steps redone, ")
     # The restart's cost part by part (the harness has no Ray Train to notice the loss: no "noticed" part).
@@ -137,9 +137,7 @@ def test_the_first_start_splits_at_the_drivers_stamps_and_where_rank_0s_process_
         "first_step_s": 0.75,
     }
     steps = [{"job": "j", "rank": 0, "attempt": 0, "step": s, "loss": 1.0, "time": 20.0 + s} for s in (1, 2)]
-    lines = summarize(
-        [started, *steps], [{"attempt": 0, "step": 2, "time": 22.0}], job_id="j", global_batch_size=4, wall_s=30.0
-    )
+    lines = summarize([started, *steps], [Reached(0, 2, 22.0)], job_id="j", global_batch_size=4, wall_s=30.0)
     assert lines[1] == (
         "start: 14.0 s to the end of the first step (checks 1.5 s, Ray 2.5 s, our actors 0.5 s, new processes 2.5 s, "
         "imports and setup 5.0 s, build and restore 1.0 s, first batch 0.2 s, first step 0.8 s)"

@@ -40,7 +40,7 @@ from ..checkpoint.commit import commit_iteration
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.root import ResumePlan, root_for
 from ..config import redacted
-from ..summary import restart_clock
+from ..summary import Reached, restart_clock
 from .retention import Retention
 from .snapshots import SnapshotLedger
 
@@ -74,7 +74,7 @@ class JobOutcome:
     metrics: dict = field(default_factory=dict)  # rank 0's last step's
     commit_error: str | None = None  # a commit failed: why, and where the tracker stays
     # per worker-group start: the last step rank 0 finished, and when
-    attempts: list[dict] = field(default_factory=list)
+    attempts: list[Reached] = field(default_factory=list)
     user_error: RankError | None = None  # a mistake of the user's a rank found (the job ended with it)
     failure: BaseException | None = None  # what the backend's run raised (Ray Train's error)
     wall_s: float = 0.0  # the run's wall time
@@ -101,7 +101,7 @@ class JobController(SnapshotLedger, Retention):
         self.storage = self.checkpoint_root.storage if save_path else None
         self.first_plan = first_plan or ResumePlan()  # the driver's, for the first start (and restarts before a commit)
         self.attempt = -1
-        self.reached: list[dict] = []  # per attempt: the last step rank 0 finished, and when
+        self.reached: list[Reached] = []  # per attempt: the last step rank 0 finished, and when
         self.lost: dict[int, str] = {}  # rank -> why, for the current attempt's failure (Ray Train tells us)
         self.noticed_at: float | None = None  # when Ray Train told us (time.time(), this process's clock)
         self.pending: dict[int, dict[int, Manifest]] = {}  # iteration -> rank -> manifest
@@ -140,12 +140,12 @@ class JobController(SnapshotLedger, Retention):
         self.attempt += 1
         self.pending.clear()
         self.pending_common.clear()
-        failed_after = self.reached[-1]["step"] if self.reached else None
+        failed_after = self.reached[-1].step if self.reached else None
         lost, self.lost = self.lost, {}
-        now, last = time.time(), self.reached[-1]["time"] if self.reached else None
+        now, last = time.time(), self.reached[-1].time if self.reached else None
         noticed, self.noticed_at = self.noticed_at, None
         clock = {} if last is None else restart_clock(last, noticed, process_started, now)
-        self.reached.append({"attempt": self.attempt, "step": None, "time": None})
+        self.reached.append(Reached(self.attempt))
         plan = (
             self.first_plan
             if self.attempt == 0
@@ -177,7 +177,7 @@ class JobController(SnapshotLedger, Retention):
     def stepped(self, attempt: int, step: int) -> None:
         """Rank 0 finished `step` of `attempt`: what a restart says the lost attempt had reached."""
         if attempt == self.attempt:
-            self.reached[-1].update(step=step, time=time.time())
+            self.reached[-1] = Reached(attempt, step, time.time())
 
     def claim_fault(self) -> bool:
         """True exactly once per job: the injected fault fires a single time."""
