@@ -19,6 +19,17 @@ from pathlib import Path
 STEPS, EVERY, BATCH = 12, 4, 8
 
 
+def committed_4(root: str) -> None:
+    """Wait (60 s at most) for iteration 4's commit: the save is async, and on a busy machine a kill
+    at step 6 came before 4's background write had reported (the restart then rightly began at 0)."""
+    import time
+
+    tracker = Path(root) / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (tracker.exists() and int(tracker.read_text() or 0) >= 4):
+        time.sleep(0.05)
+
+
 def train_func(config: dict) -> None:
     """A user's own Ray Train loop, as the README writes one (it travels by value: it is __main__'s)."""
     import random
@@ -52,6 +63,7 @@ def train_func(config: dict) -> None:
         torch.nn.functional.cross_entropy(model(x[rank::world]), y[rank::world]).backward()
         opt.step()
         if step == 6 and rank == 1 and not os.path.exists(config["marker"]):
+            committed_4(config["root"])
             open(config["marker"], "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         ck.maybe_save(step, consumed_samples=step * BATCH, global_batch_size=BATCH)
@@ -69,7 +81,7 @@ def main(work: Path, config: dict) -> dict:
     ray_resume.train(config, fault={"phase": "after_optimizer_step", "step": 6, "rank": 1})
     root = config["checkpoint"]["save_path"]
     built_in = [r["step"] for r in read_metrics(root) if r.get("event") == "start" and r["rank"] == 0]
-    loop = {"marker": str(work / "fit.killed"), "starts": str(work / "fit.starts")}
+    loop = {"marker": str(work / "fit.killed"), "starts": str(work / "fit.starts"), "root": str(work / "fit")}
     result = ray_resume.fit(
         train_func,
         train_loop_config=loop,

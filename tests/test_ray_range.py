@@ -72,7 +72,8 @@ def test_the_oldest_admitted_ray_resumes_byte_identical_after_a_worker_is_killed
     uninterrupted run, and `fit` with a user's own loop killed the same way resumes at 4 and commits 12."""
     minor = oldest_minor()
     python = wait_for_venv(minor)
-    cfg = tiny_config(tmp_path)
+    # A sync save: 4 is committed inside rank 1's report, before step 5's allreduce; the kill at 6 finds it.
+    cfg = tiny_config(tmp_path, checkpoint={"async_save": False})
     cfg["data"]["path"] = local_reference["data"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "PYTHON"))}
