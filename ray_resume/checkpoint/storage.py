@@ -23,7 +23,7 @@ from typing import Protocol
 
 import pyarrow.fs as pafs
 
-from ray_resume.checkpoint import paths
+from . import paths
 
 logger = logging.getLogger(__name__)
 
