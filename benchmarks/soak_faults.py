@@ -125,9 +125,9 @@ class _OsWithoutFsync:
 
 def no_fsync() -> None:
     """The storage layer's fsyncs (shards, JSON, tracker) removed: a commit that is not durable."""
-    from ray_resume.checkpoint import storage
+    from ray_resume.checkpoint import direct_io, storage
 
-    storage.os = _OsWithoutFsync()
+    storage.os = direct_io.os = _OsWithoutFsync()
 
 
 def cursor_off_by_one() -> None:

@@ -9,7 +9,11 @@ saves every `k` steps; the rate is taken over whole save cycles in steady state:
 end of the second save's step (buffers allocated, writer processes started by then) to the
 end of the last save's step (its stall included). So each contender is charged exactly
 `cycles` saves; none gets its last write for free or pays a one-time start in the window.
-The slowest rank's window counts. A round runs every contender once, in an order rotated
+The slowest rank's window counts. Beside the rate, the node's CPU seconds over the same window
+(/proc/stat: every process and the kernel's own threads, the page cache's writeback included,
+which no rusage of ours sees): less those of the run without saves beside it, per step, times the
+steps of a save interval, it is what one save costs the node in CPU, a figure the VM's drift in
+speed does not move. A round runs every contender once, in an order rotated
 each round, each beside a run without saves of the same length (before it in even rounds,
 after it in odd ones): this VM's speed drifts by more than what is measured (runs without
 saves moved from 1.07 to 1.58 steps/s within one benchmark), and a pair sees the same
@@ -75,6 +79,8 @@ class TrainingRank(Rank):
         vocab = SIZES[self.size][0]
         ends: dict[int, float] = {}
         stalls: list[float] = []
+        first, last = 2 * every, steps - steps % every
+        node_cpu: dict[int, float] = {}
         self._barrier()
         for step in range(1, steps + 1):
             ids = torch.randint(0, vocab, (2, SEQ_LEN + 1), generator=gen)
@@ -105,14 +111,28 @@ class TrainingRank(Rank):
                         )
                 stalls.append(time.perf_counter() - start)
             ends[step] = time.perf_counter()
+            if step in (first, last):
+                node_cpu[step] = busy_cpu_s()
         if ck:
             ck.close()
         if pending is not None:
             pending.result()
         self.optimizer.zero_grad()
         self._barrier()
-        first, last = 2 * every, steps - steps % every
-        return {"window_s": ends[last] - ends[first], "window_steps": last - first, "stalls": stalls}
+        return {
+            "window_s": ends[last] - ends[first],
+            "window_steps": last - first,
+            "stalls": stalls,
+            "node_cpu_s": node_cpu[last] - node_cpu[first],
+        }
+
+
+def busy_cpu_s() -> float:
+    """The node's CPU seconds spent so far, every CPU's but idle and I/O wait (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 ThroughputWorker = ray.remote(num_cpus=1)(TrainingRank)
@@ -128,6 +148,7 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
         print(f"[throughput] {size}: {setup[0]['params'] / 1e6:.1f}M parameters, 2 workers, {root}", flush=True)
         runs = [(mode, k) for mode in contenders if mode != "never" for k in intervals]
         rates: dict[str, list[float]] = {}
+        cpu_pairs: dict[str, list[tuple[float, float]]] = {}  # the node's CPU s per step: (the run's, never's)
         stalls: dict[str, list[float]] = {}
         pairs: dict[str, list[tuple[float, float]]] = {}  # (steps/s, steps/s of the run without saves beside it)
 
@@ -146,22 +167,27 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
             shutil.rmtree(run_root, ignore_errors=True)
             key = "never" if mode == "never" else f"{mode}@{k}"
             rates.setdefault(key, []).append(res[0]["window_steps"] / max(x["window_s"] for x in res))
+            cpu = res[0]["node_cpu_s"] / res[0]["window_steps"]
             stalls.setdefault(key, []).extend(max(s) for s in zip(*(x["stalls"] for x in res)) if s)
-            print(f"[throughput] {size} round {i + 1}: {key} {rates[key][-1]:.3f} steps/s", flush=True)
-            return rates[key][-1]
+            print(
+                f"[throughput] {size} round {i + 1}: {key} {rates[key][-1]:.3f} steps/s, node CPU {cpu:.3f} s/step",
+                flush=True,
+            )
+            return rates[key][-1], cpu
 
         for i in range(rounds):
             for mode, k in runs[i % len(runs) :] + runs[: i % len(runs)]:
                 # Each contender beside a run without saves, first or second by turns: this VM's speed
                 # drifts by more than the differences measured, and a pair sees the same drift.
                 if i % 2 == 0:
-                    never = run("never", k, i)
-                    rate = run(mode, k, i)
+                    never, never_cpu = run("never", k, i)
+                    rate, cpu = run(mode, k, i)
                 else:
-                    rate = run(mode, k, i)
-                    never = run("never", k, i)
+                    rate, cpu = run(mode, k, i)
+                    never, never_cpu = run("never", k, i)
                 pairs.setdefault(f"{mode}@{k}", []).append((rate, never))
-        return summarize(setup[0]["params"], rates, pairs, stalls, intervals, cycles)
+                cpu_pairs.setdefault(f"{mode}@{k}", []).append((cpu, never_cpu))
+        return summarize(setup[0]["params"], rates, pairs, stalls, cpu_pairs, intervals, cycles)
     finally:
         teardown(workers, held, root)
 
@@ -177,6 +203,7 @@ def summarize(
     rates: dict[str, list[float]],
     pairs: dict[str, list[tuple[float, float]]],
     stalls: dict[str, list[float]],
+    cpu_pairs: dict[str, list[tuple[float, float]]],
     intervals,
     cycles,
 ) -> dict:
@@ -190,12 +217,17 @@ def summarize(
     }
     for key, runs in pairs.items():
         values = [rate / never for rate, never in runs]
+        every = int(key.rsplit("@", 1)[1])
+        # the CPU per step above that of the run without saves beside it, times a save interval's steps
+        save_cpu = [(cpu - never_cpu) * every for cpu, never_cpu in cpu_pairs[key]]
         out["contenders"][key] = {
             "steps_per_s": round(statistics.median(rates[key]), 4),
             "beside_never_steps_per_s": round(statistics.median(never for _, never in runs), 4),
             "vs_never": round(statistics.median(values), 4),
             "vs_never_spread": [round(min(values), 4), round(max(values), 4)],
             "stall_s": round(statistics.median(stalls[key]), 4) if stalls.get(key) else None,
+            "save_node_cpu_s": round(statistics.median(save_cpu), 3),
+            "save_node_cpu_spread": [round(min(save_cpu), 3), round(max(save_cpu), 3)],
         }
     return out
 
@@ -209,9 +241,12 @@ def table(results: dict) -> str:
             f"({r['never_steps_per_s']:.3f} steps/s); median of {results['rounds']} rounds [lowest, highest]:"
         )
         lines.append(
-            "| contender |" + "".join(f" a save every {k} |" for k in ks) + "".join(f" stall @{k} |" for k in ks)
+            "| contender |"
+            + "".join(f" a save every {k} |" for k in ks)
+            + "".join(f" stall @{k} |" for k in ks)
+            + "".join(f" node CPU a save @{k} |" for k in ks)
         )
-        lines.append("|---|" + "---|" * 2 * len(ks))
+        lines.append("|---|" + "---|" * 3 * len(ks))
         for mode in results["contenders"]:
             cells = [r["contenders"].get(f"{mode}@{k}") for k in ks]
             lines.append(
@@ -223,6 +258,12 @@ def table(results: dict) -> str:
                     for c in cells
                 )
                 + "".join(f" {c['stall_s']:.3f} s |" if c and c["stall_s"] is not None else " - |" for c in cells)
+                + "".join(
+                    f" {c['save_node_cpu_s']:.2f} s [{c['save_node_cpu_spread'][0]:.2f}, {c['save_node_cpu_spread'][1]:.2f}] |"
+                    if c
+                    else " - |"
+                    for c in cells
+                )
             )
         lines.append("")
     return "\n".join(lines)

@@ -98,8 +98,12 @@ def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
         assert c["vs_never"] == pytest.approx(ratio, rel=2e-3, abs=5e-5), key
         assert c["vs_never_spread"] == [c["vs_never"], c["vs_never"]], key
         assert c["stall_s"] > 0, key
+        # the node's CPU a save costs, from /proc/stat: one pair's figure, any sign (a tiny save is noise)
+        assert c["save_node_cpu_spread"] == [c["save_node_cpu_s"], c["save_node_cpu_s"]], key
     row = tiny["contenders"]["async_process@3"]
     assert f"| async_process | {row['vs_never']:.3f}x [{row['vs_never']:.3f}, {row['vs_never']:.3f}] |" in proc.stdout
+    cpu = row["save_node_cpu_s"]
+    assert f" {cpu:.2f} s [{cpu:.2f}, {cpu:.2f}] |" in proc.stdout
     assert not list((tmp_path / "work").iterdir())  # every run's checkpoints are cleaned up
 
 

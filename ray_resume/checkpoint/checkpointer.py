@@ -37,7 +37,8 @@ from .plan import TensorSpec, needed_range
 from .reader import load_rank_extras
 from .root import CheckpointRoot, CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
 from .state import DTYPE_TAGS, DTYPES, class_path, optimizer_slots
-from .writer import SnapshotBuffers, live_data, shard_layouts, write_shards
+from .shard_file import ShardFile
+from .writer import SnapshotBuffers, live_data, shard_files, shard_layouts, write_shards
 from .writer_process import ProcessWriter, writes_in_a_process
 
 logger = logging.getLogger(__name__)
@@ -314,8 +315,17 @@ class Checkpointer:
                 self._start_writer()  # `auto` decides at the first save (none stalled yet), by this rank's share
             if self.writer is not None:
                 self.writer.ensure_started()  # on this thread: the writer dies with it (writer_process)
-            shards = [(s, self.snapshots.take(s, states[s.kind])) for s in shards]
-            self.background.submit(step, lambda: self._write_and_report(step, shards, rng, common, self.writer))
+            files = shard_files(
+                self.ckpt.save_path,
+                step,
+                shards,
+                prefix=self.ckpt.prefix,
+                rank=self.rank,
+                world_size=self.world_size,
+                rank_extras=rng,
+            )
+            shards = [(s, self.snapshots.take(s, states[s.kind], len(f.head))) for s, f in zip(shards, files)]
+            self.background.submit(step, lambda: self._write_and_report(step, shards, rng, common, self.writer, files))
         else:
             self._write_and_report(step, [(s, live_data(s, states[s.kind])) for s in shards], rng, common)
         stall = time.perf_counter() - start
@@ -418,7 +428,9 @@ class Checkpointer:
         self.writer = ProcessWriter(self.ckpt.save_path, self.ckpt.storage.model_dump(), self.snapshots)
         self.writer.ensure_started()
 
-    def _write_and_report(self, step: int, shards, rng: dict[str, str], common: dict, writer=None) -> None:
+    def _write_and_report(
+        self, step: int, shards, rng: dict[str, str], common: dict, writer=None, files: list[ShardFile] | None = None
+    ) -> None:
         try:
             manifest = write_shards(
                 root_for(self.ckpt.save_path, self.ckpt.storage).storage,
@@ -434,6 +446,7 @@ class Checkpointer:
                 if self.faults.armed("mid_shard_write")
                 else None,
                 writer=writer,
+                files=files,
             )
         except WriterDied as exc:  # that save is lost, never committed; the next one starts a new writer
             logger.warning(

@@ -6,7 +6,8 @@ the directory is fsynced so the rename itself survives a power cut. On
 object storage a PUT is atomic by itself. Shards are written in place; they
 are only trusted after the commit has checked their size and recorded their
 checksum (invariant 4). Ranks write straight to the store: no local staging
-copy on either backend.
+copy on either backend, and on POSIX none in the page cache either where the
+file system takes O_DIRECT (`direct_io`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Protocol
 
 import pyarrow.fs as pafs
 
-from . import paths
+from . import direct_io, paths
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +161,16 @@ class LocalStorage:
         _fsync_dir(os.path.dirname(local) or ".")
 
     def write_durable(self, path: str, chunks: Iterable[bytes], digest) -> int:
-        """Stream `chunks` into `path`, fsync, and return the size; `digest` hashes each chunk while it is written."""
-        size = 0
+        """Stream `chunks` into `path`, fsync, and return the size; `digest` hashes each chunk while it is written.
+        Past the page cache where the file system takes O_DIRECT; through it, as the same bytes, elsewhere."""
         local = paths.local_path(path)
+        directory = os.path.dirname(local) or "."
+        size = direct_io.write(local, chunks, digest)
+        if size is not None:
+            _fsync_dir(directory)
+            return size
+        _say_buffered(directory)
+        size = 0
         with open(local, "wb") as f:
             for chunk in chunks:
                 digest.update(chunk)
@@ -170,7 +178,7 @@ class LocalStorage:
                 size += len(chunk)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(os.path.dirname(local) or ".")
+        _fsync_dir(directory)
         return size
 
     def remove(self, path: str) -> None:
@@ -185,6 +193,17 @@ class LocalStorage:
     def rename(self, src: str, dst: str) -> None:
         os.replace(paths.local_path(src), paths.local_path(dst))
         _fsync_dir(os.path.dirname(paths.local_path(dst)) or ".")
+
+
+_BUFFERED_DEVICES: set[int] = set()  # the file systems this process found taking no O_DIRECT
+
+
+def _say_buffered(directory: str) -> None:
+    """Once per file system and process: its shard files go through the page cache."""
+    device = os.stat(directory).st_dev
+    if device not in _BUFFERED_DEVICES:
+        _BUFFERED_DEVICES.add(device)
+        logger.info("%s takes no O_DIRECT: shard files are written through the page cache there", directory)
 
 
 def _fsync_dir(path: str) -> None:

@@ -15,7 +15,9 @@ places, and the bytes on disk are the same either way:
 - sync save: views of the live tensors (the training loop is blocked, so
   they cannot change while they are written: zero copies);
 - async save: a snapshot in `SnapshotBuffers`, one flat buffer per kind laid
-  out exactly as the file's data section, allocated once and reused.
+  out exactly as the file's data section, allocated once and reused, and placed
+  at the file's alignment, so that the disk takes it from those very pages
+  (`direct_io`: no copy into the page cache).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import paths
+from . import direct_io, paths
 from .digest import DEFAULT_CHECKSUM, block_bounds
 from .manifest import Manifest, WrittenFile
 from .plan import Piece, SavePlan, TensorSpec
@@ -176,12 +178,17 @@ class SnapshotBuffers:
     state that appears later) gets a new buffer for that kind, logged.
     `shared`: the buffers are memfds a writer process maps (`writer_process`);
     otherwise plain (pinned, with a GPU) memory of this process.
+
+    Each buffer has ALIGN bytes to spare, so that a save's data section can start where its memory
+    is aligned as its place in the file is (after its header, whose length changes with the RNG
+    state it holds): `direct_io` writes it from these pages with O_DIRECT.
     """
 
     def __init__(self, shared: bool = False):
         self._shared = shared
         self._buffers: dict[str, tuple[tuple, torch.Tensor]] = {}
-        self._memfds: dict[str, tuple[int, mmap.mmap | None, int]] = {}  # kind -> (fd, its mapping, generation)
+        self._memfds: dict[str, tuple[int, mmap.mmap, int]] = {}  # kind -> (fd, its mapping, generation)
+        self._placed: dict[str, tuple[int, int]] = {}  # kind -> the last save's data section in its buffer
         self.allocations = 0  # buffers allocated so far (tests, logs)
 
     def buffer(self, shard: ShardLayout) -> torch.Tensor:
@@ -194,14 +201,15 @@ class SnapshotBuffers:
             )
         self._release(shard.kind)  # free the old one before allocating the new one
         self.allocations += 1
+        size = shard.nbytes + direct_io.ALIGN
         if self._shared:
             fd = os.memfd_create(f"ray_resume-snapshot-{shard.kind}", os.MFD_CLOEXEC)
-            os.ftruncate(fd, shard.nbytes)
-            mapped = mmap.mmap(fd, shard.nbytes) if shard.nbytes else None
-            buf = torch.frombuffer(mapped, dtype=torch.uint8) if mapped else torch.empty(0, dtype=torch.uint8)
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size)
+            buf = torch.frombuffer(mapped, dtype=torch.uint8)
             self._memfds[shard.kind] = (fd, mapped, self.allocations)
         else:  # pinned host memory when there is a GPU: the snapshot copy is a fast DMA
-            buf = torch.empty(shard.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         self._buffers[shard.kind] = (shard.key, buf)
         return buf
 
@@ -210,25 +218,28 @@ class SnapshotBuffers:
         fd, _, generation = self._memfds[kind]
         return fd, self._buffers[kind][1].numel(), generation
 
+    def placed(self, kind: str) -> tuple[int, int]:
+        """Where the last save's data section of `kind` starts in its buffer, and its bytes."""
+        return self._placed[kind]
+
     def _release(self, kind: str) -> None:
         self._buffers.pop(kind, None)
         fd, _, _ = self._memfds.pop(kind, (None, None, None))
         if fd is not None:
             os.close(fd)  # the mappings (ours while a tensor views it, a writer's) keep the pages
 
-    def take(self, shard: ShardLayout, state: dict[str, torch.Tensor]) -> list[memoryview]:
-        """Copy this rank's share of `state` into the kind's buffer; return the data section's views."""
+    def take(self, shard: ShardLayout, state: dict[str, torch.Tensor], head_bytes: int) -> list[memoryview]:
+        """Copy this rank's share of `state` into the kind's buffer, its data section aligned as it is in
+        a file whose header is `head_bytes` long; return the data section's view."""
         buf = self.buffer(shard)
+        start = direct_io.aligned_start(buf.data_ptr(), head_bytes)
+        self._placed[shard.kind] = (start, shard.nbytes)
         with torch.no_grad():
             for e in shard.entries:
                 src = piece_data(state[e.piece.name], e.spec, e.piece)
-                buf[e.offset : e.offset + e.nbytes].view(DTYPES[e.dtype]).copy_(src)
-        whole = memoryview(buf.numpy()) if shard.nbytes else memoryview(b"")
-        return [whole]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(buf.numel() for _, buf in self._buffers.values())
+                at = start + e.offset
+                buf[at : at + e.nbytes].view(DTYPES[e.dtype]).copy_(src)
+        return [memoryview(buf.numpy())[start : start + shard.nbytes]]
 
 
 def shard_files(
@@ -279,12 +290,15 @@ def write_shards(
     block_size: int = CHECKSUM_BLOCK,
     checksum: str = DEFAULT_CHECKSUM,
     writer=None,
+    files: list[ShardFile] | None = None,
 ) -> Manifest:
     """Write this rank's shard files of iteration `step` from their data sections; return its manifest.
 
     Runs on the training thread (sync save) or the writer thread (async); with
     `writer` (a `writer_process.ProcessWriter` holding the data sections) the
     files are written by that process, and this thread only waits for it.
+    `files`: `shard_files` of the same arguments, where the caller needed their headers already
+    (an async save places its snapshots by their lengths).
     """
     iter_dir = paths.iteration_dir(root, step)
     storage.makedirs(iter_dir)
@@ -293,7 +307,7 @@ def write_shards(
         # earlier attempt. Its JSON must not describe the shards we write now.
         for name in (paths.METADATA, paths.COMMON):
             storage.remove(paths.join(iter_dir, name))
-    files = shard_files(
+    files = files or shard_files(
         root,
         step,
         [s for s, _ in shards],

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import importlib
+import logging
 import mmap
 import os
 import signal
@@ -118,7 +119,7 @@ class ProcessWriter:
             for kind in dict.fromkeys(f.kind for f in files):
                 fd, nbytes, generation = self._buffers.shared(kind)
                 if self._lent.get(kind) != generation:
-                    wire.send(self._conn, {"op": "buffer", "kind": kind, "nbytes": nbytes}, [fd] if nbytes else [])
+                    wire.send(self._conn, {"op": "buffer", "kind": kind, "nbytes": nbytes}, [fd])
                     self._lent[kind] = generation
             wire.send(
                 self._conn,
@@ -127,7 +128,13 @@ class ProcessWriter:
                     "checksum": checksum,
                     "pause_mid": on_mid_write is not None,  # an injected fault's: else no round trip per file
                     "files": [
-                        {"path": f.path, "kind": f.kind, "head": base64.b64encode(f.head).decode(), "ends": f.ends}
+                        {
+                            "path": f.path,
+                            "kind": f.kind,
+                            "head": base64.b64encode(f.head).decode(),
+                            "ends": f.ends,
+                            "data": self._buffers.placed(f.kind),  # (start, bytes) in the kind's buffer
+                        }
                         for f in files
                     ],
                 },
@@ -203,12 +210,17 @@ def serve(conn: socket.socket) -> None:
                 getattr(importlib.import_module(module), function)(*args)
             storage = storage_for(msg["uri"], msg["storage"])
         elif msg["op"] == "buffer":
-            views[msg["kind"]] = memoryview(_mapped(fds[0], msg["nbytes"])) if fds else memoryview(b"")
+            views[msg["kind"]] = memoryview(_mapped(fds[0], msg["nbytes"]))
         elif msg["op"] == "write":
             try:
-                files = [ShardFile(f["path"], f["kind"], base64.b64decode(f["head"]), f["ends"]) for f in msg["files"]]
                 halfway = (lambda: _halfway(conn)) if msg["pause_mid"] else None
-                written = [write_file(storage, f, [views[f.kind]], msg["checksum"], halfway) for f in files]
+                written = []
+                for f in msg["files"]:
+                    start, nbytes = f["data"]
+                    file = ShardFile(f["path"], f["kind"], base64.b64decode(f["head"]), f["ends"])
+                    written.append(
+                        write_file(storage, file, [views[f["kind"]][start : start + nbytes]], msg["checksum"], halfway)
+                    )
                 wire.send(conn, {"written": written})
             except Exception as exc:  # reported to the rank, which raises it where a thread would have
                 wire.send(conn, {"error": _described(exc)})
@@ -233,6 +245,7 @@ def main(argv: list[str]) -> int:
     if os.getppid() != parent:  # the rank died before the line above took effect
         return 1
     os.nice(19)  # the writer takes the CPU time training leaves
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # into its rank's log, as the rank's lines
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is its rank's to handle; it ends with its rank
     serve(socket.socket(fileno=fd))
     return 0
