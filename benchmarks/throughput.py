@@ -9,11 +9,11 @@ saves every `k` steps; the rate is taken over whole save cycles in steady state:
 end of the second save's step (buffers allocated, writer processes started by then) to the
 end of the last save's step (its stall included). So each contender is charged exactly
 `cycles` saves; none gets its last write for free or pays a one-time start in the window.
-The slowest rank's window counts. Beside the rate, the node's CPU seconds over the same window
-(/proc/stat: every process and the kernel's own threads, the page cache's writeback included,
-which no rusage of ours sees): less those of the run without saves beside it, per step, times the
-steps of a save interval, it is what one save costs the node in CPU, a figure the VM's drift in
-speed does not move. A round runs every contender once, in an order rotated
+The slowest rank's window counts. Beside the rate, the CPU seconds one of our saves costs a rank,
+a figure the VM's drift in speed moves far less: the training thread's CPU in the save call (the
+copy, for an async save; the whole write, for a sync one) and its writer thread's or writer
+process's over the window (/proc), per save, the median of the ranks (the kernel's writeback of
+a page cache, on no one's account, is not in it). A round runs every contender once, in an order rotated
 each round, each beside a run without saves of the same length (before it in even rounds,
 after it in odd ones): this VM's speed drifts by more than what is measured (runs without
 saves moved from 1.07 to 1.58 steps/s within one benchmark), and a pair sees the same
@@ -33,6 +33,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import ray
@@ -80,7 +81,7 @@ class TrainingRank(Rank):
         ends: dict[int, float] = {}
         stalls: list[float] = []
         first, last = 2 * every, steps - steps % every
-        node_cpu: dict[int, float] = {}
+        save_cpu, writer_cpu = 0.0, {}  # the training thread's CPU in the window's saves; the writer's at its ends
         self._barrier()
         for step in range(1, steps + 1):
             ids = torch.randint(0, vocab, (2, SEQ_LEN + 1), generator=gen)
@@ -88,7 +89,7 @@ class TrainingRank(Rank):
             self.optimizer.backward(self.lm_loss(self.ddp, ids))
             self.optimizer.step()
             if mode != "never" and step % every == 0:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 if ck:
                     ck.save(step, self.ddp, self.optimizer, common_at(step))
                 else:
@@ -110,9 +111,11 @@ class TrainingRank(Rank):
                             process_group=self.dcp_group,
                         )
                 stalls.append(time.perf_counter() - start)
+                if first < step <= last:
+                    save_cpu += time.thread_time() - cpu
             ends[step] = time.perf_counter()
-            if step in (first, last):
-                node_cpu[step] = busy_cpu_s()
+            if step in (first, last) and ck:
+                writer_cpu[step] = writers_cpu_s(ck)
         if ck:
             ck.close()
         if pending is not None:
@@ -123,16 +126,21 @@ class TrainingRank(Rank):
             "window_s": ends[last] - ends[first],
             "window_steps": last - first,
             "stalls": stalls,
-            "node_cpu_s": node_cpu[last] - node_cpu[first],
+            # the window's saves: the copies (or writes) of first+every..last, the background writes of first..last-every
+            "save_cpu_s": (save_cpu + writer_cpu[last] - writer_cpu[first]) / ((last - first) // every) if ck else None,
         }
 
 
-def busy_cpu_s() -> float:
-    """The node's CPU seconds spent so far, every CPU's but idle and I/O wait (/proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+def writers_cpu_s(ck) -> float:
+    """CPU seconds so far of a checkpointer's writer process and of its rank's writer threads (/proc)."""
+    tasks = [f"/proc/{ck.writer.pid}/stat"] if ck.writer is not None and ck.writer.pid else []
+    tasks += [f"/proc/self/task/{t.native_id}/stat" for t in threading.enumerate() if t.name.startswith("ckpt-writer")]
+    ticks = 0
+    for task in tasks:
+        with open(task) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 ThroughputWorker = ray.remote(num_cpus=1)(TrainingRank)
@@ -148,7 +156,7 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
         print(f"[throughput] {size}: {setup[0]['params'] / 1e6:.1f}M parameters, 2 workers, {root}", flush=True)
         runs = [(mode, k) for mode in contenders if mode != "never" for k in intervals]
         rates: dict[str, list[float]] = {}
-        cpu_pairs: dict[str, list[tuple[float, float]]] = {}  # the node's CPU s per step: (the run's, never's)
+        save_cpu: dict[str, list[float]] = {}  # CPU seconds a save of ours costs a rank (median of the ranks)
         stalls: dict[str, list[float]] = {}
         pairs: dict[str, list[tuple[float, float]]] = {}  # (steps/s, steps/s of the run without saves beside it)
 
@@ -167,27 +175,25 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
             shutil.rmtree(run_root, ignore_errors=True)
             key = "never" if mode == "never" else f"{mode}@{k}"
             rates.setdefault(key, []).append(res[0]["window_steps"] / max(x["window_s"] for x in res))
-            cpu = res[0]["node_cpu_s"] / res[0]["window_steps"]
+            if res[0]["save_cpu_s"] is not None:
+                save_cpu.setdefault(key, []).append(statistics.median(x["save_cpu_s"] for x in res))
             stalls.setdefault(key, []).extend(max(s) for s in zip(*(x["stalls"] for x in res)) if s)
-            print(
-                f"[throughput] {size} round {i + 1}: {key} {rates[key][-1]:.3f} steps/s, node CPU {cpu:.3f} s/step",
-                flush=True,
-            )
-            return rates[key][-1], cpu
+            cpu = f", {save_cpu[key][-1]:.3f} CPU s a save" if key in save_cpu else ""
+            print(f"[throughput] {size} round {i + 1}: {key} {rates[key][-1]:.3f} steps/s{cpu}", flush=True)
+            return rates[key][-1]
 
         for i in range(rounds):
             for mode, k in runs[i % len(runs) :] + runs[: i % len(runs)]:
                 # Each contender beside a run without saves, first or second by turns: this VM's speed
                 # drifts by more than the differences measured, and a pair sees the same drift.
                 if i % 2 == 0:
-                    never, never_cpu = run("never", k, i)
-                    rate, cpu = run(mode, k, i)
+                    never = run("never", k, i)
+                    rate = run(mode, k, i)
                 else:
-                    rate, cpu = run(mode, k, i)
-                    never, never_cpu = run("never", k, i)
+                    rate = run(mode, k, i)
+                    never = run("never", k, i)
                 pairs.setdefault(f"{mode}@{k}", []).append((rate, never))
-                cpu_pairs.setdefault(f"{mode}@{k}", []).append((cpu, never_cpu))
-        return summarize(setup[0]["params"], rates, pairs, stalls, cpu_pairs, intervals, cycles)
+        return summarize(setup[0]["params"], rates, pairs, stalls, save_cpu, intervals, cycles)
     finally:
         teardown(workers, held, root)
 
@@ -203,7 +209,7 @@ def summarize(
     rates: dict[str, list[float]],
     pairs: dict[str, list[tuple[float, float]]],
     stalls: dict[str, list[float]],
-    cpu_pairs: dict[str, list[tuple[float, float]]],
+    save_cpu: dict[str, list[float]],
     intervals,
     cycles,
 ) -> dict:
@@ -217,17 +223,16 @@ def summarize(
     }
     for key, runs in pairs.items():
         values = [rate / never for rate, never in runs]
-        every = int(key.rsplit("@", 1)[1])
-        # the CPU per step above that of the run without saves beside it, times a save interval's steps
-        save_cpu = [(cpu - never_cpu) * every for cpu, never_cpu in cpu_pairs[key]]
         out["contenders"][key] = {
             "steps_per_s": round(statistics.median(rates[key]), 4),
             "beside_never_steps_per_s": round(statistics.median(never for _, never in runs), 4),
             "vs_never": round(statistics.median(values), 4),
             "vs_never_spread": [round(min(values), 4), round(max(values), 4)],
             "stall_s": round(statistics.median(stalls[key]), 4) if stalls.get(key) else None,
-            "save_node_cpu_s": round(statistics.median(save_cpu), 3),
-            "save_node_cpu_spread": [round(min(save_cpu), 3), round(max(save_cpu), 3)],
+            "save_cpu_s": round(statistics.median(save_cpu[key]), 4) if key in save_cpu else None,
+            "save_cpu_spread": [round(min(save_cpu[key]), 4), round(max(save_cpu[key]), 4)]
+            if key in save_cpu
+            else None,
         }
     return out
 
@@ -244,7 +249,7 @@ def table(results: dict) -> str:
             "| contender |"
             + "".join(f" a save every {k} |" for k in ks)
             + "".join(f" stall @{k} |" for k in ks)
-            + "".join(f" node CPU a save @{k} |" for k in ks)
+            + "".join(f" CPU a save @{k} |" for k in ks)
         )
         lines.append("|---|" + "---|" * 3 * len(ks))
         for mode in results["contenders"]:
@@ -259,8 +264,8 @@ def table(results: dict) -> str:
                 )
                 + "".join(f" {c['stall_s']:.3f} s |" if c and c["stall_s"] is not None else " - |" for c in cells)
                 + "".join(
-                    f" {c['save_node_cpu_s']:.2f} s [{c['save_node_cpu_spread'][0]:.2f}, {c['save_node_cpu_spread'][1]:.2f}] |"
-                    if c
+                    f" {c['save_cpu_s']:.3f} s [{c['save_cpu_spread'][0]:.3f}, {c['save_cpu_spread'][1]:.3f}] |"
+                    if c and c["save_cpu_s"] is not None
                     else " - |"
                     for c in cells
                 )

@@ -162,6 +162,7 @@ def in_a_ramfs(tmp_path: Path, *command: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.invariant(2)
 def test_where_o_direct_is_refused_the_same_files_are_written_through_the_page_cache(tmp_path):
     """The same saves (sync, writer thread, writer process) on ext4 (O_DIRECT) and on a ramfs (refused
     at open): the very files and manifests; the ramfs's refusal said once by each process that wrote
@@ -186,6 +187,7 @@ def test_where_o_direct_is_refused_the_same_files_are_written_through_the_page_c
     assert len(said) == 3, done.stderr[-3000:]  # this process, and the writer process of rank 0 and of rank 1
 
 
+@pytest.mark.invariant(1, 2, 8)
 def test_where_o_direct_is_refused_a_crash_while_saving_still_resumes_exactly(tmp_path):
     """tests/test_harness.py's crash-while-saving cases (a rank and its writer process killed half way
     through a file, its writer thread, a kill before the report), with every file on a ramfs."""

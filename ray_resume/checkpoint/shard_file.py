@@ -40,7 +40,7 @@ def write_file(
     A transient error rewrites the whole file, hashed afresh. `on_mid_write`, where
     given (an injected fault, faults.py), is called once half of the bytes are written.
     """
-    chunks = [memoryview(file.head), *_pieces(data)]
+    chunks = [memoryview(file.head), *_pieces(data, at=len(file.head))]
 
     def write():
         digest = BlockDigests(checksum, 0, file.ends)
@@ -51,11 +51,17 @@ def write_file(
     return size, digest.hexdigests()
 
 
-def _pieces(views: list[memoryview], size: int = WRITE_PIECE) -> Iterator[memoryview]:
-    """Zero-copy slices of at most `size` bytes, in order."""
+def _pieces(views: list[memoryview], at: int, size: int = WRITE_PIECE) -> Iterator[memoryview]:
+    """Zero-copy slices of at most `size` bytes, in order, cut where the file's offset (`at` for the
+    first byte) is a multiple of `size`: past the page cache, each then goes to the disk whole
+    (direct_io), not a block of it through the bounce buffer."""
     for view in views:
-        for start in range(0, view.nbytes, size):
-            yield view[start : start + size]
+        start = 0
+        while start < view.nbytes:
+            end = min(view.nbytes, start + size - (at + start) % size)
+            yield view[start:end]
+            start = end
+        at += view.nbytes
 
 
 def _halves(chunks: list[memoryview], between: Callable[[], None]) -> Iterator[memoryview]:
