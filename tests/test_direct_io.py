@@ -6,11 +6,14 @@ cache, said once per process, and the crash-while-saving cases still resuming ex
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import mmap
 import os
 import random
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +80,7 @@ def test_a_snapshot_lies_where_the_disk_takes_it_from_its_own_pages(tmp_path):
             assert view.nbytes == shard.nbytes > 16 * ALIGN
             assert direct_io.address(view) % ALIGN == head_bytes % ALIGN
             fd = os.open(tmp_path / "file", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
-            writer = direct_io._Writer(fd)
+            writer = direct_io._Writer(fd, str(tmp_path / "file"))
             writer.write_all([memoryview(bytes(head_bytes)), view], Hash())
             os.close(fd)
             assert writer.bounced < head_bytes + 2 * ALIGN, (shared, head_bytes, writer.bounced)
@@ -201,3 +204,42 @@ def test_where_o_direct_is_refused_a_crash_while_saving_still_resumes_exactly(tm
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "3 passed" in done.stdout
     assert "takes no O_DIRECT" in done.stdout + done.stderr
+
+
+def test_a_write_error_surfaces_as_the_os_error_it_is(tmp_path):
+    """A file-size limit (RLIMIT_FSIZE) makes a write fail for real, half way through the file: the
+    caller gets that OSError with its errno (what `retried` and the error messages go by), whether the
+    refused write came from the bounce buffer or from the data's own pages."""
+    data = memoryview(mmap.mmap(-1, 3 << 20))
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not the signal that would end us
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limits[1]))
+        for head, start in ((b"h" * 104, ALIGN - 104), (b"h" * 100, 0)):  # data aligned as the file, or not
+            with pytest.raises(OSError) as raised:
+                direct_io.write(str(tmp_path / "big"), [memoryview(head), data[start:]], Hash())
+            assert raised.value.errno == errno.EFBIG, raised.value
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_write_cut_short_leaves_what_came_before_it_on_disk(tmp_path):
+    """What a crash half way through a shard leaves (the mid_shard_write fault, a storage error between
+    two pieces): the pieces before it are in the file, to the last whole block, not held back in the
+    bounce buffer; a half-written file is what the crash tests must then never load."""
+    data = memoryview(mmap.mmap(-1, 3 << 20))
+    data[:] = random.Random(3).randbytes(data.nbytes)
+    head = b"h" * 104
+
+    def cut_half_way():
+        yield memoryview(head)
+        for start in range(0, data.nbytes // 2, 100_000):  # unaligned pieces: all through the bounce buffer
+            yield data[start : min(start + 100_000, data.nbytes // 2)]
+        raise OSError(errno.EIO, "the storage went away")
+
+    with pytest.raises(OSError):
+        direct_io.write(str(tmp_path / "cut"), cut_half_way(), Hash())
+    written = (tmp_path / "cut").read_bytes()
+    assert len(head) + data.nbytes // 2 - ALIGN < len(written) <= len(head) + data.nbytes // 2
+    assert written == (head + bytes(data))[: len(written)]

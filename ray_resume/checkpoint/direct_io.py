@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 from collections.abc import Iterable
 
 import numpy
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 4096
 BOUNCE = 1 << 20  # the bounce buffer: the header and the pieces that are not aligned pass through it
@@ -39,11 +42,22 @@ def write(path: str, chunks: Iterable[memoryview], digest) -> int | None:
             return None
         raise
     try:
-        size = _Writer(fd).write_all(chunks, digest)
+        size = _Writer(fd, path).write_all(chunks, digest)
         os.fsync(fd)  # its size too; and the soak's power cut knows a file as durable by its fsync
     finally:
         os.close(fd)
     return size
+
+
+_BUFFERED_DEVICES: set[int] = set()  # the file systems this process found refusing O_DIRECT
+
+
+def say_buffered(path: str) -> None:
+    """Once per file system and process: its shard files go through the page cache."""
+    device = os.stat(path).st_dev
+    if device not in _BUFFERED_DEVICES:
+        _BUFFERED_DEVICES.add(device)
+        logger.info("%s takes no O_DIRECT: shard files are written through the page cache there", path)
 
 
 def aligned_start(buffer_address: int, file_offset: int) -> int:
@@ -59,8 +73,8 @@ def address(view: memoryview) -> int:
 
 
 class _Writer:
-    def __init__(self, fd: int):
-        self.fd = fd
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path = fd, path
         self.bounce = mmap.mmap(-1, BOUNCE)  # anonymous, so page-aligned
         self.pending = 0  # bytes waiting in the bounce buffer, for file offset self.done
         self.done = 0  # bytes written to the file
@@ -71,6 +85,7 @@ class _Writer:
             for chunk in chunks:
                 digest.update(chunk)
                 self._take(memoryview(chunk).cast("B"))
+                self._flush()  # what a chunk completes is on its way: a crash after it finds it written
             size = self.done + self.pending
             if self.pending:  # the last block, padded with zeros to ALIGN, then cut back to the file's size
                 padded = -(-self.pending // ALIGN) * ALIGN
@@ -79,7 +94,10 @@ class _Writer:
                 os.ftruncate(self.fd, size)
             return size
         finally:
-            self.bounce.close()
+            try:
+                self.bounce.close()
+            except BufferError:  # a failed write's traceback still holds a view of it: it goes with the error
+                pass
 
     def _take(self, view: memoryview) -> None:
         while view.nbytes:
@@ -129,5 +147,6 @@ class _Writer:
                     raise
                 # opened with O_DIRECT but this write refused: the rest of the file through the page cache
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+                say_buffered(os.path.dirname(self.path) or ".")
                 continue
             view = view[n:]

@@ -169,7 +169,7 @@ class LocalStorage:
         if size is not None:
             _fsync_dir(directory)
             return size
-        _say_buffered(directory)
+        direct_io.say_buffered(directory)
         size = 0
         with open(local, "wb") as f:
             for chunk in chunks:
@@ -193,17 +193,6 @@ class LocalStorage:
     def rename(self, src: str, dst: str) -> None:
         os.replace(paths.local_path(src), paths.local_path(dst))
         _fsync_dir(os.path.dirname(paths.local_path(dst)) or ".")
-
-
-_BUFFERED_DEVICES: set[int] = set()  # the file systems this process found taking no O_DIRECT
-
-
-def _say_buffered(directory: str) -> None:
-    """Once per file system and process: its shard files go through the page cache."""
-    device = os.stat(directory).st_dev
-    if device not in _BUFFERED_DEVICES:
-        _BUFFERED_DEVICES.add(device)
-        logger.info("%s takes no O_DIRECT: shard files are written through the page cache there", directory)
 
 
 def _fsync_dir(path: str) -> None:
