@@ -173,7 +173,7 @@ def test_a_rank_killed_under_the_recipe_ends_byte_identical(tmp_path, strategy):
     runs = {}
     for name, fault in (("clean", None), ("killed", KILL_AT_6)):
         cfg = tiny_config(tmp_path / name, training={**RECIPE, "strategy": strategy})
-        run_on_harness(cfg, fault)
+        run_on_harness(cfg, fault, controller="CommitsFirst")  # 4 committed before the kill
         runs[name] = cfg["checkpoint"]["save_path"]
     assert_resumed_once(runs["killed"])
     assert shard_bytes(runs["killed"], 12) == shard_bytes(runs["clean"], 12)

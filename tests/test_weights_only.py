@@ -205,7 +205,7 @@ def test_mixed_precision_resumes_bit_exactly_with_its_loss_scale(tmp_path, local
     for name, fault in (("clean", None), ("killed", KILL_AT_6)):
         cfg = tiny_config(tmp_path / name, model={"dtype": dtype})
         cfg["data"]["path"] = local_reference["data"]
-        run_on_harness(cfg, fault)
+        run_on_harness(cfg, fault, controller="CommitsFirst")  # 4 committed before the kill
         roots[name] = cfg["checkpoint"]["save_path"]
     assert_resumed_once(roots["killed"])
     for step in (4, 8, FINAL):
