@@ -7,9 +7,10 @@
     result = ray_resume.train("configs/quickstart.yaml")  # the built-in job, as `python -m ray_resume.run` runs it
     result.checkpoint, result.committed_iteration, result.metrics
 
-The names below come from `ray_resume.api` (and the errors from
-`ray_resume.errors`), imported when first used: `import ray_resume` alone
-loads neither torch nor Ray.
+The names below come from `ray_resume.api` (the errors from `ray_resume.errors`,
+the built-in model from `ray_resume.model`, `DCPReader` from `ray_resume.checkpoint.dcp`),
+imported when first used: `import ray_resume` alone loads neither torch nor Ray. What
+the docs tell a user to import is here; the modules below are free to move.
 """
 
 from __future__ import annotations
@@ -42,13 +43,17 @@ _WHERE = {
     "CheckpointError": "errors",
     "DataError": "errors",
     "SampleStream": "data",  # the built-in job's deterministic, resumable data cursor
+    "GPT": "model",  # the built-in model
+    "lm_loss": "model",
+    "DCPReader": "checkpoint.dcp:Reader",  # a root read in place by torch.distributed.checkpoint.load
 }
 __all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str):
     if name in _WHERE:
-        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        module, _, attribute = _WHERE[name].partition(":")
+        return getattr(importlib.import_module(f".{module}", __name__), attribute or name)
     raise AttributeError(f"module 'ray_resume' has no attribute {name!r}")
 
 
