@@ -106,7 +106,9 @@ def fit(root, *, workers: int = 2, load=None, **loop):
 def test_your_train_func_resumes_byte_identical_after_a_worker_sigkill_and_on_another_world_size(tmp_path):
     """Three fits (about 20 s each alone, the most of which is Ray Train starting a worker group): the
     uninterrupted run, its twin with rank 1 SIGKILLed, and a 1-rank resume from the first's iteration 8;
-    the first is the reference of both."""
+    the first is the reference of both.
+    Not smaller: what is proven is a restart by Ray Train itself and a resume on another world size, a fit
+    each, and their reference a third."""
     fit(tmp_path / "clean")
     fit(tmp_path / "killed", kill_at=6, marker=str(tmp_path / "killed-once"))
     assert (tmp_path / "killed-once").exists()  # rank 1 was SIGKILLed after step 6 and the group resumed from 4
@@ -202,7 +204,9 @@ def raises_on_rank_1(config: dict) -> None:
 def test_a_failed_fit_names_each_ranks_failure_as_ray_trains_error_does(tmp_path):
     """A bug (not a mistake we can name) on rank 1, no restart left: fit raises TrainingFailed, a
     ray.train.TrainingFailedError, in one line, and `worker_failures` (the name Ray Train's
-    WorkerGroupError gives it) holds rank 1's own exception, of its class."""
+    WorkerGroupError gives it) holds rank 1's own exception, of its class.
+    Not smaller: one fit whose worker group fails on Ray Train; Ray Train's own error is what is compared,
+    which the harness does not have."""
     import ray.train
 
     with pytest.raises(ray.train.TrainingFailedError) as ei:
@@ -267,7 +271,9 @@ def abnormal_on_rank_1(config: dict) -> None:
 @pytest.mark.usefixtures("ray_cluster", "by_value")
 def test_a_ray_resume_error_a_rank_raises_reaches_fit_as_itself_with_the_ranks_traceback(tmp_path):
     """A mistake of the user's that a rank finds crosses as what it is: fit raises AbnormalIteration (a
-    CheckpointError's subclass), not retried though failures were left, its traceback the rank's."""
+    CheckpointError's subclass), not retried though failures were left, its traceback the rank's.
+    Not smaller: one fit, on Ray Train, whose rank raises: the crossing of Ray Train's own error path is the
+    point."""
     from ray_resume.errors import AbnormalIteration
 
     tries = tmp_path / "tries"

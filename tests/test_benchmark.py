@@ -36,6 +36,9 @@ def run_benchmark(
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_small_benchmark_writes_every_row(tmp_path):
+    """`benchmarks/checkpoint.py --small` on the session's Ray, as a reader runs it: every row of the
+    checkpoint table measured once at the tiny size. Not smaller: each row is one contender's save or load,
+    and every one is checked."""
     out = tmp_path / "results.json"
     proc, results = run_benchmark(  # on the session's Ray (RAY_ADDRESS), as on a cluster's
         "checkpoint", "--small", "--out", str(out), "--dir", str(tmp_path / "work"), on_session_ray=True
@@ -77,6 +80,9 @@ def test_small_benchmark_writes_every_row(tmp_path):
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
+    """`benchmarks/throughput.py` at the tiny size: every contender once, each beside a run without saves (12
+    short runs on one pair of actors). Not smaller: a contender left out would leave its row of the table
+    unproven."""
     out = tmp_path / "throughput.json"
     proc, results = run_benchmark(
         "throughput",
@@ -123,7 +129,8 @@ def test_restart_floor_times_the_imports_of_a_restarted_worker(tmp_path):
 
 def test_dcp_reads_loads_every_layout_and_counts_what_each_rank_read(tmp_path):
     """`benchmarks/dcp_reads.py --size small`: every load of the table runs, one count per rank; a load
-    on the saving layout or on one rank reads each byte of ours once (no timing)."""
+    on the saving layout or on one rank reads each byte of ours once (no timing).
+    Not smaller: every load of the table is a real DCP load, each one checked."""
     out = tmp_path / "reads.json"
     proc, results = run_benchmark("dcp_reads", "--size", "small", "--out", str(out))
     rows = {(r["checkpoint"], r["loaded as"]): r for r in results["loads"]}

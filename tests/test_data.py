@@ -654,7 +654,8 @@ def test_data_map_preprocesses_the_rows_in_ray_datas_read_tasks(ray_ctx, ds_path
     """The stream's rows are the map's, in the same order; it runs in Ray Data's tasks, and here only
     for the reads the stream does itself until the read tasks' processes have started
     (SampleStream._reads). Taken at a training loop's pace until a row mapped elsewhere comes, at
-    most a minute."""
+    most a minute.
+    Not smaller: it waits, by design, for the first row Ray Data's tasks mapped."""
     import os
     import time
 

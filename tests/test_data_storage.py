@@ -83,7 +83,9 @@ def test_a_run_on_object_storage_data_killed_mid_way_ends_as_the_run_on_local_da
 def test_on_ray_the_read_tasks_reach_object_storage_and_no_key_lands_in_rays_logs(tmp_path, s3, reference):
     """Ray Data's read tasks take checkpoint.storage's keys (moto takes any): the run ends as the
     local-data one, and neither key is in any file of Ray's session directory. The reads go to
-    Ray Data's tasks however cheap (data.read_tasks_above: 0)."""
+    Ray Data's tasks however cheap (data.read_tasks_above: 0).
+    Not smaller: Ray Data's own read tasks must start and read from the S3 server, and the run must end, for
+    its shards to be compared and Ray's logs searched."""
     keys = {"access_key_id": f"AKIA{uuid.uuid4().hex[:16].upper()}", "secret_access_key": uuid.uuid4().hex * 2}
     cfg = tiny_config(
         tmp_path,

@@ -19,7 +19,9 @@ RUN = [doc for doc in ex.DOCS if any(b.kind == "run" for b in ex.blocks(doc))]
 def test_every_example_of_the_document_runs_as_shown(doc, tmp_path, request):
     """The README's first command as a newcomer runs it, starting a Ray of its own; every other example
     joins the suite's Ray instead (RAY_ADDRESS, as under `ray job submit`): a Ray start and stop less
-    for each of their jobs, and the same lines printed."""
+    for each of their jobs, and the same lines printed.
+    Its time is the document's: each example a real job, as a reader runs it; a document with fewer jobs is
+    the way to a shorter test."""
     readme = doc.name == "README.md"
     request.getfixturevalue("ray_cluster")
     reader = ex.Reader(tmp_path, env_for_subprocess(join_session_ray=not readme))

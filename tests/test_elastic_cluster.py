@@ -258,6 +258,9 @@ if __name__ == "__main__":
 @pytest.mark.starts_ray
 @pytest.mark.invariant(3)
 def test_group_grows_with_a_new_node_and_shrinks_when_one_is_removed(tmp_path):
+    """A Cluster grows from one worker node to two and back while a job runs on it with `num_workers: [1, 2]`:
+    the group is resized each time (three worker groups started by Ray Train), and every sample is taken
+    once, as in the uninterrupted 1-worker run on the harness. Not smaller: the resizes are what is proven."""
     t0 = time.time()
     data = tmp_path / "data"
     # dropout 0: dropout masks come from each rank's RNG stream, which no other world size can reproduce.

@@ -79,6 +79,9 @@ STEP_SLEEP = 0.15  # seconds per micro-batch: ~0.3 s per step, ~4 s for the 12 s
 @pytest.mark.parametrize("seed", [0])  # more seeds, in seconds each, on the harness (tests/test_harness.py)
 @pytest.mark.invariant(1, 2, 3)
 def test_worker_sigkilled_from_outside_at_a_random_moment(tmp_path, reference, ray_cluster, seed):
+    """A SIGKILL from outside Ray, at a random moment of a real Ray Train job, ends with every committed
+    iteration sound and the run finished. Not smaller: one job and its restart on Ray Train (one seed here;
+    the harness runs more in seconds each)."""
     rng = random.Random(seed)
     # Uniform over the training window: from the first micro-batch to before the last step ends
     # (a busier host only makes the steps slower, so the kill lands earlier in the run, never after it).

@@ -200,6 +200,9 @@ def test_a_lease_about_to_run_out_fences_too(tmp_path):
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.invariant(9, 13)
 def test_two_real_jobs_on_one_save_path(tmp_path, reference):
+    """A second `python -m ray_resume.run` on a save_path a running job holds is refused, naming the holder,
+    and the first job finishes and releases it. Not smaller: two real jobs, the first long enough (40
+    steps) for the second to meet its lease."""
     cfg = tiny_config(tmp_path, training={"train_steps": 40})
     cfg["data"]["path"] = reference["data"]
     cfg["checkpoint"]["load_path"] = cfg["checkpoint"]["save_path"]

@@ -264,7 +264,9 @@ def test_on_two_nodes_a_lost_node_resumes_from_memory_each_rank_from_where_its_s
     is removed a few steps after the commit of iteration 4: rank 1's snapshot died with that node's
     keeper and its replica on the other node brings it back; rank 0's node stayed, so it takes its
     own node's copy. Neither reads storage, and the run ends byte-identical to the uninterrupted one.
-    (A SIGKILLed rank whose node stays is test_a_rank_killed_resumes_from_memory_byte_identical.)"""
+    (A SIGKILLed rank whose node stays is test_a_rank_killed_resumes_from_memory_byte_identical.)
+    Not smaller: a node of a two-node Cluster removed while its rank trains, and the restart that follows, are
+    the point."""
     cfg = tiny_config(
         tmp_path,
         scaling={"num_workers": 2, "resources_per_worker": {"CPU": 2}},

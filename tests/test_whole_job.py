@@ -83,6 +83,9 @@ def tracker(root: str) -> str:
 
 @pytest.mark.invariant(1, 4, 9)
 def test_driver_killed_between_json_and_tracker_then_restarted_with_load_path(tmp_path, reference):
+    """The driver SIGKILLed between iteration 8's JSON and the tracker, then a new driver with load_path
+    resumes from 4 and rewrites 8 byte for byte. Not smaller: two whole `python -m ray_resume.run`
+    processes, since a driver's death and a new driver are what is proven."""
     config = write_config(tmp_path, reference)
     root = str(tmp_path / "ckpt")
     run = [sys.executable, "-m", "ray_resume.run", str(config)]
@@ -186,7 +189,8 @@ def test_the_console_of_a_run_that_loses_a_worker(tmp_path, reference):
     step: each line once, no blank worker lines, no Ray tracebacks for the recovered failure, the
     recovery in one line of ours, a summary, and the whole console within 3x the progress lines + 40.
     Saves are synchronous, so iteration 4 is certainly committed before step 5's all-reduce and the
-    group resumes from it, by itself, to end with the uninterrupted run's bytes."""
+    group resumes from it, by itself, to end with the uninterrupted run's bytes.
+    Not smaller: the console is a whole run's, with its restart."""
     config = write_config(
         tmp_path,
         reference,
