@@ -156,8 +156,9 @@ class StolenLease(DriverSide):
         super()._commit(iteration, manifests, common)
 
 
-class LostSnapshots(DriverSide):
-    """Rank 1's memory snapshots are gone when asked for, as when its node died with its keeper."""
+class LostSnapshots(CommitsFirst):
+    """Rank 1's memory snapshots are gone when asked for, as when its node died with its keeper (and the
+    fault waits for a commit below it: the restart's storage is that iteration)."""
 
     def snapshot(self, step: int, rank: int):
         return None if rank == 1 else super().snapshot(step, rank)
