@@ -75,7 +75,7 @@ def test_a_snapshot_lies_where_the_disk_takes_it_from_its_own_pages(tmp_path):
     for shared in (False, True):
         buffers = SnapshotBuffers(shared=shared)
         [shard] = shard_layouts(states, 0, 1)
-        for head_bytes in (88, 4096, 4104, 5000 - 5000 % 8, 12_344):
+        for head_bytes in (88, 4096, 4104, 5000, 12_344):  # safetensors pads a header to 8 bytes
             [view] = buffers.take(shard, states["model"], head_bytes)
             assert view.nbytes == shard.nbytes > 16 * ALIGN
             assert direct_io.address(view) % ALIGN == head_bytes % ALIGN
