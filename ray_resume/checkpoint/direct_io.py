@@ -2,7 +2,7 @@
 
 Through the page cache, every byte of a save is copied once more by the CPU into the cache, written
 back later by the kernel's flusher, and holds memory meanwhile: on two busy cores that work is taken
-from training, whoever does it (#66; a 256 MB file here: 0.07-0.99 s of CPU buffered, 0.02 s direct).
+from training, whoever does it (benchmarks/README.md, "Training throughput while saving").
 O_DIRECT hands the disk the writer's own pages instead.
 
 Every O_DIRECT write needs its memory, file offset and length aligned to the device's block: ALIGN
@@ -10,8 +10,8 @@ Every O_DIRECT write needs its memory, file offset and length aligned to the dev
 in the file is (an async save's snapshot buffer: `writer.SnapshotBuffers` puts each data section at
 the file's alignment) goes to the disk as it is; the rest (the header, a file's last block, a live
 tensor's bytes in a sync save) through a small aligned bounce buffer. Where the file system takes no
-O_DIRECT (tmpfs refuses it at open, some refuse a write), the caller writes through the page cache:
-the bytes on disk are the same either way.
+O_DIRECT (ramfs refuses it at open, as tmpfs did before Linux 6.6; some refuse a write), the caller
+writes through the page cache: the bytes on disk are the same either way.
 """
 
 from __future__ import annotations
