@@ -306,6 +306,15 @@ class Checkpointer:
         common = dict(common)
         if self.rank == 0 and self.export_facts is None:  # the model's structure does not change in a run
             self.export_facts = state.export_facts(model)
+        files = shard_files(  # their headers first: an async save places its snapshots by their lengths
+            self.ckpt.save_path,
+            step,
+            shards,
+            prefix=self.ckpt.prefix,
+            rank=self.rank,
+            world_size=self.world_size,
+            rank_extras=rng,
+        )
         if self.ckpt.async_save:
             if (
                 self.writer is None
@@ -315,19 +324,10 @@ class Checkpointer:
                 self._start_writer()  # `auto` decides at the first save (none stalled yet), by this rank's share
             if self.writer is not None:
                 self.writer.ensure_started()  # on this thread: the writer dies with it (writer_process)
-            files = shard_files(
-                self.ckpt.save_path,
-                step,
-                shards,
-                prefix=self.ckpt.prefix,
-                rank=self.rank,
-                world_size=self.world_size,
-                rank_extras=rng,
-            )
             shards = [(s, self.snapshots.take(s, states[s.kind], len(f.head))) for s, f in zip(shards, files)]
-            self.background.submit(step, lambda: self._write_and_report(step, shards, rng, common, self.writer, files))
+            self.background.submit(step, lambda: self._write_and_report(step, shards, files, rng, common, self.writer))
         else:
-            self._write_and_report(step, [(s, live_data(s, states[s.kind])) for s in shards], rng, common)
+            self._write_and_report(step, [(s, live_data(s, states[s.kind])) for s in shards], files, rng, common)
         stall = time.perf_counter() - start
         self.last_stall_s = stall
         self.stalls.append((step, stall))
@@ -429,7 +429,7 @@ class Checkpointer:
         self.writer.ensure_started()
 
     def _write_and_report(
-        self, step: int, shards, rng: dict[str, str], common: dict, writer=None, files: list[ShardFile] | None = None
+        self, step: int, shards, files: list[ShardFile], rng: dict[str, str], common: dict, writer=None
     ) -> None:
         try:
             manifest = write_shards(

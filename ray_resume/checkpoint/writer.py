@@ -297,8 +297,8 @@ def write_shards(
     Runs on the training thread (sync save) or the writer thread (async); with
     `writer` (a `writer_process.ProcessWriter` holding the data sections) the
     files are written by that process, and this thread only waits for it.
-    `files`: `shard_files` of the same arguments, where the caller needed their headers already
-    (an async save places its snapshots by their lengths).
+    `files`: `shard_files` of the same arguments, where the caller has them already (a rank's save
+    makes them first: an async save places its snapshots by their headers' lengths).
     """
     iter_dir = paths.iteration_dir(root, step)
     storage.makedirs(iter_dir)
