@@ -183,7 +183,7 @@ class Rank:
         )
 
     def _state(self) -> dict:
-        from ray_resume.checkpoint import state
+        from ray_resume.checkpoint.format import state
 
         return {"model": state.model_tensors(self.model), "optim": self.optimizer.state_tensors()}
 
@@ -207,7 +207,7 @@ class Rank:
         }
 
     def _my_files(self, root: str, step: int) -> list[tuple[str, dict]]:
-        from ray_resume.checkpoint import paths
+        from ray_resume.checkpoint.format import paths
 
         d = paths.iteration_dir(root, step)
         out = []
@@ -306,7 +306,7 @@ class Rank:
         return {"total": time.perf_counter() - start}
 
     def torch_load(self) -> dict:
-        from ray_resume.checkpoint import state as st
+        from ray_resume.checkpoint.format import state as st
 
         path = os.path.join(self.root, "torch", "state.pt")
         drop_cache(os.path.dirname(path))

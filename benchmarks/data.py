@@ -77,7 +77,7 @@ def on_moto(local: Path):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import s3_server
 
-    from ray_resume.checkpoint.storage import s3_filesystem
+    from ray_resume.checkpoint.io.object_store import s3_filesystem
 
     server, options = s3_server.start("data", key="bench")
     fs = s3_filesystem(options)

@@ -1,4 +1,4 @@
-"""What torch's `dcp.load` reads of a ray_resume root (`ray_resume.checkpoint.dcp.Reader`), against what it
+"""What torch's `dcp.load` reads of a ray_resume root (`ray_resume.checkpoint.interop.dcp.Reader`), against what it
 reads of its own checkpoint of the same state.
 
     python -m benchmarks.dcp_reads --out benchmarks/dcp_reads_results.json    # ~1 min on 2 cores
@@ -25,11 +25,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ray_resume import parallel
-from ray_resume.checkpoint import paths, state
+from ray_resume.checkpoint.format import paths, state
 from ray_resume.checkpoint.commit import commit_iteration
-from ray_resume.checkpoint.dcp import DcpReader, Reader
-from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.checkpoint.writer import save_shards
+from ray_resume.checkpoint.interop.dcp import Reader
+from ray_resume.checkpoint.interop.dcp_checkpoint import DcpReader
+from ray_resume.checkpoint.io.storage import LocalStorage
+from ray_resume.checkpoint.io.writer import save_shards
 from ray_resume.model import GPT, lm_loss
 
 SIZES = {

@@ -24,10 +24,11 @@ import time
 import torch
 
 from benchmarks.checkpoint import SEQ_LEN, SIZES, report
-from ray_resume.checkpoint import direct_io, state
-from ray_resume.checkpoint.shard_file import write_file
-from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.checkpoint.writer import SnapshotBuffers, shard_files, shard_layouts
+from ray_resume.checkpoint.io import direct_io
+from ray_resume.checkpoint.format import state
+from ray_resume.checkpoint.io.shard_file import write_file
+from ray_resume.checkpoint.io.storage import LocalStorage
+from ray_resume.checkpoint.io.writer import SnapshotBuffers, shard_files, shard_layouts
 from ray_resume.model import GPT
 from ray_resume.optim import MainParamsOptimizer
 

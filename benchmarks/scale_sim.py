@@ -27,7 +27,7 @@ For each saving world size W it
   over the checksum blocks for load_balanced), timed, and the bytes, requests and files of a
   sample of ranks (`--sample-ranks`, every rank in `--small`).
 
-The read policy is the loader's (`loader.StateLoader.load`, as `Checkpointer._load` calls it): the
+The read policy is the loader's (`loader.StateLoader.load`, as `restore._load` calls it): the
 files of saving rank s are read whole, every checksum block checked, by loading rank s % W' (their
 verifier); under DDP every rank wants every tensor whole and reads, of every file it does not
 verify, one byte range per piece; with load_balanced the checksum blocks of both kinds' files are
@@ -62,18 +62,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from ray_resume.checkpoint import names, paths
+from ray_resume.checkpoint.format import names, paths
 from ray_resume.checkpoint.commit import commit_iteration
-from ray_resume.checkpoint.digest import block_bounds
+from ray_resume.checkpoint.format.digest import block_bounds
 from ray_resume.checkpoint.loader import balanced_owners
-from ray_resume.checkpoint.manifest import Manifest, WrittenFile
-from ray_resume.checkpoint.plan import SavePlan, TensorSpec, dim0_chunk, needed_range, overlaps
-from ray_resume.checkpoint.reader import consecutive_runs
-from ray_resume.checkpoint.iterations import open_iteration
-from ray_resume.checkpoint.schema import SAFETENSORS_ORDER, Iteration, dumps
-from ray_resume.checkpoint.state import capture_rng
-from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.checkpoint.writer import CHECKSUM_BLOCK
+from ray_resume.checkpoint.format.manifest import Manifest, WrittenFile
+from ray_resume.checkpoint.format.plan import SavePlan, TensorSpec, dim0_chunk, needed_range, overlaps
+from ray_resume.checkpoint.io.reader import consecutive_runs
+from ray_resume.checkpoint.io.iterations import open_iteration
+from ray_resume.checkpoint.format.schema import SAFETENSORS_ORDER, Iteration, dumps
+from ray_resume.checkpoint.format.state import capture_rng
+from ray_resume.checkpoint.io.storage import LocalStorage
+from ray_resume.checkpoint.io.writer import CHECKSUM_BLOCK
 
 PREFIX = "ckpt"
 KINDS = (paths.MODEL_KIND, paths.OPTIM_KIND)
@@ -387,7 +387,7 @@ def pool_bytes(spec: TensorSpec) -> int:
 
 
 def load_roles(specs: dict[str, TensorSpec], new_world: int, *, fsdp: bool) -> tuple[bool, set[str]]:
-    """(replicated, pooled) for one kind, as `Checkpointer._load` and `StateLoader.load` decide them.
+    """(replicated, pooled) for one kind, as `restore._load` and `StateLoader.load` decide them.
 
     Under FSDP every tensor with a shape is a dim-0 shard live (the live tensor is a DTensor of
     that global shape); the rest (the 0-d steps) are `shared`: every rank wants them whole. All

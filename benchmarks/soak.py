@@ -56,9 +56,9 @@ import storage_faults  # noqa: E402
 
 from benchmarks import soak_faults  # noqa: E402
 from ray_resume import api  # noqa: E402
-from ray_resume.checkpoint import paths  # noqa: E402
-from ray_resume.checkpoint.lease import LEASE_DIR  # noqa: E402
-from ray_resume.checkpoint.iterations import iteration_steps, read_tracker  # noqa: E402
+from ray_resume.checkpoint.format import paths
+from ray_resume.checkpoint.io.lease import LEASE_DIR
+from ray_resume.checkpoint.io.iterations import iteration_steps, read_tracker
 from ray_resume.checkpoint.root import CheckpointRoot, root_for  # noqa: E402
 from ray_resume.cli.common import verify_iteration  # noqa: E402
 from ray_resume.driver import TrainingFailed  # noqa: E402

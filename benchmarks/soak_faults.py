@@ -20,7 +20,7 @@ import stat
 import time
 from pathlib import Path
 
-from ray_resume.checkpoint.lease import LEASE_DIR
+from ray_resume.checkpoint.io.lease import LEASE_DIR
 from ray_resume.plugins import next_token_loss
 
 
@@ -125,7 +125,7 @@ class _OsWithoutFsync:
 
 def no_fsync() -> None:
     """The storage layer's fsyncs (shards, JSON, tracker) removed: a commit that is not durable."""
-    from ray_resume.checkpoint import direct_io, storage
+    from ray_resume.checkpoint.io import direct_io, storage
 
     storage.os = direct_io.os = _OsWithoutFsync()
 

@@ -8,7 +8,7 @@
     result.checkpoint, result.committed_iteration, result.metrics
 
 The names below come from `ray_resume.api` (the errors from `ray_resume.errors`,
-the built-in model from `ray_resume.model`, `DCPReader` from `ray_resume.checkpoint.dcp`),
+the built-in model from `ray_resume.model`, `DCPReader` from `ray_resume.checkpoint.interop.dcp`),
 imported when first used: `import ray_resume` alone loads neither torch nor Ray. What
 the docs tell a user to import is here; the modules below are free to move.
 """
@@ -45,7 +45,7 @@ _WHERE = {
     "SampleStream": "data",  # the built-in job's deterministic, resumable data cursor
     "GPT": "model",  # the built-in model
     "lm_loss": "model",
-    "DCPReader": "checkpoint.dcp:Reader",  # a root read in place by torch.distributed.checkpoint.load
+    "DCPReader": "checkpoint.interop.dcp:Reader",  # a root read in place by torch.distributed.checkpoint.load
 }
 __all__ = sorted(_WHERE)
 

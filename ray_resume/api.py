@@ -54,7 +54,7 @@ from typing import Callable
 
 import ray.train
 
-from .checkpoint.checkpointer import Start
+from .checkpoint.restore import Start
 from .config import CheckpointConfig, Config, load_config, redacted
 from .driver import RayTrain, Result, TrainingFailed, launch
 from .errors import ConfigError

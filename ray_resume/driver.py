@@ -32,11 +32,11 @@ import ray.train
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .checkpoint import paths
+from .checkpoint.format import paths
 from .checkpoint.keeper import MemoryKeeper
 from .checkpoint.root import ResumePlan, ResumeSource, root_for
-from .checkpoint.schema import Iteration
-from .checkpoint.storage import s3_filesystem
+from .checkpoint.format.schema import Iteration
+from .checkpoint.io.object_store import s3_filesystem
 from .config import Config, ScalingConfig
 from .controller import JobController
 from .controller.job import JobOutcome

@@ -12,7 +12,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from .checkpoint.state import load_optim_tensors, optim_tensors, unwrap
+from .checkpoint.format.state import load_optim_tensors, optim_tensors, unwrap
 from .errors import ConfigError
 
 MAX_EXTRA = 16 << 20  # bytes of JSON extra state per rank (it shares a 64 MiB safetensors header with the RNG)

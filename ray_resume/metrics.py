@@ -22,7 +22,7 @@ import os
 import tempfile
 import time
 
-from .checkpoint import paths
+from .checkpoint.format import paths
 from .checkpoint.root import root_for
 
 

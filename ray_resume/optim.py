@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import names
-from .checkpoint.state import dim0_sharded, load_optim_tensors, local_tensor, optim_tensors, unwrap
+from .checkpoint.format import names
+from .checkpoint.format.state import dim0_sharded, load_optim_tensors, local_tensor, optim_tensors, unwrap
 
 
 class LossScaler:

@@ -16,14 +16,25 @@ import os
 import torch
 
 from . import parallel
-from .checkpoint import names, paths, state
-from .checkpoint.checks import check_optimizer_state, check_weights, refuse_foreign_slots, refuse_optimizer_change
+from .checkpoint.format import names, paths, state
+from .checkpoint.format.checks import (
+    check_optimizer_state,
+    check_weights,
+    refuse_foreign_slots,
+    refuse_optimizer_change,
+)
 from .checkpoint.fallback import select_iteration
-from .checkpoint.iterations import resume_step
-from .checkpoint.dcp import dcp_checkpoint, describe, full_resume_problem, optimizer_specs, weight_specs
+from .checkpoint.io.iterations import resume_step
+from .checkpoint.interop.dcp_checkpoint import (
+    dcp_checkpoint,
+    describe,
+    full_resume_problem,
+    optimizer_specs,
+    weight_specs,
+)
 from .checkpoint.root import CommittedIteration, DcpCheckpoint, ResumeSource, WeightsExport, root_for
-from .checkpoint.schema import Iteration
-from .checkpoint.state import class_path, optimizer_slots
+from .checkpoint.format.schema import Iteration
+from .checkpoint.format.state import class_path, optimizer_slots
 from .config import Config
 from .data import (
     DEFAULT_COLUMNS,

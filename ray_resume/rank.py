@@ -24,8 +24,9 @@ from typing import Any, Callable
 import torch
 
 from .checkpoint import memory
-from .checkpoint.checkpointer import Checkpointer, Start
-from .checkpoint.state import class_path
+from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.restore import Start
+from .checkpoint.format.state import class_path
 from .collectives import decided_by_rank0
 from .config import Config
 from .controller.client import ControllerClient

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import parallel
 from .calls import STOP_NOW
-from .checkpoint.state import capture_rng, restore_rng, seed_everything, unwrap
+from .checkpoint.format.state import capture_rng, restore_rng, seed_everything, unwrap
 from .data import DEFAULT_COLUMNS, SAMPLE_ID, ReadUnit, SampleStream, quiet_ray_data, read_eval_set
 from .errors import ConfigError
 from .optim import MainParamsOptimizer

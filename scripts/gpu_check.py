@@ -43,11 +43,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.page_cache import drop_cache  # noqa: E402
-from ray_resume.checkpoint import paths  # noqa: E402
+from ray_resume.checkpoint.format import paths
 from ray_resume.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from ray_resume.checkpoint.root import CommittedIteration  # noqa: E402
 from ray_resume.checkpoint.commit import commit_iteration  # noqa: E402
-from ray_resume.checkpoint.storage import LocalStorage  # noqa: E402
+from ray_resume.checkpoint.io.storage import LocalStorage
 from ray_resume.config import Config  # noqa: E402
 from ray_resume.faults import FaultInjector  # noqa: E402
 from ray_resume.model import GPT, lm_loss  # noqa: E402
@@ -185,7 +185,7 @@ def file_bytes(root: str, step: int) -> dict[str, bytes]:
 def speed(size: str, device: torch.device, work: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from ray_resume.checkpoint import state
+    from ray_resume.checkpoint.format import state
 
     root = os.path.join(work, "speed")
     cfg = config(root, size, async_save=False, dropout=0.0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.format import paths
 from ray_resume.api import train
 from ray_resume.driver import init_local_ray
 from ray_resume.metrics import read_metrics  # noqa: F401  (re-exported for the tests)
@@ -162,9 +162,9 @@ def gathered_manifests(root: str, step: int, model_state: dict, optim_state: dic
     rank's manifest gathered: what the driver's commit takes (`commit_by_hand`, on rank 0)."""
     import torch.distributed as dist
 
-    from ray_resume.checkpoint import state
-    from ray_resume.checkpoint.storage import LocalStorage
-    from ray_resume.checkpoint.writer import save_shards
+    from ray_resume.checkpoint.format import state
+    from ray_resume.checkpoint.io.storage import LocalStorage
+    from ray_resume.checkpoint.io.writer import save_shards
 
     manifest = save_shards(
         LocalStorage(),
@@ -186,7 +186,7 @@ def commit_by_hand(root, step: int, manifests: list, **common) -> dict:
     """The driver's part of a save, for tests that write every rank's shards from one process: the
     real commit (metadata.json, config.yaml, common.json, then the tracker); its metadata."""
     from ray_resume.checkpoint.commit import commit_iteration
-    from ray_resume.checkpoint.storage import LocalStorage
+    from ray_resume.checkpoint.io.storage import LocalStorage
 
     common = {
         "global_step": step,
@@ -322,8 +322,8 @@ def local_reference(tmp_path_factory):
 def committed_as(root, step: int) -> tuple[dict, dict]:
     """Iteration `step` as a load sees it (validated, no unlisted shard): what its metadata.json says of
     each file (size and block digests) and its common.json without what differs between two jobs."""
-    from ray_resume.checkpoint.iterations import check_no_extra_shards, open_iteration
-    from ray_resume.checkpoint.storage import LocalStorage
+    from ray_resume.checkpoint.io.iterations import check_no_extra_shards, open_iteration
+    from ray_resume.checkpoint.io.storage import LocalStorage
 
     it = open_iteration(LocalStorage(), str(root), step)
     check_no_extra_shards(LocalStorage(), it)

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import storage_faults as storage_faults_module
 from ray_resume import api
 from ray_resume import controller as controller_module
-from ray_resume.checkpoint.lease import LEASE_DIR
+from ray_resume.checkpoint.io.lease import LEASE_DIR
 from ray_resume.checkpoint.keeper import MemoryKeeper
 from ray_resume.config import Config
 from ray_resume.controller.client import ControllerClient

@@ -1,7 +1,7 @@
 """A storage fault injector: fail or delay chosen storage calls, below the product's retries.
 
 `install(faults, record)` wraps every backend `storage_for` returns in this
-process (`ray_resume.checkpoint.storage.wrappers`). A fault names an
+process (`ray_resume.checkpoint.io.storage.wrappers`). A fault names an
 operation, the call that fails first (`nth`, counted per process over the
 calls of that operation whose path contains `path_contains`), how many
 calls in a row fail (`times`), and the error; `delay_s` sleeps before each
@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from ray_resume.checkpoint import storage as storage_module
+from ray_resume.checkpoint.io import storage as storage_module
 
 OPS = {
     "read": ("read_bytes", "read_range", "open_read"),

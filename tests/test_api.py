@@ -15,8 +15,8 @@ from ray import cloudpickle
 import ray_resume
 from conftest import shard_bytes
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.iterations import open_iteration
-from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.io.iterations import open_iteration
+from ray_resume.checkpoint.io.storage import LocalStorage
 from test_elastic import resume_root
 
 STEPS, EVERY, BATCH = 12, 4, 8

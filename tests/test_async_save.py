@@ -26,17 +26,17 @@ import torch
 import storage_faults
 from conftest import commit_by_hand, shard_bytes, tiny_config
 from ray_resume.checkpoint import checkpointer as checkpointer_module
-from ray_resume.checkpoint import state
+from ray_resume.checkpoint.format import state
 from ray_resume.errors import AsyncSaveError
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.reader import ShardReader, load_rank_extras
-from ray_resume.checkpoint.iterations import open_iteration
-from ray_resume.checkpoint.schema import local_shape
-from ray_resume.checkpoint import storage as storage_module
-from ray_resume.checkpoint import writer_process
-from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.checkpoint.writer import RANK_EXTRAS_KEY, live_data, safetensors_header, shard_layouts
+from ray_resume.checkpoint.io.reader import ShardReader, load_rank_extras
+from ray_resume.checkpoint.io.iterations import open_iteration
+from ray_resume.checkpoint.format.schema import local_shape
+from ray_resume.checkpoint.io import storage as storage_module
+from ray_resume.checkpoint.io import writer_process
+from ray_resume.checkpoint.io.storage import LocalStorage
+from ray_resume.checkpoint.io.writer import RANK_EXTRAS_KEY, live_data, safetensors_header, shard_layouts
 from ray_resume.config import Config
 from ray_resume.faults import Fault, FaultInjector
 from test_checkpoint_format import make_state

@@ -17,16 +17,17 @@ import torch
 import xxhash
 
 from conftest import commit_by_hand
-from ray_resume.checkpoint.lease import LEASE_DIR
-from ray_resume.checkpoint import names, paths, reader, state
-from ray_resume.checkpoint.digest import BlockDigests, block_bounds
+from ray_resume.checkpoint.io.lease import LEASE_DIR
+from ray_resume.checkpoint.format import names, paths, state
+from ray_resume.checkpoint.io import reader
+from ray_resume.checkpoint.format.digest import BlockDigests, block_bounds
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.plan import SavePlan, TensorSpec
-from ray_resume.checkpoint.reader import ShardReader, load_rank_extras, plan_reads, read_verified
-from ray_resume.checkpoint.iterations import check_no_extra_shards, find_committed, open_iteration
+from ray_resume.checkpoint.format.plan import SavePlan, TensorSpec
+from ray_resume.checkpoint.io.reader import ShardReader, load_rank_extras, plan_reads, read_verified
+from ray_resume.checkpoint.io.iterations import check_no_extra_shards, find_committed, open_iteration
 from ray_resume.errors import CheckpointError
-from ray_resume.checkpoint.storage import LocalStorage, storage_for
-from ray_resume.checkpoint.writer import CHECKSUM_BLOCK, save_shards
+from ray_resume.checkpoint.io.storage import LocalStorage, storage_for
+from ray_resume.checkpoint.io.writer import CHECKSUM_BLOCK, save_shards
 from ray_resume.model import GPT
 from ray_resume.optim import MainParamsOptimizer
 
@@ -70,7 +71,7 @@ def test_save_plan_covers_every_element_once_in_row_chunks_and_balances_bytes(se
     """Every element written by exactly one rank, in chunks of whole rows (N-d boxes); a sharded tensor
     as torch.chunk holds it; a replicated one whole or in equal parts on distinct ranks; and no rank
     holds more replicated bytes than the mean plus one part (what placing the largest first guarantees)."""
-    from ray_resume.checkpoint import plan as plan_module
+    from ray_resume.checkpoint.format import plan as plan_module
 
     monkeypatch.setattr(plan_module, "MIN_PART", 64)  # small tensors, so that the cutting runs
     rng = random.Random(seed)
@@ -548,14 +549,14 @@ def test_unsupported_storage_scheme_is_named():
 def test_no_pickle_anywhere_in_the_package():
     """Checkpoints are safetensors and JSON only: nothing in the package may unpickle, but for the one
     file torch writes with pickle, DCP's `.metadata`, read by an unpickler of DCP's classes alone
-    (`checkpoint/dcp.py`, tests/test_dcp.py feeds it a pickle that would run code)."""
+    (`checkpoint/interop/dcp_checkpoint.py`, tests/test_dcp.py feeds it a pickle that would run code)."""
     package = Path(__file__).resolve().parent.parent / "ray_resume"
     import re
 
     unpickling = re.compile(r"import pickle|pickle\.loads?\(|cloudpickle|(^|[^.\w])torch\.load\(", re.M)
     offenders = [p.name for p in package.rglob("*.py") if unpickling.search(p.read_text())]
-    assert offenders == ["dcp.py"]
-    dcp = (package / "checkpoint" / "dcp.py").read_text()
+    assert offenders == ["dcp_checkpoint.py"]
+    dcp = (package / "checkpoint" / "interop" / "dcp_checkpoint.py").read_text()
     assert re.findall(r"pickle\.\w+", dcp) == ["pickle.Unpickler", "pickle.UnpicklingError"] and "def find_class" in dcp
     assert unpickling.search("x = torch.load(f)") and not unpickling.search("safetensors.torch.load(data)")
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import KILL_AT_6, assert_same_as_reference, run_job, run_on_harness, tiny_config
 from harness import LocalStream
-from ray_resume.checkpoint.storage import s3_filesystem
+from ray_resume.checkpoint.io.object_store import s3_filesystem
 from ray_resume.data import scan_units
 from ray_resume.errors import DataError
 

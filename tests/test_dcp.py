@@ -1,4 +1,4 @@
-"""PyTorch's own checkpoint format both ways (`ray_resume.checkpoint.dcp`).
+"""PyTorch's own checkpoint format both ways (`ray_resume.checkpoint.interop.dcp`).
 
 A 2-rank FSDP2 job (gloo) trains with torch's AdamW and saves twice at the same step: through our
 writer and the driver's commit, and with torch's own `dcp.save` in the layouts torchtitan has written
@@ -47,9 +47,10 @@ from conftest import (
     tiny_config,
 )
 from ray_resume import parallel
-from ray_resume.checkpoint import paths, state
+from ray_resume.checkpoint.format import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
-from ray_resume.checkpoint.dcp import DCP_METADATA, Reader, dcp_checkpoint, read_dcp_metadata
+from ray_resume.checkpoint.interop.dcp import Reader
+from ray_resume.checkpoint.interop.dcp_checkpoint import DCP_METADATA, dcp_checkpoint, read_dcp_metadata
 from ray_resume.checkpoint.root import DcpCheckpoint
 from ray_resume.config import Config
 from ray_resume.errors import CheckpointError
@@ -487,8 +488,8 @@ def test_ray_resume_show_and_verify_describe_a_dcp_checkpoint(saved, tmp_path, c
 def test_a_chunk_of_rows_of_no_element_has_its_shape_and_offset():
     """A tensor whose rows hold no element ([3, 0]) is one chunk of its 3 empty rows (the writer's
     rule), at row 0: DCP's metadata of it, not a division by its zero row size."""
-    from ray_resume.checkpoint.dcp import Chunk
-    from ray_resume.checkpoint.plan import Piece, TensorSpec
+    from ray_resume.checkpoint.interop.dcp import Chunk
+    from ray_resume.checkpoint.format.plan import Piece, TensorSpec
 
     chunk = Chunk("f", TensorSpec("t", "F32", (3, 0), 4), Piece("t", 0, 0))
     assert (chunk.shape, chunk.offset) == ((3, 0), (0, 0))

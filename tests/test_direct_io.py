@@ -1,4 +1,4 @@
-"""Shard files written past the page cache (checkpoint/direct_io.py): the very bytes and digests of a
+"""Shard files written past the page cache (checkpoint/io/direct_io.py): the very bytes and digests of a
 write through it, from the snapshot's own pages, none left in the page cache; and where a file system
 refuses O_DIRECT (ramfs, mounted in a namespace of the test's own), the same files through the page
 cache, said once per process, and the crash-while-saving cases still resuming exactly."""
@@ -24,9 +24,10 @@ import torch
 import xxhash
 
 from conftest import REPO, shard_bytes
-from ray_resume.checkpoint import direct_io, state
-from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.checkpoint.writer import SnapshotBuffers, shard_layouts
+from ray_resume.checkpoint.io import direct_io
+from ray_resume.checkpoint.format import state
+from ray_resume.checkpoint.io.storage import LocalStorage
+from ray_resume.checkpoint.io.writer import SnapshotBuffers, shard_layouts
 from ray_resume.model import GPT
 from ray_resume.optim import MainParamsOptimizer
 from test_async_save import MODES, FakeCoordinator, checkpointer_for

@@ -13,7 +13,7 @@ import pytest
 
 import harness
 from conftest import per_step, read_metrics, run_on_harness, tiny_config
-from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.format import paths
 from ray_resume.errors import CheckpointError
 
 

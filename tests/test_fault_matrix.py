@@ -27,7 +27,7 @@ import ray
 import ray._private.state
 
 from conftest import FINAL, assert_same_as_reference, tiny_config
-from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.format import paths
 from ray_resume.plugins import next_token_loss
 from ray_resume.api import train
 

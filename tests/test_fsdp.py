@@ -23,12 +23,12 @@ from safetensors.torch import load_file, save_file
 import harness
 from conftest import commit_by_hand, gathered_manifests, tiny_config
 from ray_resume import parallel
-from ray_resume.checkpoint import paths, state
+from ray_resume.checkpoint.format import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.root import CommittedIteration
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.iterations import open_iteration
-from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.io.iterations import open_iteration
+from ray_resume.checkpoint.io.storage import LocalStorage
 from ray_resume.config import Config
 from ray_resume.model import GPT, lm_loss
 from ray_resume.optim import MainParamsOptimizer

@@ -27,10 +27,10 @@ from conftest import (
     shard_bytes,
     tiny_config,
 )
-from ray_resume.checkpoint import paths
-from ray_resume.checkpoint.iterations import check_no_extra_shards, open_iteration
+from ray_resume.checkpoint.format import paths
+from ray_resume.checkpoint.io.iterations import check_no_extra_shards, open_iteration
 from ray_resume.errors import CheckpointError
-from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.io.storage import LocalStorage
 from ray_resume.plugins import next_token_loss
 
 

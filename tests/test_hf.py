@@ -15,8 +15,8 @@ import plugin_models
 from conftest import KILL_AT_6, assert_resumed_once, run_on_harness, shard_bytes, tiny_config
 from ray_resume import cli
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.iterations import open_iteration
-from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.io.iterations import open_iteration
+from ray_resume.checkpoint.io.storage import LocalStorage
 
 CONFIGS = {  # two architectures whose output head is their input embedding
     "gpt2": lambda: transformers.GPT2Config(

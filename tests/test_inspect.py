@@ -10,10 +10,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.format import paths
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.iterations import open_iteration
-from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.io.iterations import open_iteration
+from ray_resume.checkpoint.io.storage import LocalStorage
 from ray_resume.cli import main
 from ray_resume.metrics import read_metrics
 from test_checkpoint_format import make_state, write_iteration

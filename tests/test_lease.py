@@ -13,12 +13,12 @@ import pytest
 import yaml
 
 from conftest import REPO, env_for_subprocess, run_job, tiny_config
-from ray_resume.checkpoint import lease as lease_module
-from ray_resume.checkpoint.lease import LEASE_DIR, Lease
+from ray_resume.checkpoint.io import lease as lease_module
+from ray_resume.checkpoint.io.lease import LEASE_DIR, Lease
 from ray_resume.errors import CheckpointError
-from ray_resume.checkpoint import state
-from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.checkpoint.writer import save_shards
+from ray_resume.checkpoint.format import state
+from ray_resume.checkpoint.io.storage import LocalStorage
+from ray_resume.checkpoint.io.writer import save_shards
 from test_checkpoint_format import make_state
 
 

@@ -24,13 +24,13 @@ from ray_resume.checkpoint.loader import (
     open_shared,
     owned_parts,
 )
-from ray_resume.checkpoint.reader import load_rank_extras
-from ray_resume.checkpoint.iterations import open_iteration
+from ray_resume.checkpoint.io.reader import load_rank_extras
+from ray_resume.checkpoint.io.iterations import open_iteration
 from ray_resume.checkpoint.root import CheckpointRoot
-from ray_resume.checkpoint.schema import Iteration, StoredFile
+from ray_resume.checkpoint.format.schema import Iteration, StoredFile
 from ray_resume.errors import CheckpointError
-from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.checkpoint.writer import CHECKSUM_BLOCK
+from ray_resume.checkpoint.io.storage import LocalStorage
+from ray_resume.checkpoint.io.writer import CHECKSUM_BLOCK
 from ray_resume.collectives import decided_by_rank0
 from storage_faults import FileProxy
 from test_checkpoint_format import make_state, write_iteration

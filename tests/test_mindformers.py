@@ -26,13 +26,13 @@ from conftest import env_for_subprocess, read_metrics, run_on_harness, tiny_conf
 from examples.tabular_mlp import make_data
 from plugin_models import TwoDense
 from ray_resume import cli
-from ray_resume.checkpoint import names
+from ray_resume.checkpoint.format import names
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.root import CommittedIteration
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.iterations import open_iteration
+from ray_resume.checkpoint.io.iterations import open_iteration
 from ray_resume.errors import CheckpointError
-from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.io.storage import LocalStorage
 from ray_resume.config import Config
 from ray_resume.optim import MainParamsOptimizer
 

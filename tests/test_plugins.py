@@ -11,12 +11,12 @@ from safetensors.torch import load_file, save_file
 
 from conftest import KILL_AT_6, REPO, commit_by_hand, run_on_harness, shard_bytes
 from ray_resume import parallel, train
-from ray_resume.checkpoint import state
+from ray_resume.checkpoint.format import state
 from ray_resume.checkpoint.loader import load_weights
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.iterations import open_iteration
-from ray_resume.checkpoint.storage import LocalStorage
-from ray_resume.checkpoint.writer import save_shards
+from ray_resume.checkpoint.io.iterations import open_iteration
+from ray_resume.checkpoint.io.storage import LocalStorage
+from ray_resume.checkpoint.io.writer import save_shards
 from ray_resume.config import Config, load_config
 from ray_resume.errors import ConfigError
 from ray_resume.plugins import make_model, resolve

@@ -15,16 +15,16 @@ import xxhash
 
 import harness
 from conftest import FINAL, driver_checks, run_on_harness, shard_bytes, tiny_config
-from ray_resume.checkpoint import paths, state
+from ray_resume.checkpoint.format import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
-from ray_resume.checkpoint.lease import LEASE_DIR
+from ray_resume.checkpoint.io.lease import LEASE_DIR
 from ray_resume.checkpoint.root import CheckpointRoot, CommittedIteration
 from ray_resume.preflight import resolve_source
-from ray_resume.checkpoint.digest import block_bounds
+from ray_resume.checkpoint.format.digest import block_bounds
 from ray_resume.checkpoint.fallback import select_iteration
 from ray_resume.checkpoint.loader import StateLoader
 from ray_resume.errors import CheckpointError
-from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.io.storage import LocalStorage
 from ray_resume.config import Config
 from ray_resume.metrics import read_metrics
 from ray_resume.model import GPT
@@ -413,7 +413,7 @@ def test_a_restore_into_another_optimizer_class_is_refused_by_the_ranks_too(tmp_
 
 
 def test_the_prefix_hint_looks_past_names_outside_the_prefix():
-    from ray_resume.checkpoint.checks import prefix_hint
+    from ray_resume.checkpoint.format.checks import prefix_hint
 
     saved = {"transformer.wte.weight", "transformer.h.0.attn.weight", "lm_head.weight"}  # lm_head sorts first
     assert prefix_hint({"wte.weight", "h.0.attn.weight"}, saved) == (

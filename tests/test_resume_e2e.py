@@ -17,11 +17,11 @@ import pytest
 import yaml
 
 from conftest import FINAL, read_metrics, tiny_config
-from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.format import paths
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.reader import read_verified, saved_pieces
-from ray_resume.checkpoint.iterations import open_iteration
-from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.io.reader import read_verified, saved_pieces
+from ray_resume.checkpoint.io.iterations import open_iteration
+from ray_resume.checkpoint.io.storage import LocalStorage
 from ray_resume.run import main
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

@@ -12,13 +12,13 @@ import pyarrow.fs as pafs
 import pytest
 
 from benchmarks import scale_sim
-from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.format import paths
 from ray_resume.checkpoint.commit import commit_iteration
-from ray_resume.checkpoint.plan import SavePlan, TensorSpec, format4_pieces, overlaps
-from ray_resume.checkpoint.iterations import open_iteration
-from ray_resume.checkpoint.parse import parse_iteration
-from ray_resume.checkpoint.schema import parse_json
-from ray_resume.checkpoint.storage import LocalStorage, storage_for
+from ray_resume.checkpoint.format.plan import SavePlan, TensorSpec, format4_pieces, overlaps
+from ray_resume.checkpoint.io.iterations import open_iteration
+from ray_resume.checkpoint.format.parse import parse_iteration
+from ray_resume.checkpoint.format.schema import parse_json
+from ray_resume.checkpoint.io.storage import LocalStorage, storage_for
 
 
 def test_small_mode_covers_every_byte_and_every_rank_need(tmp_path):

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from conftest import FINAL, KILL_AT_6, per_step, read_metrics, run_on_harness, shard_bytes, tiny_config
-from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.format import paths
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.reader import read_verified
-from ray_resume.checkpoint.iterations import find_committed, open_iteration
+from ray_resume.checkpoint.io.reader import read_verified
+from ray_resume.checkpoint.io.iterations import find_committed, open_iteration
 from ray_resume.checkpoint.commit import remove_unlisted
-from ray_resume.checkpoint.digest import BlockDigests
-from ray_resume.checkpoint.storage import storage_for
+from ray_resume.checkpoint.format.digest import BlockDigests
+from ray_resume.checkpoint.io.storage import storage_for
 from ray_resume.driver import ray_checkpoint
 
 
@@ -238,7 +238,7 @@ class StatFails:
 def test_clearing_what_was_never_committed_spares_what_it_cannot_look_at(tmp_path, local_reference):
     """Below the tracker, an iteration without common.json is cleared; one whose common.json cannot be
     stat'ed (EIO) is not: an I/O error is not proof that it was never committed (the soak's review)."""
-    from ray_resume.checkpoint.lease import LEASE_DIR
+    from ray_resume.checkpoint.io.lease import LEASE_DIR
     from ray_resume.config import Config
     from ray_resume.controller.job import JobController
 

@@ -13,8 +13,8 @@ import pytest
 import harness
 import storage_faults
 from conftest import FINAL, shard_bytes, tiny_config
-from ray_resume.checkpoint import storage as storage_module
-from ray_resume.checkpoint.storage import storage_for
+from ray_resume.checkpoint.io import storage as storage_module
+from ray_resume.checkpoint.io.storage import storage_for
 from test_checkpoint_format import tree
 
 

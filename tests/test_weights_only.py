@@ -25,14 +25,14 @@ from conftest import (
     shard_bytes,
     tiny_config,
 )
-from ray_resume.checkpoint import paths, state
+from ray_resume.checkpoint.format import paths, state
 from ray_resume.checkpoint.checkpointer import Checkpointer
 from ray_resume.checkpoint.root import CommittedIteration, WeightsExport
 from ray_resume.preflight import resolve_source
 from ray_resume.checkpoint.loader import load_state
-from ray_resume.checkpoint.iterations import open_iteration
+from ray_resume.checkpoint.io.iterations import open_iteration
 from ray_resume.errors import CheckpointError
-from ray_resume.checkpoint.storage import LocalStorage
+from ray_resume.checkpoint.io.storage import LocalStorage
 from ray_resume.config import Config
 from ray_resume.model import GPT, lm_loss
 from ray_resume.optim import LossScaler, MainParamsOptimizer

@@ -31,7 +31,7 @@ from conftest import (
     shard_bytes,
     tiny_config,
 )
-from ray_resume.checkpoint import paths
+from ray_resume.checkpoint.format import paths
 
 
 def write_config(tmp: Path, reference, **sections) -> Path:

@@ -1,1 +1,3 @@
-"""Checkpoint format: paths (names), storage (I/O), schema (JSON), plan, writer, reader, loader, commit, lease."""
+"""Checkpointing, in rooms: `format/` (what is on disk), `io/` (the bytes moved), `interop/` (other
+formats), and here the orchestration: a rank's save and restore, the commit, the fallback, the memory
+tier, a checkpoint root and what a job resumes (docs/architecture.md)."""

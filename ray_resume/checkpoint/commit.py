@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import yaml
 
-from . import names, paths
-from .manifest import Manifest
-from .parse import parse_iteration
-from .schema import CKPT_NORMAL, COMMON_FIELDS, FILE_FIELDS, LAYOUT_ALIAS, dumps, shard_id
+from .format import names, paths
+from .format.manifest import Manifest
+from .format.parse import parse_iteration
+from .format.schema import CKPT_NORMAL, COMMON_FIELDS, FILE_FIELDS, LAYOUT_ALIAS, dumps, shard_id
 
 
 def commit_iteration(

@@ -21,10 +21,10 @@ from __future__ import annotations
 import logging
 import time
 
-from . import paths
-from .iterations import check_no_extra_shards, find_committed, iteration_steps, open_iteration
+from .format import paths
+from .io.iterations import check_no_extra_shards, find_committed, iteration_steps, open_iteration
 from .root import CheckpointRoot
-from .schema import Iteration
+from .format.schema import Iteration
 from ..errors import AbnormalIteration, CheckpointError
 
 logger = logging.getLogger(__name__)

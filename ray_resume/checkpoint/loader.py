@@ -38,18 +38,18 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import collective_device, decided_by_rank0, largest
-from . import names, paths, state
-from .checks import check_weights
-from .plan import TensorSpec, needed_range
-from .export import EXPORT_INDEX, export_files
-from .reader import ShardReader, parse_shard, plan_reads
-from .iterations import check_no_extra_shards, open_iteration
-from .parse import parse_iteration
+from .format import names, paths, state
+from .format.checks import check_weights
+from .format.plan import TensorSpec, needed_range
+from .interop.export import EXPORT_INDEX, export_files
+from .io.reader import ShardReader, parse_shard, plan_reads
+from .io.iterations import check_no_extra_shards, open_iteration
+from .format.parse import parse_iteration
 from .root import CheckpointRoot
-from .schema import Iteration
-from .storage import Storage
+from .format.schema import Iteration
+from .io.storage import Storage
 from ..errors import CheckpointError, DamagedShards
-from .state import DTYPE_TAGS, DTYPES
+from .format.state import DTYPE_TAGS, DTYPES
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .keeper import node_id, running_ray
-from .state import local_tensor
+from .format.state import local_tensor
 
 MEMORY_SOURCE = "memory snapshot of step {step}"  # what a resume from it names as its source
 # `memory_interleaved_steps: auto`, decided by each group at its AUTO_AFTER-th step (its first steps run

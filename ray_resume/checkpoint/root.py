@@ -13,12 +13,12 @@ import json
 import threading
 from dataclasses import dataclass
 
-from . import paths
-from .lease import Lease
-from .export import export_specs, is_export
-from .iterations import find_committed, iteration_steps, open_iteration, read_tracker
-from .schema import Iteration
-from .storage import Storage, storage_for
+from .format import paths
+from .io.lease import Lease
+from .interop.export import export_specs, is_export
+from .io.iterations import find_committed, iteration_steps, open_iteration, read_tracker
+from .format.schema import Iteration
+from .io.storage import Storage, storage_for
 
 
 @dataclass(frozen=True)

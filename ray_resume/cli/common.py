@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..checkpoint import paths
-from ..checkpoint.reader import ShardReader
-from ..checkpoint.iterations import check_no_extra_shards
+from ..checkpoint.format import paths
+from ..checkpoint.io.reader import ShardReader
+from ..checkpoint.io.iterations import check_no_extra_shards
 from ..checkpoint.root import CheckpointRoot, root_for
-from ..checkpoint.schema import Iteration, parse_json
-from ..checkpoint.storage import Storage
+from ..checkpoint.format.schema import Iteration, parse_json
+from ..checkpoint.io.storage import Storage
 from ..errors import AbnormalIteration, CheckpointError, CliError
 
 

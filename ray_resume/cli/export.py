@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..checkpoint import paths
-from ..checkpoint.schema import Iteration
+from ..checkpoint.format import paths
+from ..checkpoint.format.schema import Iteration
 from ..text_table import human_size
 from ..errors import CliError
 from .common import open_root, resolve_iteration, verify_iteration
@@ -82,9 +82,9 @@ def export_facts(storage, it: Iteration, rebuild: bool) -> tuple[dict, str | Non
     config), as the iteration's metadata.json holds it since rank 0 took it from the live model; and
     why not, if it could not be had. `rebuild`: for an iteration saved without it (older ray_resume,
     MindFormers), build the model of its config.yaml on the meta device, importing its builder."""
-    from ..checkpoint import state
+    from ..checkpoint.format import state
 
-    facts = it.ours.get("model")  # checked by schema.parse_ours
+    facts = it.ours.get("model")  # checked by parse.parse_ours
     if facts is not None:
         return facts, None
     if not rebuild:

@@ -6,8 +6,9 @@ import json
 import os
 import sys
 
-from ..checkpoint import dcp, paths
-from ..checkpoint.schema import first_row, local_shape, readable_by_mindformers
+from ..checkpoint.interop import dcp_checkpoint
+from ..checkpoint.format import paths
+from ..checkpoint.format.schema import first_row, local_shape, readable_by_mindformers
 from ..errors import CheckpointError
 from ..text_table import human_size, table
 from .common import describe_iteration, emit_json, open_root, resolve_iteration, verify_iteration
@@ -68,8 +69,8 @@ def cmd_list(args) -> int:
 
 
 def dcp_report(path: str, args, verify: bool) -> int:
-    """`show` and `verify` of a DCP checkpoint (`checkpoint.dcp.describe`)."""
-    report = dcp.describe(path)
+    """`show` and `verify` of a DCP checkpoint (`dcp_checkpoint.describe`)."""
+    report = dcp_checkpoint.describe(path)
     if args.json:
         emit_json(report)
     elif not verify:
@@ -93,7 +94,7 @@ def dcp_report(path: str, args, verify: bool) -> int:
 
 def _dcp_dir(args) -> str | None:
     """The DCP checkpoint ROOT names (its `step-N/` with --iteration N), None if it is not one."""
-    return dcp.dcp_checkpoint(
+    return dcp_checkpoint.dcp_checkpoint(
         args.root if args.iteration is None else os.path.join(args.root, f"step-{args.iteration}")
     )
 

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..checkpoint.digest import CHECKSUMS, DEFAULT_CHECKSUM
+from ..checkpoint.format.digest import CHECKSUMS, DEFAULT_CHECKSUM
 from ..errors import ConfigError
 from .words import LOOKS, got, key_of, mentions, passed, problems, raise_if
 

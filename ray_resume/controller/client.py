@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..calls import Polled, call, tell
-from ..checkpoint.manifest import Manifest
+from ..checkpoint.format.manifest import Manifest
 from ..errors import RankError
 from .job import AttemptStart
 

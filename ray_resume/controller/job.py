@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass, field
 from ..calls import SAVE_AND_STOP, STOP_NOW
 from ..errors import LeaseLost, RankError
 from ..faults import Fault
-from ..checkpoint import paths
+from ..checkpoint.format import paths
 from ..checkpoint.commit import commit_iteration
-from ..checkpoint.manifest import Manifest
+from ..checkpoint.format.manifest import Manifest
 from ..checkpoint.root import ResumePlan, root_for
 from ..config import redacted
 from ..summary import Reached, restart_clock

@@ -11,10 +11,10 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ..checkpoint import paths
-from ..checkpoint.iterations import read_tracker
-from ..checkpoint.lease import Lease
-from ..checkpoint.storage import TEMP_MARK, Storage
+from ..checkpoint.format import paths
+from ..checkpoint.io.iterations import read_tracker
+from ..checkpoint.io.lease import Lease
+from ..checkpoint.io.storage import TEMP_MARK, Storage
 from ..faults import Fault
 
 logger = logging.getLogger("ray_resume.controller")

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..checkpoint.paths import local_path, on_object_storage
+from ..checkpoint.format.paths import local_path, on_object_storage
 from ..errors import DataError
 
 SAMPLE_ID = "sample_id"
@@ -120,7 +120,7 @@ def _parquet(file: str, storage=None) -> pq.ParquetFile:
     (checkpoint.storage's: the same endpoint and credential chain as the checkpoints)."""
     if not on_object_storage(file):
         return pq.ParquetFile(local_path(file))
-    from ..checkpoint.storage import s3_filesystem
+    from ..checkpoint.io.object_store import s3_filesystem
 
     return pq.ParquetFile(s3_filesystem(storage).open_input_file(file.split("://", 1)[1]))
 
@@ -135,7 +135,7 @@ def _parquet_files(path: str, storage=None) -> List[str]:
     scheme, key = path.split("://", 1)
     if scheme != "s3":
         raise DataError(f"data.path {path!r}: {scheme}:// is not supported; use a local/NFS path or s3://bucket/prefix")
-    from ..checkpoint.storage import s3_filesystem
+    from ..checkpoint.io.object_store import s3_filesystem
 
     try:
         listed = s3_filesystem(storage).get_file_info(pafs.FileSelector(key.rstrip("/")))

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import DataError
-from ..checkpoint.paths import on_object_storage
+from ..checkpoint.format.paths import on_object_storage
 from .files import INPUT_IDS, SAMPLE_ID
 
 def _synthetic_rows(rng: np.random.Generator, n: int, seq_len: int, vocab: int) -> np.ndarray:

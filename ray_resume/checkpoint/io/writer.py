@@ -32,12 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import direct_io, paths
-from .digest import DEFAULT_CHECKSUM, block_bounds
-from .manifest import Manifest, WrittenFile
-from .plan import Piece, SavePlan, TensorSpec
-from .schema import SAFETENSORS_ORDER, local_shape
-from .state import DTYPE_TAGS, DTYPES, dim0_sharded, local_tensor
+from . import direct_io
+from ..format import paths
+from ..format.digest import DEFAULT_CHECKSUM, block_bounds
+from ..format.manifest import Manifest, WrittenFile
+from ..format.plan import Piece, SavePlan, TensorSpec
+from ..format.schema import SAFETENSORS_ORDER, local_shape
+from ..format.state import DTYPE_TAGS, DTYPES, dim0_sharded, local_tensor
 from .shard_file import ShardFile, write_file
 from .storage import Storage
 

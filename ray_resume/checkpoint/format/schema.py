@@ -12,9 +12,9 @@ Format 5 is MindSpore Transformers' own (mindformers 2.1: `checkpoint/checkpoint
   format version, every file's size and block digests, and what a resume checks (the job, the
   world size, the optimizer's class, the data's fingerprint).
 
-`parse_ours` turns a format 5 iteration into an `Iteration` (`parse.parse_iteration` reads the
-older and MindFormers-written kinds too). Pure: the caller reads the files. Errors name the file and the key: these are files people edit
-and disks garble.
+`parse.parse_iteration` turns an iteration of any kind we read into an `Iteration`. Pure: the
+caller reads the files. Errors name the file and the key: these are files people edit and disks
+garble.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import names, paths
-from ..errors import AbnormalIteration, CheckpointError
+from ...errors import AbnormalIteration, CheckpointError
 from .digest import CHECKSUMS, block_bounds
 from .plan import Piece, TensorSpec, rows_piece
 
@@ -357,71 +357,6 @@ def _check_tiles(spec: TensorSpec, pieces: list[Piece], label: str) -> None:
         at += p.numel
     if at != spec.numel:
         raise CheckpointError(f"{label}: its chunks cover {at} of its {spec.numel} elements")
-
-
-OURS_FIELDS = {
-    "format_version": int,
-    "iteration": int,
-    "world_size": int,
-    "block_size": int,
-    "prefix": str,
-    "files": dict,
-}
-
-
-def parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
-    meta_file, common_file = paths.join(directory, paths.METADATA), paths.join(directory, paths.COMMON)
-    meta = raw["metadata"]
-    ours = meta["ray_resume"]
-    if not isinstance(ours, dict):
-        raise CheckpointError(f"{meta_file}: 'ray_resume' must be an object")
-    check_fields(ours, {"format_version": int}, f"{meta_file}: ray_resume")
-    if ours["format_version"] != paths.FORMAT_VERSION:
-        raise CheckpointError(
-            f"{meta_file}: format_version {ours['format_version']} is not supported by this ray_resume "
-            f"(it reads 4 and {paths.FORMAT_VERSION}); use the ray_resume release that wrote it"
-        )
-    check_fields(ours, OURS_FIELDS, f"{meta_file}: ray_resume")
-    for key in ("world_size", "block_size"):
-        if ours[key] < 1:
-            raise CheckpointError(f"{meta_file}: ray_resume.{key} has the impossible value {ours[key]}")
-    if ours["iteration"] != step:
-        raise CheckpointError(f"{meta_file}: iteration {ours['iteration']} is not this directory's iteration {step}")
-    common = common_of(raw["common"], common_file, exact=True)
-    check_step(common, step, common_file)
-    files = listed_files(ours["files"], ours, meta_file, prefix=ours["prefix"])
-    tensors = chunks_of(
-        meta,
-        meta_file,
-        lambda entries: next(
-            (e["file_name"] for e in entries if isinstance(e, dict) and e.get("file_name") in files), None
-        ),
-    )
-    place_entries(files, tensors, directory, flat=False)
-    facts = {k: v for k, v in ours.items() if k not in OURS_FIELDS}
-    _check_export_facts(facts.get("model"), f"{meta_file}: ray_resume.model")
-    return Iteration(
-        root, step, directory, common, facts, "ray_resume", ours["world_size"], ours["block_size"], files, tensors, raw
-    )
-
-
-# ----------------------------------------------------------------------------- what a commit writes
-
-
-def _check_export_facts(facts: Any, where: str) -> None:
-    """`ray_resume.model` (state.export_facts), where present: what an export writes from it."""
-    if facts is None:
-        return
-    tied, hf = (facts.get("tied"), facts.get("transformers")) if isinstance(facts, dict) else (None, None)
-    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
-        raise CheckpointError(f"{where}.tied must map tensor names to tensor names")
-    if hf is not None and not (
-        isinstance(hf, dict)
-        and isinstance(hf.get("prefix"), str)
-        and isinstance(hf.get("config"), dict)
-        and isinstance(hf["config"].get("architectures"), list)
-    ):
-        raise CheckpointError(f"{where}.transformers must hold 'prefix' and a 'config' with an 'architectures' list")
 
 
 def readable_by_mindformers(it: Iteration, kind: str, name: str) -> bool:

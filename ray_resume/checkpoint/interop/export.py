@@ -4,12 +4,12 @@ weights are read whole by loader.read_export)."""
 
 from __future__ import annotations
 
-from ..errors import CheckpointError
-from . import names, paths
-from .plan import TensorSpec
-from .iterations import read_header
-from .schema import parse_json
-from .storage import Storage
+from ...errors import CheckpointError
+from ..format import names, paths
+from ..format.plan import TensorSpec
+from ..io.iterations import read_header
+from ..format.schema import parse_json
+from ..io.storage import Storage
 
 
 EXPORT_FILE = "model.safetensors"

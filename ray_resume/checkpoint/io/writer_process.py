@@ -32,8 +32,8 @@ import sys
 import weakref
 from collections.abc import Callable
 
-from .. import wire
-from ..errors import WriterDied
+from ... import wire
+from ...errors import WriterDied
 from .shard_file import ShardFile, write_file
 from .storage import storage_for, wrappers
 

@@ -1,6 +1,6 @@
 """`parse_iteration`: the three kinds of iteration ray_resume reads, as one `schema.Iteration`.
 
-Format 5 (ours, MindFormers' schema: `schema.parse_ours`); format 4 (ours before MindFormers'
+Format 5 (ours, MindFormers' schema: `parse_ours`); format 4 (ours before MindFormers'
 schema; read, never written); and one MindFormers' `save_checkpoint` wrote, with its metadata.json
 or, for a single card, its shards alone, which its own loader reads by their safetensors headers.
 Pure: the caller reads the files.
@@ -8,8 +8,10 @@ Pure: the caller reads the files.
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import names, paths
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from .plan import Piece, TensorSpec, format4_pieces
 from .schema import (
     CKPT_NORMAL,
@@ -25,7 +27,6 @@ from .schema import (
     place_entries,
     check_fields,
     local_shape,
-    parse_ours,
 )
 
 
@@ -39,6 +40,68 @@ def parse_iteration(raw: dict, root: str, step: int) -> Iteration:
     if meta is not None and "format_version" in meta:
         return _parse_format4(raw, root, step, directory)
     return _parse_mindformers(raw, root, step, directory)
+
+
+OURS_FIELDS = {
+    "format_version": int,
+    "iteration": int,
+    "world_size": int,
+    "block_size": int,
+    "prefix": str,
+    "files": dict,
+}
+
+
+def parse_ours(raw: dict, root: str, step: int, directory: str) -> Iteration:
+    meta_file, common_file = paths.join(directory, paths.METADATA), paths.join(directory, paths.COMMON)
+    meta = raw["metadata"]
+    ours = meta["ray_resume"]
+    if not isinstance(ours, dict):
+        raise CheckpointError(f"{meta_file}: 'ray_resume' must be an object")
+    check_fields(ours, {"format_version": int}, f"{meta_file}: ray_resume")
+    if ours["format_version"] != paths.FORMAT_VERSION:
+        raise CheckpointError(
+            f"{meta_file}: format_version {ours['format_version']} is not supported by this ray_resume "
+            f"(it reads 4 and {paths.FORMAT_VERSION}); use the ray_resume release that wrote it"
+        )
+    check_fields(ours, OURS_FIELDS, f"{meta_file}: ray_resume")
+    for key in ("world_size", "block_size"):
+        if ours[key] < 1:
+            raise CheckpointError(f"{meta_file}: ray_resume.{key} has the impossible value {ours[key]}")
+    if ours["iteration"] != step:
+        raise CheckpointError(f"{meta_file}: iteration {ours['iteration']} is not this directory's iteration {step}")
+    common = common_of(raw["common"], common_file, exact=True)
+    check_step(common, step, common_file)
+    files = listed_files(ours["files"], ours, meta_file, prefix=ours["prefix"])
+    tensors = chunks_of(
+        meta,
+        meta_file,
+        lambda entries: next(
+            (e["file_name"] for e in entries if isinstance(e, dict) and e.get("file_name") in files), None
+        ),
+    )
+    place_entries(files, tensors, directory, flat=False)
+    facts = {k: v for k, v in ours.items() if k not in OURS_FIELDS}
+    _check_export_facts(facts.get("model"), f"{meta_file}: ray_resume.model")
+    return Iteration(
+        root, step, directory, common, facts, "ray_resume", ours["world_size"], ours["block_size"], files, tensors, raw
+    )
+
+
+def _check_export_facts(facts: Any, where: str) -> None:
+    """`ray_resume.model` (state.export_facts), where present: what an export writes from it."""
+    if facts is None:
+        return
+    tied, hf = (facts.get("tied"), facts.get("transformers")) if isinstance(facts, dict) else (None, None)
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise CheckpointError(f"{where}.tied must map tensor names to tensor names")
+    if hf is not None and not (
+        isinstance(hf, dict)
+        and isinstance(hf.get("prefix"), str)
+        and isinstance(hf.get("config"), dict)
+        and isinstance(hf["config"].get("architectures"), list)
+    ):
+        raise CheckpointError(f"{where}.transformers must hold 'prefix' and a 'config' with an 'architectures' list")
 
 
 FORMAT4_FIELDS = {

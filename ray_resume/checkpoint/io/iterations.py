@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import struct
 
-from ..errors import CheckpointError
-from . import paths
-from .parse import parse_iteration
-from .schema import MAX_HEADER, Iteration, parse_json
+from ...errors import CheckpointError
+from ..format import paths
+from ..format.parse import parse_iteration
+from ..format.schema import MAX_HEADER, Iteration, parse_json
 from .storage import Storage
 
 

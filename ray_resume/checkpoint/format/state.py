@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import names
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 # safetensors dtype tags <-> torch dtypes (the tags the safetensors format defines).
 DTYPES: dict[str, torch.dtype] = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .digest import BlockDigests
+from ..format.digest import BlockDigests
 from .storage import retried
 
 # Bytes handed to one write(): each piece is hashed while still in the CPU cache and

@@ -35,8 +35,8 @@ import socket
 import threading
 import time
 
-from . import paths
-from ..errors import CheckpointError, LeaseLost
+from ..format import paths
+from ...errors import CheckpointError, LeaseLost
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..errors import AsyncSaveError
+from ...errors import AsyncSaveError
 
 logger = logging.getLogger(__name__)
 

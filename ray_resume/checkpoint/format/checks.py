@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from . import names, paths
 from .plan import TensorSpec
 from .state import DTYPE_TAGS, DTYPES, class_path

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import safetensors.torch
 import torch
 
-from . import paths
-from .digest import BlockDigests, hexdigest
-from .plan import Piece, TensorSpec, overlaps
-from .schema import Iteration, StoredFile, parse_json
-from ..errors import CheckpointError
-from .state import DTYPES
+from ..format import paths
+from ..format.digest import BlockDigests, hexdigest
+from ..format.plan import Piece, TensorSpec, overlaps
+from ..format.schema import Iteration, StoredFile, parse_json
+from ...errors import CheckpointError
+from ..format.state import DTYPES
 from .storage import READ_BLOCK, Storage, retried
 from .writer import RANK_EXTRAS_KEY
 
