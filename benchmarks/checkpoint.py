@@ -366,7 +366,7 @@ def _fits(nbytes: float) -> bool:
 def _controller(cfg, job_id: str):
     """The job's controller for `cfg`'s save_path, with the writer lease its commits check (as `run` takes it)."""
     from ray_resume.checkpoint.root import root_for
-    from ray_resume.driver import JobControllerActor
+    from ray_resume.ray_backend import JobControllerActor
 
     os.makedirs(cfg.checkpoint.save_path)
     lease = root_for(cfg.checkpoint.save_path).lease(job_id, cfg.checkpoint.lease_ttl_s)

@@ -265,7 +265,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     from ray_resume.config import SyntheticDataConfig
     from ray_resume.data import ensure_dataset
-    from ray_resume.driver import init_local_ray
+    from ray_resume.ray_backend import init_local_ray
 
     draw = random.Random(args.seed)
     kill_at = [k * args.save_every + draw.randrange(1, args.save_every) for k in range(1, args.kills + 1)]

@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     from ray_resume.config import SyntheticDataConfig
     from ray_resume.data import ensure_dataset
-    from ray_resume.driver import init_local_ray
+    from ray_resume.ray_backend import init_local_ray
 
     init_local_ray(num_cpus=4)
     contenders = {

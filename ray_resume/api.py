@@ -56,7 +56,8 @@ import ray.train
 
 from .checkpoint.restore import Start
 from .config import CheckpointConfig, Config, load_config, redacted
-from .driver import RayTrain, Result, TrainingFailed, launch
+from .driver import Result, TrainingFailed, launch
+from .ray_backend import RayTrain
 from .errors import ConfigError
 from .faults import Fault
 from .plugins import resolve
@@ -153,7 +154,7 @@ def train(
     `config` is a YAML path, a dict or a `ray_resume.config.Config`; `build_model(model_section) ->
     nn.Module`, `loss(model, batch) -> scalar` and `collate(arrays) -> batch` replace the config's import
     paths; all are checked here, before Ray starts. `verbose` keeps Ray Train's and Ray Data's own
-    console lines. `backend` runs the ranks (driver.RayTrain by default; the tests' local processes).
+    console lines. `backend` runs the ranks (ray_backend.RayTrain by default; the tests' local processes).
     `fault` (a `faults.Fault` or its fields) kills a rank or the driver once, on purpose: the tests'
     and the quickstart's drill.
     """

@@ -15,7 +15,7 @@ import ray
 
 from ray_resume.checkpoint.format import paths
 from ray_resume.api import train
-from ray_resume.driver import init_local_ray
+from ray_resume.ray_backend import init_local_ray
 from ray_resume.metrics import read_metrics  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parent.parent

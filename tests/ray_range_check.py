@@ -74,7 +74,7 @@ def main(work: Path, config: dict) -> dict:
     import ray.train
 
     import ray_resume
-    from ray_resume.driver import init_local_ray
+    from ray_resume.ray_backend import init_local_ray
     from ray_resume.metrics import read_metrics
 
     init_local_ray(num_cpus=4)

@@ -19,7 +19,7 @@ from ray_resume.config import (
     apply_overrides,
     load_config,
 )
-from ray_resume.driver import scaling_config
+from ray_resume.ray_backend import scaling_config
 from ray_resume.faults import Fault
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -40,7 +40,7 @@ LAYERS = [
     ["config", "data", "metrics", "optim", "parallel", "plugins", "extra_state", "plot"],
     ["controller"],
     ["rank", "progress", "train_loop"],
-    ["preflight", "driver"],
+    ["preflight", "driver", "ray_backend"],
     ["api"],
     ["run", "cli"],
 ]
@@ -162,6 +162,34 @@ def test_the_job_controller_the_keepers_and_what_they_read_load_no_torch(module)
     code = f"import sys, ray_resume.{module}; print([m for m in ('torch', 'safetensors.torch') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_every_call_to_an_actor_names_its_method_by_its_function():
+    """`calls.call(handle, JobController.report, ...)`, never `"report"`: a method renamed or mistyped
+    fails where the call is written. `calls.serial` marks the controller's methods that change the job's
+    state (the actor's "state" group); the per-step ones stay off it."""
+    from ray_resume.calls import call
+    from ray_resume.controller import JobController
+
+    by_string = [
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", None)) in ("call", "tell", "Polled")
+        and any(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args[1:2])
+    ]
+    assert by_string == []
+    serial = {name for name in dir(JobController) if getattr(getattr(JobController, name), "serial", False)}
+    assert serial == {"report", "start_attempt", "claim_fault", "user_failed"}
+
+    class Plain:
+        def report(self, x):
+            return x + 1
+
+    assert call(Plain(), JobController.report, 1) == 2
+    with pytest.raises(AttributeError):
+        call(Plain(), "report", 1)
 
 
 @pytest.mark.invariant(15)

@@ -199,7 +199,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray_resume.plugins import next_token_loss
 from ray_resume.api import train
-from ray_resume.driver import CONTROLLER_NAME
+from ray_resume.ray_backend import CONTROLLER_NAME
 
 
 def free_port():

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Protocol
 
+from ..calls import tell
 
 ATTACH_S = 60.0
+
+
+class Ledger(Protocol):
+    """What a keeper tells the job's controller (`controller.snapshots.SnapshotLedger`, a part of it)."""
+
+    def replicated(self, step: int, rank: int, node: str) -> None: ...
 
 
 def running_ray():
@@ -50,9 +58,7 @@ class MemoryKeeper:
         ray = running_ray()
         held = self.held[(step, rank)] = [ray.put(snapshot)] if ray else [snapshot]
         if replica:
-            from ..calls import tell
-
-            tell(self.controller, "replicated", step, rank, node_id())
+            tell(self.controller, Ledger.replicated, step, rank, node_id())
         # the ref, resolved on the peer's node: the object travels there, off every rank's path
         elif self.peer is not None:
             self.peer.keep_snapshot.remote(step, rank, held[0], True)

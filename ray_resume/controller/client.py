@@ -1,9 +1,9 @@
 """The job's controller as a rank reaches it: every call a rank makes, one typed method each.
 
 Ranks hold a `ControllerClient` of the controller's handle (its Ray actor; in the tests' harness
-the object itself, served from another process) and never name a method by its string. The
+the object itself, served from another process) and never name a method by a string. The
 checkpoint core is handed the client (or a stand-in with the methods it calls), so it imports
-nothing of the controller's.
+nothing of the controller's. Methods are named by the class's function (`calls.call`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 from ..calls import Polled, call, tell
 from ..checkpoint.format.manifest import Manifest
 from ..errors import RankError
-from .job import AttemptStart
+from ..checkpoint.keeper import MemoryKeeper
+from .job import AttemptStart, JobController
 
 
 class ControllerClient:
@@ -22,54 +23,54 @@ class ControllerClient:
 
     def job_config(self) -> dict:
         """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
-        return call(self.handle, "job_config")
+        return call(self.handle, JobController.job_config)
 
     def start_attempt(self, world: int, process_started: float | None) -> AttemptStart:
         """Rank 0's, once per worker-group start: the new attempt and what it resumes."""
-        start = call(self.handle, "start_attempt", world, process_started)
+        start = call(self.handle, JobController.start_attempt, world, process_started)
         if not isinstance(start, AttemptStart):
             raise TypeError(f"the controller answered start_attempt with a {type(start).__name__}, not an AttemptStart")
         return start
 
     def claim_fault(self) -> bool:
-        return call(self.handle, "claim_fault")
+        return call(self.handle, JobController.claim_fault)
 
     def user_failed(self, error: RankError) -> None:
-        call(self.handle, "user_failed", error)
+        call(self.handle, JobController.user_failed, error)
 
     def stepped(self, attempt: int, step: int) -> None:
         """Rank 0 finished `step` (not waited for)."""
-        tell(self.handle, "stepped", attempt, step)
+        tell(self.handle, JobController.stepped, attempt, step)
 
     def record_final_metrics(self, metrics: dict) -> None:
-        call(self.handle, "record_final_metrics", metrics)
+        call(self.handle, JobController.record_final_metrics, metrics)
 
     def should_stop_polled(self) -> Polled:
         """`should_stop`'s answer (calls.SAVE_AND_STOP, STOP_NOW), asked in the background."""
-        return Polled(self.handle, "should_stop", 0)
+        return Polled(self.handle, JobController.should_stop, 0)
 
     def last_committed_polled(self) -> Polled:
         """The newest iteration this job committed, asked in the background."""
-        return Polled(self.handle, "last_committed")
+        return Polled(self.handle, JobController.last_committed)
 
     def report(self, attempt: int, iteration: int, manifest: Manifest, common: dict) -> bool:
         """This rank's shards of `iteration` are durable; True if that completed a commit."""
-        return call(self.handle, "report", attempt, iteration, manifest, common)
+        return call(self.handle, JobController.report, attempt, iteration, manifest, common)
 
     # the memory tier (checkpoint.memory)
     def keeper_for(self, node: str) -> Any:
         """`node`'s MemoryKeeper (the controller itself where there is none, in the tests' harness)."""
-        return call(self.handle, "keeper_for", node) or self.handle
+        return call(self.handle, JobController.keeper_for, node) or self.handle
 
     def keep_snapshot(self, keeper, step: int, rank: int, snapshot: dict) -> None:
-        call(keeper, "keep_snapshot", step, rank, snapshot)
+        call(keeper, MemoryKeeper.keep_snapshot, step, rank, snapshot)
 
     def snapshotted(self, step: int, rank: int, world: int, node: str) -> None:
-        call(self.handle, "snapshotted", step, rank, world, node)
+        call(self.handle, JobController.snapshotted, step, rank, world, node)
 
     def snapshot_keepers(self, step: int, rank: int) -> list:
         """Where `rank`'s snapshot of `step` is: its node's keeper, then its replica's (None: the controller)."""
-        return [keeper or self.handle for keeper in call(self.handle, "snapshot_keepers", step, rank)]
+        return [keeper or self.handle for keeper in call(self.handle, JobController.snapshot_keepers, step, rank)]
 
     def snapshot_lost(self, step: int) -> None:
-        call(self.handle, "snapshot_lost", step)
+        call(self.handle, JobController.snapshot_lost, step)

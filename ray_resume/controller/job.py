@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from ..calls import SAVE_AND_STOP, STOP_NOW
+from ..calls import SAVE_AND_STOP, STOP_NOW, serial
 from ..errors import LeaseLost, RankError
 from ..faults import Fault
 from ..checkpoint.format import paths
@@ -127,6 +127,7 @@ class JobController(SnapshotLedger, Retention):
         """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
         return self.config
 
+    @serial
     def start_attempt(self, world: int, process_started: float | None = None) -> AttemptStart:
         """Called once per worker-group start by rank 0: a new attempt, and what it resumes."""
         with self.lock:
@@ -160,6 +161,7 @@ class JobController(SnapshotLedger, Retention):
             clock,
         )
 
+    @serial
     def user_failed(self, error: RankError) -> None:
         """A rank hit a mistake of the user's (a loss that is not a scalar...): running it again would
         hit it again, so the group Ray Train restarts for it returns at once and the run ends with it,
@@ -179,6 +181,7 @@ class JobController(SnapshotLedger, Retention):
         if attempt == self.attempt:
             self.reached[-1] = Reached(attempt, step, time.time())
 
+    @serial
     def claim_fault(self) -> bool:
         """True exactly once per job: the injected fault fires a single time."""
         with self.lock:
@@ -221,6 +224,7 @@ class JobController(SnapshotLedger, Retention):
     def last_committed(self) -> int | None:
         return self.committed_by_job[-1] if self.committed_by_job else None
 
+    @serial
     def report(self, attempt: int, iteration: int, manifest: Manifest, common: dict) -> bool:
         """A rank's shards of `iteration` are durable. Returns True if this completed a commit.
 

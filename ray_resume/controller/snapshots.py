@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from ..calls import tell
+from ..checkpoint.keeper import MemoryKeeper
 
 
 class SnapshotLedger:
@@ -88,7 +89,7 @@ class SnapshotLedger:
                 del self.snapshots[older]
             self.replicas = {key: node for key, node in self.replicas.items() if key[0] in self.snapshots}
         for keeper in self.keepers.values() or [self]:
-            tell(keeper, "drop_before", step, keep)
+            tell(keeper, MemoryKeeper.drop_before, step, keep)
 
     def snapshot_lost(self, step: int) -> None:
         """A rank could not fetch its snapshot of `step` (its node is gone): never offered again."""
