@@ -355,7 +355,7 @@ def test_load_config_errors_name_source(tmp_path):
 def test_a_fault_is_injected_never_configured(tmp_path, capsys, monkeypatch):
     """`--fault` (a drill) names a phase, a step and a rank; a mistake in it is one line, exit 2, before
     Ray starts; and a config file has no fault section at all."""
-    import ray_resume.driver
+    import ray_resume.ray_backend
     from ray_resume import run
 
     assert Fault.parse("phase=after_optimizer_step,step=90,rank=1") == Fault("after_optimizer_step", 90, 1)
@@ -363,7 +363,7 @@ def test_a_fault_is_injected_never_configured(tmp_path, capsys, monkeypatch):
     assert problems(cfg(fault={"phase": "before_report", "step": 3}))[0].startswith("x.yaml: fault: unknown key")
     path = write(tmp_path, "name: x\nscaling: {num_workers: 2}\ncheckpoint: {save_path: %s}\n" % (tmp_path / "ck"))
     started = []
-    monkeypatch.setattr(ray_resume.driver, "init_ray", lambda *args: started.append(args))
+    monkeypatch.setattr(ray_resume.ray_backend, "init_ray", lambda *args: started.append(args))
     for fault, says in [
         ("phase=sometime,step=5", "fault phase 'sometime' is not one of after_optimizer_step, mid_shard_write, "),
         ("phase=before_report,step=0", "fault step must be an integer >= 1, got 0"),

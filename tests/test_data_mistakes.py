@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-import ray_resume.driver
+import ray_resume.ray_backend
 from conftest import REPO, driver_checks, env_for_subprocess, run_on_harness, tiny_config
 from ray_resume import run
 
@@ -158,7 +158,7 @@ def mistake(tmp_path: Path, case: str) -> Path:
 def test_a_data_mistake_is_one_line_on_the_driver_exit_2_no_worker_group(tmp_path, case, capsys, monkeypatch):
     started = []
     # where a worker group would begin
-    monkeypatch.setattr(ray_resume.driver, "init_ray", lambda *args: started.append(args))
+    monkeypatch.setattr(ray_resume.ray_backend, "init_ray", lambda *args: started.append(args))
     assert run.main([str(mistake(tmp_path, case))]) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
