@@ -138,6 +138,10 @@ class Progress:
             self._record({"event": "eval", "step": step, "eval_loss": loss, "samples": samples}, flush=True)
         self._say(f"eval at step {step}: loss {loss:.4f} over {samples} held-out samples")
 
+    def async_save_chosen(self, step: int, why: str) -> None:
+        """`checkpoint.async_save: auto` decided at this step's save (for the summary)."""
+        self._record({"event": "async_save_auto", "step": step, "why": why}, flush=True)
+
     def stopped(self, step: int) -> None:
         self.last["stopped"] = True
         self._record({"event": "stop", "step": step}, flush=True)

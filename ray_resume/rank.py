@@ -335,6 +335,12 @@ class RankCheckpointer:
             self.last_snapshot_step = step
             return self._checkpointer.snapshot(step, self._model, optimizer, common, extras)
 
+    def async_chosen_at(self, step: int) -> str | None:
+        """`checkpoint.async_save: auto`'s verdict, in one line, if the save of `step` made it (the same on
+        every rank: rank 0's)."""
+        choice = self._checkpointer.choice
+        return choice.why if choice is not None and choice.decided_at == step else None
+
     @property
     def last_stall_s(self) -> float | None:
         """How long the last save blocked this rank (None before the first)."""

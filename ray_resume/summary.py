@@ -95,10 +95,12 @@ def summarize(
 
     stalls = [r["save_stall_s"] for r in mine if "save_stall_s" in r and r.get("event") is None]
     saves = sum(1 for r in steps if r.get("saved"))
+    chosen = next((r["why"] for r in mine if r.get("event") == "async_save_auto"), None)
     if saves:
         lines.append(
             f"{saves} saves; training blocked {statistics.mean(stalls):.3f} s per save on average, "
             f"{max(stalls):.3f} s at most (any rank)"
+            + (f"; checkpoint.async_save auto chose {chosen}" if chosen else "")
         )
 
     parts = {r["attempt"]: r for r in mine if r["rank"] == 0 and r.get("event") == "restart"}

@@ -153,6 +153,8 @@ def train_worker(ck, device, plugins, *, stream=SampleStream, preempted=lambda: 
             flush=snapshot,
             data_bytes=samples.bytes_read,
         )
+        if saved and (why := ck.async_chosen_at(step)):
+            progress.async_save_chosen(step, why)
         if evaluate and (step % train.eval_every == 0 or step == train.train_steps):
             progress.evaluated(step, *evaluate(model))
         if rank == 0:

@@ -26,6 +26,7 @@ import torch
 import storage_faults
 from conftest import commit_by_hand, shard_bytes, tiny_config
 from ray_resume.checkpoint import checkpointer as checkpointer_module
+from ray_resume.checkpoint.async_choice import AsyncChoice
 from ray_resume.checkpoint.format import state
 from ray_resume.errors import AsyncSaveError
 from ray_resume.checkpoint.checkpointer import Checkpointer
@@ -146,6 +147,69 @@ def test_sync_thread_and_process_saves_write_identical_files(tmp_path, dtype):
         for name, tensor in loaded.items():
             assert torch.equal(tensor, held[name]), name
     assert set(load_rank_extras(ShardReader(LocalStorage(), it), 1)) == {"rng_torch", "rng_numpy", "rng_python"}
+
+
+@pytest.mark.parametrize(
+    "after_async, waited, chosen",
+    [(1.0, 0.0, True), (1.05, 0.0, False), (1.0, 0.45, False)],
+    ids=["steps-as-fast", "steps-slower", "a-write-waited-for"],
+)
+def test_auto_weighs_a_sync_stall_against_an_async_one_and_what_the_steps_after_it_lost(after_async, waited, chosen):
+    """Saves every 10 steps of 1 s: the sync save blocks 0.5 s, the async one 0.1 s. Async wins while the
+    steps after it are as fast as after the sync save; not when they lose 0.05 s each, nor when the next
+    save waits 0.45 s for its write."""
+    choice = AsyncChoice()
+    ways = []
+    for step, entered, left in [(10, 0.0, 0.2), (20, 10.2, 10.7), (30, 20.7, 20.8)]:
+        ways.append(choice.next_is_async())
+        choice.saved(step, entered, left)
+    assert ways == [False, False, True] and choice.next_is_async() is None
+    verdict, why = choice.measure(40, 20.8 + 10 * after_async, waited)
+    assert verdict is chosen
+    if not waited and chosen:
+        assert why == (
+            "async: a sync save blocked training 0.500 s, an async one 0.100 s and the 10 steps after it took "
+            "+0.000 s more than those after the sync save, its write included (0.100 s in all)"
+        )
+    choice.decide(40, verdict, why)
+    choice.saved(40, 30.0, 30.1)
+    assert choice.next_is_async() is chosen and len(choice.timed) == 3
+
+
+def test_async_save_auto_measures_three_saves_then_saves_the_cheaper_way_and_the_same_bytes(tmp_path):
+    """`async_save: auto`: saves 1 and 2 sync (1 warms up the buffers), 3 async (reported by the writer
+    thread), from 4 the way the measures say; every iteration's files are a sync checkpointer's."""
+    model, opt = make_state()
+    began = [p.detach().clone() for p in model.parameters()]
+    ways = {}
+    for mode, settings in (("auto", {"async_save": "auto", "async_writer": "thread"}), ("sync", MODES["sync"])):
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), began):
+                p.copy_(value)
+        coordinator = FakeCoordinator()
+        reported_by = []
+        coordinator.report = lambda attempt, step, *rest, by=reported_by: by.append(
+            (step, threading.current_thread().name)
+        )
+        ck = checkpointer_for(tmp_path / mode / "ckpt", 0, 1, coordinator=coordinator, **settings)
+        for step in range(1, 7):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.5)  # a step: the save must hold this step's weights, not a later one's
+            time.sleep(0.05)
+            torch.manual_seed(step)
+            ck.save(step, model, opt, {"global_step": step})
+        ck.close()
+        ways[mode] = sorted(reported_by)
+        if mode == "auto":
+            choice = ck.choice
+    chose = choice.decided
+    assert choice.decided_at == 4 and choice.why.startswith("async:" if chose else "sync:"), choice.why
+    background = [name.startswith("ckpt-writer-0") for _, name in ways["auto"]]
+    assert background == [False, False, True, chose, chose, chose]
+    assert all(name == "MainThread" for _, name in ways["sync"])
+    for step in range(1, 7):
+        assert files_of(tmp_path / "auto" / "ckpt", step) == files_of(tmp_path / "sync" / "ckpt", step), step
 
 
 def test_auto_writes_a_small_share_in_the_thread_and_a_large_one_in_a_process(tmp_path, monkeypatch):

@@ -5,8 +5,10 @@ resharding, in seconds; the Ray Train runs in tests/test_resume_e2e.py show what
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -72,6 +74,21 @@ def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, loc
     # The last (async) save was waited for by every rank of the last attempt before it returned.
     waits = [r for r in read_metrics(root) if r.get("event") == "save_wait"]
     assert {r["rank"] for r in waits if r["attempt"] == restarts[1]["attempt"]} == {0, 1}
+
+
+def test_async_save_auto_is_decided_by_rank_0_for_every_rank_and_said_in_the_summary(tmp_path, caplog):
+    """`checkpoint.async_save: auto` on a job saving every 2 steps: its 4th save (step 8) decides, every
+    rank records rank 0's verdict, and the run's summary line says it."""
+    cfg = tiny_config(tmp_path, checkpoint={"save_interleaved_steps": 2, "async_save": "auto"})
+    with caplog.at_level(logging.INFO, logger="ray_resume"):
+        run_on_harness(cfg)
+    records = read_metrics(cfg["checkpoint"]["save_path"])
+    chosen = {r["rank"]: (r["step"], r["why"]) for r in records if r.get("event") == "async_save_auto"}
+    assert chosen.keys() == {0, 1} and chosen[0] == chosen[1] and chosen[0][0] == 8, chosen
+    why = chosen[0][1]
+    assert re.fullmatch(r"(async|sync): a sync save blocked training \d+\.\d{3} s, an async one .+ in all\)", why), why
+    summary = [r.getMessage() for r in caplog.records if "saves; training blocked" in r.getMessage()]
+    assert len(summary) == 1 and summary[0].endswith(f"; checkpoint.async_save auto chose {why}"), summary
 
 
 @pytest.mark.invariant(2, 3)

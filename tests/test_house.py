@@ -30,6 +30,7 @@ LAYERS = [
         "checkpoint.interop",
         "checkpoint.checkpointer",
         "checkpoint.restore",
+        "checkpoint.async_choice",
         "checkpoint.loader",
         "checkpoint.commit",
         "checkpoint.fallback",

@@ -19,6 +19,7 @@ from . import memory
 from .format import paths, state
 from .io.async_save import BackgroundSave
 from .fallback import fall_back
+from .async_choice import AsyncChoice
 from .restore import Start, restore_committed, restore_dcp, restore_export
 from .loader import (
     assign,
@@ -43,6 +44,8 @@ class Checkpointer:
         self.writer: ProcessWriter | None = None  # async: the writer process, if one writes them (writer_process)
         if writes_in_a_process(ckpt, None):  # asked for: started now, its imports done by the first save
             self._start_writer()
+        self._writer_chosen = False  # `async_writer: auto` decides at the first save that may go async
+        self.choice = AsyncChoice() if ckpt.async_save == "auto" else None  # `async_save: auto`'s measures
         self.background = BackgroundSave(f"ckpt-writer-{rank}")
         self.memory_sender = BackgroundSave(f"ckpt-memory-{rank}")  # the memory tier's: one snapshot in flight
         self.keeper = None  # this node's MemoryKeeper, once asked
@@ -117,7 +120,8 @@ class Checkpointer:
 
         With `checkpoint.async_save` (default) the share is copied into the
         reused snapshot buffers and a background thread writes and reports
-        it; otherwise both happen here. Either way the time the loop was
+        it; otherwise both happen here (`auto`: as the first saves measure,
+        checkpoint.async_choice). Either way the time the loop was
         blocked here (a previous save still being written included) is
         logged and left in `last_stall_s`. An error of a background save is
         raised here (or by `finish()`), never dropped.
@@ -125,6 +129,7 @@ class Checkpointer:
         self.background.poll()
         start = time.perf_counter()
         waited = self.background.wait()  # a new save waits for the previous one (its buffers are reused)
+        in_background = self._in_background(step, start, waited)
         states = {
             paths.MODEL_KIND: state.with_rank0_buffers(model, state.model_tensors(model), collective_device()),
             paths.OPTIM_KIND: None if self.ckpt.no_save_optim else optimizer.state_tensors(),
@@ -143,30 +148,48 @@ class Checkpointer:
             world_size=self.world_size,
             rank_extras=rng,
         )
-        if self.ckpt.async_save:
-            if (
-                self.writer is None
-                and not self.stalls
-                and writes_in_a_process(self.ckpt, sum(s.nbytes for s in shards))
-            ):
-                self._start_writer()  # `auto` decides at the first save (none stalled yet), by this rank's share
+        warming_up = self.choice is not None and self.choice.warming_up
+        if in_background or warming_up:
+            if not self._writer_chosen and self.writer is None:
+                if writes_in_a_process(self.ckpt, sum(s.nbytes for s in shards)):  # by this rank's share
+                    self._start_writer()
+            self._writer_chosen = True
             if self.writer is not None:
                 self.writer.ensure_started()  # on this thread: the writer dies with it (writer_process)
-            shards = [(s, self.snapshots.take(s, states[s.kind], len(f.head))) for s, f in zip(shards, files)]
-            self.background.submit(step, lambda: self._write_and_report(step, shards, files, rng, common, self.writer))
-        else:
+            snapped = [(s, self.snapshots.take(s, states[s.kind], len(f.head))) for s, f in zip(shards, files)]
+        if in_background:
+            self.background.submit(step, lambda: self._write_and_report(step, snapped, files, rng, common, self.writer))
+        else:  # (warming up for `auto`, the snapshot was taken only to have its buffers' pages in place)
             self._write_and_report(step, [(s, live_data(s, states[s.kind])) for s in shards], files, rng, common)
         stall = time.perf_counter() - start
         self.last_stall_s = stall
         self.stalls.append((step, stall))
+        if self.choice is not None:
+            self.choice.saved(step, start, start + stall)
         logger.debug(
             "rank %d: save of iteration %d blocked training %.3f s (%s; %.3f s of it waiting for the previous save)",
             self.rank,
             step,
             stall,
-            "async" if self.ckpt.async_save else "sync",
+            "async" if in_background else "sync",
             waited,
         )
+
+    def _in_background(self, step: int, asked: float, waited: float) -> bool:
+        """Whether the save of `step` is written in the background: `async_save`, or with `auto` as the
+        group's first saves measure (rank 0 decides for all at the fourth, async_choice)."""
+        if self.choice is None:
+            return bool(self.ckpt.async_save)
+        now = self.choice.next_is_async()
+        if now is None:
+            choice, why = decided_by_rank0(
+                lambda: self.choice.measure(step, asked, waited), self.rank, "decide checkpoint.async_save: auto"
+            )
+            self.choice.decide(step, choice, why)
+            if self.rank == 0:
+                logger.info("checkpoint.async_save auto, at iteration %d: %s", step, why)
+            now = choice
+        return now
 
     def snapshot(self, step: int, model, optimizer, common: dict, extras: dict[str, str]) -> int:
         """Copy this rank's whole state at `step` and send it to its node's MemoryKeeper in the

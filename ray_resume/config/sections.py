@@ -269,7 +269,8 @@ class CheckpointConfig(_Section):
     no_load_optim: bool = False  # weights only: step 0, data from the start, the optimizer new (docs/scenarios.md B)
     # each byte read off storage once, by one rank, and broadcast to the others (docs/scenarios.md D)
     load_balanced: bool = False
-    async_save: bool = True  # write shards in the background; training only waits for a snapshot copy
+    # write shards in the background, training waiting only for a snapshot copy (true), or on the training thread (false); auto: the group's first saves time both ways and it saves the cheaper way from its 4th save on (docs/how-it-works.md)
+    async_save: Union[bool, Literal["auto"]] = True
     # who writes an async save: a writer process beside the rank (its own interpreter, nice 19) or a thread in it; auto: the process on CPU ranks (Linux), the thread (pinned buffers) on GPU ranks
     async_writer: Literal["auto", "process", "thread"] = "auto"
     prefix: SafeName = "ckpt"  # shard file name prefix
@@ -289,6 +290,14 @@ class CheckpointConfig(_Section):
             raise ConfigError(
                 f"checkpoint.memory_interleaved_steps must be an integer >= 0 or auto, {got(value)}"
             ) from None
+
+    @field_validator("async_save", mode="wrap")
+    @classmethod
+    def _bool_or_auto(cls, value: Any, handler) -> Union[bool, str]:
+        try:
+            return handler(value)
+        except ValidationError:  # one line, not one per member of the union
+            raise ConfigError(f"checkpoint.async_save must be true, false or auto, {got(value)}") from None
 
     @field_validator("save_path")
     @classmethod
