@@ -21,7 +21,8 @@ drift. The figure is the median over rounds of the pair's ratio, with the spread
 and highest).
 
 Contenders: ours sync; ours async with a writer thread; ours async with a writer
-process (`checkpoint.async_writer`); DCP `save`; DCP `async_save` with its thread and with its
+process (`checkpoint.async_writer`); ours with `checkpoint.async_save: auto` (its measuring saves
+in the window: what a run of that length gets; what it chose is printed); DCP `save`; DCP `async_save` with its thread and with its
 process executor (`AsyncCheckpointerType.PROCESS`).
 """
 
@@ -54,11 +55,12 @@ from benchmarks.checkpoint import (
     teardown,
 )
 
-CONTENDERS = ["sync", "async_thread", "async_process", "dcp", "dcp_async_thread", "dcp_async_process"]
+CONTENDERS = ["sync", "async_thread", "async_process", "auto", "dcp", "dcp_async_thread", "dcp_async_process"]
 OURS = {
     "sync": {"async_save": False},
     "async_thread": {"async_save": True, "async_writer": "thread"},
     "async_process": {"async_save": True, "async_writer": "process"},
+    "auto": {"async_save": "auto"},  # its first saves measure both ways, the 4th decides (checkpoint.async_choice)
 }
 
 
@@ -128,6 +130,7 @@ class TrainingRank(Rank):
             "stalls": stalls,
             # the window's saves: the copies (or writes) of first+every..last, the background writes of first..last-every
             "save_cpu_s": (save_cpu + writer_cpu[last] - writer_cpu[first]) / ((last - first) // every) if ck else None,
+            "chose": ck.choice.why if ck and ck.choice and ck.choice.decided is not None else None,
         }
 
 
@@ -158,6 +161,7 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
         rates: dict[str, list[float]] = {}
         save_cpu: dict[str, list[float]] = {}  # CPU seconds a save of ours costs a rank (median of the ranks)
         stalls: dict[str, list[float]] = {}
+        chose: dict[str, list[str]] = {}  # `auto`'s verdict in each run (rank 0's)
         pairs: dict[str, list[tuple[float, float]]] = {}  # (steps/s, steps/s of the run without saves beside it)
 
         def run(mode: str, k: int, i: int) -> float:
@@ -179,6 +183,9 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
                 save_cpu.setdefault(key, []).append(statistics.median(x["save_cpu_s"] for x in res))
             stalls.setdefault(key, []).extend(max(s) for s in zip(*(x["stalls"] for x in res)) if s)
             cpu = f", {save_cpu[key][-1]:.3f} CPU s a save" if key in save_cpu else ""
+            if res[0]["chose"]:
+                chose.setdefault(key, []).append(res[0]["chose"])
+                cpu += f", auto chose {res[0]['chose']}"
             print(f"[throughput] {size} round {i + 1}: {key} {rates[key][-1]:.3f} steps/s{cpu}", flush=True)
             return rates[key][-1]
 
@@ -193,7 +200,7 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
                     rate = run(mode, k, i)
                     never = run("never", k, i)
                 pairs.setdefault(f"{mode}@{k}", []).append((rate, never))
-        return summarize(setup[0]["params"], rates, pairs, stalls, save_cpu, intervals, cycles)
+        return summarize(setup[0]["params"], rates, pairs, stalls, save_cpu, chose, intervals, cycles)
     finally:
         teardown(workers, held, root)
 
@@ -210,6 +217,7 @@ def summarize(
     pairs: dict[str, list[tuple[float, float]]],
     stalls: dict[str, list[float]],
     save_cpu: dict[str, list[float]],
+    chose: dict[str, list[str]],
     intervals,
     cycles,
 ) -> dict:
@@ -233,6 +241,7 @@ def summarize(
             "save_cpu_spread": [round(min(save_cpu[key]), 4), round(max(save_cpu[key]), 4)]
             if key in save_cpu
             else None,
+            **({"auto_chose": chose[key]} if key in chose else {}),
         }
     return out
 
@@ -270,6 +279,9 @@ def table(results: dict) -> str:
                     for c in cells
                 )
             )
+        for key, c in r["contenders"].items():
+            for why in c.get("auto_chose", []):
+                lines.append(f"- {key}, `async_save: auto` chose {why}")
         lines.append("")
     return "\n".join(lines)
 
