@@ -372,7 +372,7 @@ def _controller(cfg, job_id: str):
     lease = root_for(cfg.checkpoint.save_path).lease(job_id, cfg.checkpoint.lease_ttl_s)
     lease.acquire()
     lease.keep_renewed()
-    controller = JobControllerActor.remote(cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid())
+    controller = JobControllerActor.remote(cfg.checkpoint.save_path, job_id, cfg, os.getpid())
     ray.get(controller.start_attempt.remote(cfg.scaling.max_workers))  # attempt 0
     return controller, lease
 

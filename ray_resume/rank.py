@@ -90,7 +90,7 @@ def rank_entry(loop_config: dict) -> None:
 
     launch: RankLaunch = loop_config[INTERNAL]
     controller = ControllerClient(launch.controller)
-    cfg = Config.from_dict(controller.job_config())  # the train_loop_config Ray Train shows is redacted
+    cfg = controller.job_config()  # the train_loop_config Ray Train shows is redacted
     ctx = ray.train.get_context()
     run_rank(
         cfg,

@@ -65,7 +65,7 @@ class RayTrain:
         # On the driver's node: the commit must run where the driver does (it dies with it).
         keepers = start_keepers() if cfg.checkpoint.memory_interleaved_steps else {}
         controller = JobControllerActor.options(scheduling_strategy=here, name=f"{CONTROLLER_NAME}{job_id}").remote(
-            cfg.checkpoint.save_path, job_id, cfg.to_dict(), os.getpid(), keepers, plan, launch.fault
+            cfg.checkpoint.save_path, job_id, cfg, os.getpid(), keepers, plan, launch.fault
         )
         ring = list(keepers.values())
         for i, keeper in enumerate(ring):  # not waited for: they start beside the first group (MemoryKeeper.attached)

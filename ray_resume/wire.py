@@ -1,8 +1,12 @@
 """Messages between our own processes on one node: length-prefixed JSON over a Unix socket, with
-file descriptors passed alongside (SCM_RIGHTS). The writer process speaks it."""
+file descriptors passed alongside (SCM_RIGHTS). The writer process speaks it.
+
+A message is a frozen dataclass of its protocol, sent as `{"op": its class name, its fields}` and
+made that class again where it is received (`receive` checks its kind and its fields there)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -10,19 +14,30 @@ import struct
 from collections.abc import Sequence
 
 
-def send(conn: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
-    body = json.dumps(message).encode()
+def send(conn: socket.socket, message, fds: Sequence[int] = ()) -> None:
+    body = json.dumps({"op": type(message).__name__, **dataclasses.asdict(message)}).encode()
     socket.send_fds(conn, [struct.pack("!I", len(body)) + body], fds)
 
 
-def receive(conn: socket.socket, timeout: float | None = 5.0, max_fds: int = 3) -> tuple[dict, list[int]]:
-    """One message and the file descriptors that came with it; ConnectionError when the peer is gone."""
+def receive(
+    conn: socket.socket, expected: tuple[type, ...], timeout: float | None = 5.0, max_fds: int = 3
+) -> tuple[object, list[int]]:
+    """One message, one of the `expected` classes, and the file descriptors that came with it;
+    ConnectionError when the peer is gone or says what the protocol does not."""
     conn.settimeout(timeout)
     head, fds, _, _ = socket.recv_fds(conn, 4, max_fds)
     try:
         if len(head) < 4:
             raise ConnectionError("no message")
-        return json.loads(_read(conn, struct.unpack("!I", head)[0])), fds
+        fields = json.loads(_read(conn, struct.unpack("!I", head)[0]))
+        op = fields.pop("op", None)
+        kind = next((cls for cls in expected if cls.__name__ == op), None)
+        if kind is None:
+            raise ConnectionError(f"expected {' or '.join(c.__name__ for c in expected)}, got {fields}")
+        try:
+            return kind(**fields), fds
+        except TypeError as exc:  # a field missing or not the class's
+            raise ConnectionError(f"a malformed {kind.__name__}: {exc}") from None
     except BaseException:
         close(fds)
         raise

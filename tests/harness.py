@@ -85,7 +85,7 @@ class DriverSide(controller_module.JobController, MemoryKeeper):
     """
 
     def __init__(
-        self, save_path: str, job_id: str, config: dict, plan=None, storage_faults=None, setup=None, fault=None
+        self, save_path: str, job_id: str, config: Config, plan=None, storage_faults=None, setup=None, fault=None
     ):
         _prepare(storage_faults, setup)
         controller_module.JobController.__init__(
@@ -315,7 +315,7 @@ class LocalBackend:
             controller = getattr(driver, self.controller)(
                 cfg.checkpoint.save_path,
                 launch.job_id,
-                cfg.to_dict(),
+                cfg,
                 plan,
                 self.storage_faults,
                 self.setup,

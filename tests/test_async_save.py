@@ -212,6 +212,28 @@ def test_async_save_auto_measures_three_saves_then_saves_the_cheaper_way_and_the
         assert files_of(tmp_path / "auto" / "ckpt", step) == files_of(tmp_path / "sync" / "ckpt", step), step
 
 
+def test_the_writer_process_protocol_takes_its_own_messages_whole_and_nothing_else():
+    """What a rank and its writer say crosses as the message class it is (`wire`); a message of another
+    kind, or one missing a field, is refused where it arrives, naming what was wrong."""
+    import json
+    import socket
+    import struct
+
+    from ray_resume import wire
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    write = writer_process.Write("xxh3", False, [writer_process.ToWrite("a/b", "model", "aGk=", [3], [0, 3])])
+    wire.send(ours, write)
+    assert wire.receive(theirs, (writer_process.Setup, writer_process.Write)) == (write, [])
+    wire.send(ours, writer_process.Go())
+    with pytest.raises(ConnectionError, match=r"expected Setup or Buffer, got \{\}"):
+        wire.receive(theirs, (writer_process.Setup, writer_process.Buffer))
+    body = json.dumps({"op": "Buffer", "kind": "model"}).encode()
+    ours.sendall(struct.pack("!I", len(body)) + body)
+    with pytest.raises(ConnectionError, match="a malformed Buffer: .*'nbytes'"):
+        wire.receive(theirs, (writer_process.Buffer,))
+
+
 def test_auto_writes_a_small_share_in_the_thread_and_a_large_one_in_a_process(tmp_path, monkeypatch):
     model, opt = make_state()
     small = checkpointer_for(tmp_path / "small", 0, 1)  # async_writer: auto, the default

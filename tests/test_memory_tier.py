@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import harness
 from conftest import assert_same_as_reference, per_step, read_metrics, run_driver, run_on_harness, tiny_config
 from ray_resume.checkpoint.keeper import MemoryKeeper
 from ray_resume.checkpoint.memory import pack, unpack
+from ray_resume.config import Config
 from ray_resume.controller import JobController
 
 
@@ -129,7 +131,8 @@ def test_a_lost_snapshot_sends_every_rank_to_storage(tmp_path, local_reference):
 
 class Keeping(JobController, MemoryKeeper):
     def __init__(self):
-        JobController.__init__(self, "", "job", {"checkpoint": {"storage": {}, "enable_save": False}}, driver_pid=0)
+        config = Config.from_dict(tiny_config(Path("unused"), checkpoint={"enable_save": False, "save_path": ""}))
+        JobController.__init__(self, "", "job", config, driver_pid=0)
         MemoryKeeper.__init__(self)
 
 

@@ -247,7 +247,7 @@ def test_clearing_what_was_never_committed_spares_what_it_cannot_look_at(tmp_pat
     run_on_harness(cfg)  # commits 4, 8, 12
     root = Path(cfg["checkpoint"]["save_path"])
     (root / paths.iteration_dirname(4) / paths.COMMON).unlink()  # 4: a deletion cut short
-    controller = JobController(str(root), "clearer", Config.from_dict(cfg).to_dict(), driver_pid=0)
+    controller = JobController(str(root), "clearer", Config.from_dict(cfg), driver_pid=0)
     controller.lease.acquire()
     controller.attempt = 0
     common_8 = str(root / paths.iteration_dirname(8) / paths.COMMON)

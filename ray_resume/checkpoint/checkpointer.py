@@ -20,6 +20,7 @@ from .format import paths, state
 from .io.async_save import BackgroundSave
 from .fallback import fall_back
 from .async_choice import AsyncChoice
+from .keeper import Snapshot
 from .restore import Start, restore_committed, restore_dcp, restore_export
 from .loader import (
     assign,
@@ -196,15 +197,13 @@ class Checkpointer:
         background (see checkpoint.memory); the bytes of its tensors."""
         start = time.perf_counter()
         self.memory_sender.wait()  # at most one snapshot in flight: memory stays bounded
-        snap = {
-            "tensors": {
-                paths.MODEL_KIND: memory.pack(state.model_tensors(model)),
-                paths.OPTIM_KIND: memory.pack(optimizer.state_tensors()),
-            },
-            "rng": state.capture_rng(),
-            "extras": dict(extras),
-            "common": dict(common),
-        }
+        snap = Snapshot(
+            model=memory.pack(state.model_tensors(model)),
+            optim=memory.pack(optimizer.state_tensors()),
+            rng=state.capture_rng(),
+            extras=dict(extras),
+            common=dict(common),
+        )
         if self.keeper is None:
             node = memory.node_id()
             self.keeper = (self.controller.keeper_for(node), node)
@@ -223,7 +222,7 @@ class Checkpointer:
         logger.debug(
             "rank %d: memory snapshot of step %d blocked training %.3f s", self.rank, step, time.perf_counter() - start
         )
-        return sum(data.nbytes for kind in snap["tensors"].values() for _, _, data in kind.values())
+        return snap.nbytes
 
     def restore_snapshot(self, model, optimizer, step: int) -> tuple[Start, dict[str, str]] | None:
         """This rank's state from its memory snapshot of `step`; None on every rank if any rank's
@@ -253,15 +252,17 @@ class Checkpointer:
                 self.controller.snapshot_lost(step)
                 logger.warning("the memory snapshot of step %d is not complete any more: restoring from storage", step)
             return None
-        assign(state.model_tensors(model), memory.unpack(snap["tensors"][paths.MODEL_KIND]))
-        optimizer.load_state_tensors(memory.unpack(snap["tensors"][paths.OPTIM_KIND]))
-        common = snap["common"]
+        if not isinstance(snap, Snapshot):
+            raise TypeError(
+                f"rank {self.rank}: its memory snapshot of step {step} came back as a {type(snap).__name__}"
+            )
+        assign(state.model_tensors(model), memory.unpack(snap.model))
+        optimizer.load_state_tensors(memory.unpack(snap.optim))
         if optimizer.scaler:
-            optimizer.scaler.load(common)
-        state.restore_rng(snap["rng"])
-        return Start(common["global_step"], common["consumed_samples"], memory.MEMORY_SOURCE.format(step=step)), snap[
-            "extras"
-        ]
+            optimizer.scaler.load(snap.common)
+        state.restore_rng(snap.rng)
+        source = memory.MEMORY_SOURCE.format(step=step)
+        return Start(snap.common["global_step"], snap.common["consumed_samples"], source), snap.extras
 
     def close(self) -> float:
         """Wait for the save in flight (so its commit happens before the worker returns); seconds blocked.

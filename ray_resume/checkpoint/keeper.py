@@ -9,11 +9,31 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..calls import tell
 
 ATTACH_S = 60.0
+
+
+Packed = dict[str, tuple[str, list[int], Any]]  # name -> (dtype, shape, its bytes as a numpy array): memory.pack
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One rank's whole state at a step, as the memory tier holds it (made by `Checkpointer.snapshot`,
+    taken back by `Checkpointer.restore_snapshot`; defined here, where no torch is, for the keepers)."""
+
+    model: Packed
+    optim: Packed
+    rng: dict[str, str]  # state.capture_rng()
+    extras: dict[str, str]  # param groups, extra state: the opt header's strings
+    common: dict  # the iteration's common fields, as a save reports them
+
+    @property
+    def nbytes(self) -> int:
+        return sum(data.nbytes for packed in (self.model, self.optim) for _, _, data in packed.values())
 
 
 class Ledger(Protocol):
@@ -52,7 +72,7 @@ class MemoryKeeper:
         self.controller, self.peer = controller, peer
         self.attached.set()
 
-    def keep_snapshot(self, step: int, rank: int, snapshot: dict, replica: bool = False) -> None:
+    def keep_snapshot(self, step: int, rank: int, snapshot: Snapshot, replica: bool = False) -> None:
         self.attached.wait(ATTACH_S)  # past it, this snapshot is kept without a replica
         # ray.put here: the sender's copy is owned by the sender and would die with it.
         ray = running_ray()

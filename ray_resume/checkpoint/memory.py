@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from .keeper import node_id, running_ray
+from .keeper import Snapshot, node_id, running_ray
 from .format.state import local_tensor
 
 MEMORY_SOURCE = "memory snapshot of step {step}"  # what a resume from it names as its source
@@ -96,7 +96,7 @@ def ranks_on_node(world: int) -> int:
     return ray.train.get_context().get_local_world_size()
 
 
-def fetch(keeper, step: int, rank: int) -> dict | None:
+def fetch(keeper, step: int, rank: int) -> Snapshot | None:
     """`rank`'s snapshot of `step` from `keeper`, or None if it has none; raises if the keeper is gone."""
     ray = running_ray()
     if ray is None or not isinstance(keeper, ray.actor.ActorHandle):

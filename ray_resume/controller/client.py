@@ -13,7 +13,8 @@ from typing import Any
 from ..calls import Polled, call, tell
 from ..checkpoint.format.manifest import Manifest
 from ..errors import RankError
-from ..checkpoint.keeper import MemoryKeeper
+from ..checkpoint.keeper import MemoryKeeper, Snapshot
+from ..config import Config
 from .job import AttemptStart, JobController
 
 
@@ -21,7 +22,7 @@ class ControllerClient:
     def __init__(self, handle):
         self.handle = handle  # the JobController's Ray actor handle, or the object
 
-    def job_config(self) -> dict:
+    def job_config(self) -> Config:
         """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
         return call(self.handle, JobController.job_config)
 
@@ -62,7 +63,7 @@ class ControllerClient:
         """`node`'s MemoryKeeper (the controller itself where there is none, in the tests' harness)."""
         return call(self.handle, JobController.keeper_for, node) or self.handle
 
-    def keep_snapshot(self, keeper, step: int, rank: int, snapshot: dict) -> None:
+    def keep_snapshot(self, keeper, step: int, rank: int, snapshot: Snapshot) -> None:
         call(keeper, MemoryKeeper.keep_snapshot, step, rank, snapshot)
 
     def snapshotted(self, step: int, rank: int, world: int, node: str) -> None:

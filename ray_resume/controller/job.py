@@ -39,7 +39,7 @@ from ..checkpoint.format import paths
 from ..checkpoint.commit import commit_iteration
 from ..checkpoint.format.manifest import Manifest
 from ..checkpoint.root import ResumePlan, root_for
-from ..config import redacted
+from ..config import Config, redacted
 from ..summary import Reached, restart_clock
 from .retention import Retention
 from .snapshots import SnapshotLedger
@@ -85,7 +85,7 @@ class JobController(SnapshotLedger, Retention):
         self,
         save_path: str,
         job_id: str,
-        config: dict,
+        config: Config,
         driver_pid: int,
         keepers: dict | None = None,
         first_plan: ResumePlan | None = None,
@@ -97,7 +97,7 @@ class JobController(SnapshotLedger, Retention):
         self.config = config
         self.driver_pid = driver_pid
         self.fault = fault  # the job's injected fault (tests, the quickstart's drill); None in production
-        self.checkpoint_root = root_for(save_path, config["checkpoint"]["storage"]) if save_path else None
+        self.checkpoint_root = root_for(save_path, config.checkpoint.storage) if save_path else None
         self.storage = self.checkpoint_root.storage if save_path else None
         self.first_plan = first_plan or ResumePlan()  # the driver's, for the first start (and restarts before a commit)
         self.attempt = -1
@@ -119,11 +119,11 @@ class JobController(SnapshotLedger, Retention):
         self.lock = threading.RLock()  # attempts, manifests and commits, one at a time (a commit claims its fault)
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")  # in commit order
         self.lease = None
-        if self.storage and config["checkpoint"]["enable_save"]:
+        if self.storage and config.checkpoint.enable_save:
             # The driver took the lease and renews it; every commit checks this job still holds it.
-            self.lease = self.checkpoint_root.lease(job_id, config["checkpoint"]["lease_ttl_s"])
+            self.lease = self.checkpoint_root.lease(job_id, config.checkpoint.lease_ttl_s)
 
-    def job_config(self) -> dict:
+    def job_config(self) -> Config:
         """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
         return self.config
 
@@ -269,8 +269,8 @@ class JobController(SnapshotLedger, Retention):
             iteration,
             manifests,
             common,
-            prefix=self.config["checkpoint"]["prefix"],
-            config=redacted(self.config),
+            prefix=self.config.checkpoint.prefix,
+            config=redacted(self.config.to_dict()),
             job_id=self.job_id,
             fence=self.lease.check if self.lease else lambda: None,
             before_tracker=lambda: self._before_tracker(iteration),

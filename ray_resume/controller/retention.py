@@ -15,6 +15,7 @@ from ..checkpoint.format import paths
 from ..checkpoint.io.iterations import read_tracker
 from ..checkpoint.io.lease import Lease
 from ..checkpoint.io.storage import TEMP_MARK, Storage
+from ..config import Config
 from ..faults import Fault
 
 logger = logging.getLogger("ray_resume.controller")
@@ -22,7 +23,7 @@ logger = logging.getLogger("ray_resume.controller")
 
 class Retention:
     # JobController's, which this mixin reads and keeps up
-    config: dict
+    config: Config
     root: str
     storage: Storage
     deleter: ThreadPoolExecutor  # one thread: deletions in commit order, off the commit's path
@@ -44,7 +45,7 @@ class Retention:
         under the same root, such as the one this job resumed from, are
         never in `committed_by_job`.
         """
-        keep = self.config["checkpoint"]["save_max"]
+        keep = self.config.checkpoint.save_max
         while len(self.committed_by_job) > keep:
             victim = self.committed_by_job.pop(0)
             if victim != tracked:
@@ -121,4 +122,4 @@ class Retention:
         if f and f.at("retention_delete", step) and self.claim_fault():
             self._kill_driver(f"while deleting iteration {step}")
         self.storage.remove_tree(iter_dir)
-        logger.info("retention (save_max=%d): removed iteration %d", self.config["checkpoint"]["save_max"], step)
+        logger.info("retention (save_max=%d): removed iteration %d", self.config.checkpoint.save_max, step)

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ... import wire
 from ...errors import WriterDied
@@ -38,6 +39,61 @@ from .shard_file import ShardFile, write_file
 from .storage import storage_for, wrappers
 
 PR_SET_PDEATHSIG = 1
+
+
+# --- what the rank and its writer say to each other (wire: one class each, checked where received) -----
+
+
+@dataclass(frozen=True)
+class Setup:
+    uri: str  # the checkpoint root
+    storage: dict | None  # its storage options (config.StorageConfig's fields)
+    wrappers: list  # (module, function, args) that install each storage wrapper of the rank's (the tests')
+
+
+@dataclass(frozen=True)
+class Buffer:
+    kind: str  # a snapshot buffer of this kind's shards, its memfd beside the message
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ToWrite:
+    path: str
+    kind: str
+    head: str  # the file's header, base64
+    ends: list  # where each checksum block ends (ShardFile.ends)
+    data: list  # (start, bytes) of its data section in the kind's buffer
+
+
+@dataclass(frozen=True)
+class Write:
+    checksum: str
+    pause_mid: bool  # an injected fault's: a Halfway and a Go per file, else no round trip
+    files: list
+
+    def __post_init__(self):
+        object.__setattr__(self, "files", [f if isinstance(f, ToWrite) else ToWrite(**f) for f in self.files])
+
+
+@dataclass(frozen=True)
+class Written:
+    written: list  # (size, block digests) of each file
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: dict  # _described(exc)
+
+
+@dataclass(frozen=True)
+class Halfway:
+    """Half of a file is written: the rank runs its mid-write hook, then says Go."""
+
+
+@dataclass(frozen=True)
+class Go:
+    pass
 
 
 # Below this many bytes of a rank's share, `auto` keeps the writer thread: the save is over in
@@ -99,15 +155,7 @@ class ProcessWriter:
         theirs.close()
         self._conn, self._lent = ours, {}
         weakref.finalize(self, _end, ours, self._proc)  # a checkpointer dropped mid-run ends its writer too
-        wire.send(
-            ours,
-            {
-                "op": "setup",
-                "uri": self._uri,
-                "storage": self._options,
-                "wrappers": [w.rebuild for w in wrappers if hasattr(w, "rebuild")],
-            },
-        )
+        wire.send(ours, Setup(self._uri, self._options, [w.rebuild for w in wrappers if hasattr(w, "rebuild")]))
 
     def write(
         self, files: list[ShardFile], checksum: str, on_mid_write: Callable[[], None] | None = None
@@ -119,32 +167,19 @@ class ProcessWriter:
             for kind in dict.fromkeys(f.kind for f in files):
                 fd, nbytes, generation = self._buffers.shared(kind)
                 if self._lent.get(kind) != generation:
-                    wire.send(self._conn, {"op": "buffer", "kind": kind, "nbytes": nbytes}, [fd])
+                    wire.send(self._conn, Buffer(kind, nbytes), [fd])
                     self._lent[kind] = generation
-            wire.send(
-                self._conn,
-                {
-                    "op": "write",
-                    "checksum": checksum,
-                    "pause_mid": on_mid_write is not None,  # an injected fault's: else no round trip per file
-                    "files": [
-                        {
-                            "path": f.path,
-                            "kind": f.kind,
-                            "head": base64.b64encode(f.head).decode(),
-                            "ends": f.ends,
-                            "data": self._buffers.placed(f.kind),  # (start, bytes) in the kind's buffer
-                        }
-                        for f in files
-                    ],
-                },
-            )
+            files_to_write = [
+                ToWrite(f.path, f.kind, base64.b64encode(f.head).decode(), f.ends, self._buffers.placed(f.kind))
+                for f in files
+            ]
+            wire.send(self._conn, Write(checksum, on_mid_write is not None, files_to_write))
             while True:
-                reply, _ = wire.receive(self._conn, timeout=None)
-                if "mid" not in reply:
+                reply, _ = wire.receive(self._conn, (Written, Failed, Halfway), timeout=None)
+                if not isinstance(reply, Halfway):
                     break
                 on_mid_write()  # on the rank, as with a thread: a fault may kill the rank here
-                wire.send(self._conn, {"op": "go"})
+                wire.send(self._conn, Go())
         except OSError:  # ConnectionError, BrokenPipeError: the writer is gone, or cannot be reached
             pid = self._proc.pid
             try:
@@ -156,9 +191,9 @@ class ProcessWriter:
             raise WriterDied(
                 f"the writer process (pid {pid}) ended ({_how(code)}) while writing {', '.join(f.name for f in files)}"
             ) from None
-        if "error" in reply:
-            raise _rebuilt(reply["error"])
-        return [(size, digests) for size, digests in reply["written"]]
+        if isinstance(reply, Failed):
+            raise _rebuilt(reply.error)
+        return [(size, digests) for size, digests in reply.written]
 
     def close(self) -> None:
         """End the writer (it exits at the socket's end) and wait for it."""
@@ -202,28 +237,28 @@ def serve(conn: socket.socket) -> None:
     storage, views = None, {}
     while True:
         try:
-            msg, fds = wire.receive(conn, timeout=None, max_fds=1)
-        except OSError:  # the rank closed its end, or is gone
+            msg, fds = wire.receive(conn, (Setup, Buffer, Write), timeout=None, max_fds=1)
+        except OSError:  # the rank closed its end, or is gone (ConnectionError: or it said nonsense)
             return
-        if msg["op"] == "setup":
-            for module, function, args in msg["wrappers"]:
+        if isinstance(msg, Setup):
+            for module, function, args in msg.wrappers:
                 getattr(importlib.import_module(module), function)(*args)
-            storage = storage_for(msg["uri"], msg["storage"])
-        elif msg["op"] == "buffer":
-            views[msg["kind"]] = memoryview(_mapped(fds[0], msg["nbytes"]))
-        elif msg["op"] == "write":
+            storage = storage_for(msg.uri, msg.storage)
+        elif isinstance(msg, Buffer):
+            views[msg.kind] = memoryview(_mapped(fds[0], msg.nbytes))
+        else:
             try:
-                halfway = (lambda: _halfway(conn)) if msg["pause_mid"] else None
+                halfway = (lambda: _halfway(conn)) if msg.pause_mid else None
                 written = []
-                for f in msg["files"]:
-                    start, nbytes = f["data"]
-                    file = ShardFile(f["path"], f["kind"], base64.b64decode(f["head"]), f["ends"])
+                for f in msg.files:
+                    start, nbytes = f.data
+                    file = ShardFile(f.path, f.kind, base64.b64decode(f.head), f.ends)
                     written.append(
-                        write_file(storage, file, [views[f["kind"]][start : start + nbytes]], msg["checksum"], halfway)
+                        write_file(storage, file, [views[f.kind][start : start + nbytes]], msg.checksum, halfway)
                     )
-                wire.send(conn, {"written": written})
+                wire.send(conn, Written(written))
             except Exception as exc:  # reported to the rank, which raises it where a thread would have
-                wire.send(conn, {"error": _described(exc)})
+                wire.send(conn, Failed(_described(exc)))
 
 
 def _mapped(fd: int, nbytes: int) -> mmap.mmap:
@@ -235,8 +270,8 @@ def _mapped(fd: int, nbytes: int) -> mmap.mmap:
 
 def _halfway(conn: socket.socket) -> None:
     """Half of a file is written: the rank runs its mid-write hook, then lets the write go on."""
-    wire.send(conn, {"mid": True})
-    wire.receive(conn, timeout=None)
+    wire.send(conn, Halfway())
+    wire.receive(conn, (Go,), timeout=None)
 
 
 def main(argv: list[str]) -> int:
