@@ -256,6 +256,20 @@ def test_bad_enums():
     ]
 
 
+def test_a_key_that_takes_auto_says_what_else_it_takes_in_one_line():
+    assert problems(cfg(checkpoint={"save_path": "/tmp/c", "async_save": "yes"})) == [
+        "x.yaml: checkpoint.async_save must be true, false or auto, got str 'yes'"
+    ]
+    assert problems(cfg(checkpoint={"save_path": "/tmp/c", "memory_interleaved_steps": -1})) == [
+        "x.yaml: checkpoint.memory_interleaved_steps must be an integer >= 0 or auto, got int -1"
+    ]
+    for value in (True, False, "auto"):
+        assert (
+            Config.from_dict(cfg(checkpoint={"save_path": "/tmp/c", "async_save": value})).checkpoint.async_save
+            is value
+        )
+
+
 @pytest.mark.invariant(6, 13)
 def test_enable_save_requires_save_path():
     assert problems(cfg(checkpoint={"save_path": ""})) == [

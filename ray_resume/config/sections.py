@@ -256,6 +256,9 @@ class StorageConfig(_Section):
     session_token: str = ""  # with temporary keys (env AWS_SESSION_TOKEN when the keys come from the env)
 
 
+_OR_AUTO = {"memory_interleaved_steps": "an integer >= 0 or auto", "async_save": "true, false or auto"}
+
+
 class CheckpointConfig(_Section):
     enable_save: bool = True  # write checkpoints during training
     save_path: str = ""  # checkpoint root: a local/NFS path, file://..., or s3://bucket/prefix
@@ -281,23 +284,15 @@ class CheckpointConfig(_Section):
     # the writer lease on save_path expires this long after a dead job's last renewal
     lease_ttl_s: Number = Field(60.0, gt=0)
 
-    @field_validator("memory_interleaved_steps", mode="wrap")
+    @field_validator("memory_interleaved_steps", "async_save", mode="wrap")
     @classmethod
-    def _steps_or_auto(cls, value: Any, handler) -> Union[int, str]:
+    def _or_auto(cls, value: Any, handler, info: ValidationInfo) -> Union[int, bool, str]:
         try:
             return handler(value)
         except ValidationError:  # one line, not one per member of the union
             raise ConfigError(
-                f"checkpoint.memory_interleaved_steps must be an integer >= 0 or auto, {got(value)}"
+                f"checkpoint.{info.field_name} must be {_OR_AUTO[info.field_name]}, {got(value)}"
             ) from None
-
-    @field_validator("async_save", mode="wrap")
-    @classmethod
-    def _bool_or_auto(cls, value: Any, handler) -> Union[bool, str]:
-        try:
-            return handler(value)
-        except ValidationError:  # one line, not one per member of the union
-            raise ConfigError(f"checkpoint.async_save must be true, false or auto, {got(value)}") from None
 
     @field_validator("save_path")
     @classmethod
