@@ -248,8 +248,8 @@ class RankCheckpointer:
         force: bool = False,
         common: dict | None = None,
     ) -> bool:
-        """Save at every `checkpoint.save_interleaved_steps` (or now, with `force`); True if it saved.
-        Between saves, snapshot into memory every `checkpoint.memory_interleaved_steps`.
+        """Save at every `checkpoint.save_interleaved_steps` (or now, with `force`, which every rank must
+        give alike: a save is the group's); True if it saved. Between saves, snapshot into memory every `checkpoint.memory_interleaved_steps`.
 
         `consumed_samples` and `global_batch_size` go to common.json as your loop gives them (null if
         it never does); `common`: more of its fields (the built-in loop's epoch_num and step_num, data)."""

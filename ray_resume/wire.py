@@ -29,11 +29,14 @@ def receive(
     try:
         if len(head) < 4:
             raise ConnectionError("no message")
-        fields = json.loads(_read(conn, struct.unpack("!I", head)[0]))
-        op = fields.pop("op", None)
+        try:
+            fields = json.loads(_read(conn, struct.unpack("!I", head)[0]))
+        except ValueError as exc:
+            raise ConnectionError(f"a message that is not JSON: {exc}") from None
+        op = fields.pop("op", None) if isinstance(fields, dict) else None
         kind = next((cls for cls in expected if cls.__name__ == op), None)
         if kind is None:
-            raise ConnectionError(f"expected {' or '.join(c.__name__ for c in expected)}, got {fields}")
+            raise ConnectionError(f"expected {' or '.join(c.__name__ for c in expected)}, got {op!r}")
         try:
             return kind(**fields), fds
         except TypeError as exc:  # a field missing or not the class's

@@ -151,13 +151,13 @@ def test_sync_thread_and_process_saves_write_identical_files(tmp_path, dtype):
 
 @pytest.mark.parametrize(
     "after_async, waited, chosen",
-    [(1.0, 0.0, True), (1.05, 0.0, False), (1.0, 0.45, False)],
-    ids=["steps-as-fast", "steps-slower", "a-write-waited-for"],
+    [(1.0, 0.0, True), (1.05, 0.0, False), (1.0, 0.45, False), (0.9, 0.45, False)],
+    ids=["steps-as-fast", "steps-slower", "a-write-waited-for", "faster-steps-are-no-credit"],
 )
 def test_auto_weighs_a_sync_stall_against_an_async_one_and_what_the_steps_after_it_lost(after_async, waited, chosen):
     """Saves every 10 steps of 1 s: the sync save blocks 0.5 s, the async one 0.1 s. Async wins while the
     steps after it are as fast as after the sync save; not when they lose 0.05 s each, nor when the next
-    save waits 0.45 s for its write."""
+    save waits 0.45 s for its write, which steps that happened to run faster do not pay back."""
     choice = AsyncChoice()
     ways = []
     for step, entered, left in [(10, 0.0, 0.2), (20, 10.2, 10.7), (30, 20.7, 20.8)]:
@@ -168,8 +168,9 @@ def test_auto_weighs_a_sync_stall_against_an_async_one_and_what_the_steps_after_
     assert verdict is chosen
     if not waited and chosen:
         assert why == (
-            "async: a sync save blocked training 0.500 s, an async one 0.100 s and the 10 steps after it took "
-            "+0.000 s more than those after the sync save, its write included (0.100 s in all)"
+            "async: a sync save blocked training 0.500 s, an async one 0.100 s, the 10 steps after it took "
+            "+0.000 s more than those after the sync save and the next save waited 0.000 s for its write "
+            "(0.100 s in all)"
         )
     choice.decide(40, verdict, why)
     choice.saved(40, 30.0, 30.1)
@@ -212,6 +213,22 @@ def test_async_save_auto_measures_three_saves_then_saves_the_cheaper_way_and_the
         assert files_of(tmp_path / "auto" / "ckpt", step) == files_of(tmp_path / "sync" / "ckpt", step), step
 
 
+def test_a_sync_verdict_ends_the_writer_process_and_frees_the_snapshot_buffers(tmp_path, monkeypatch):
+    """Once `auto` chose sync, what only async saves use goes: the writer process the warm-up started,
+    and the buffers the size of the rank's share."""
+    monkeypatch.setattr(AsyncChoice, "measure", lambda self, step, now, waited: (False, "sync: as this test says"))
+    model, opt = make_state()
+    ck = checkpointer_for(tmp_path / "ckpt", 0, 1, async_save="auto", async_writer="process")
+    for step in (1, 2, 3):
+        ck.save(step, model, opt, {"global_step": step})
+    writer = ck.writer.pid
+    assert ck.snapshots.allocations == 2  # model and opt
+    ck.save(4, model, opt, {"global_step": 4})
+    assert ck.choice.decided is False and ck.writer is None and ck.snapshots.allocations == 0
+    assert not Path(f"/proc/{writer}").exists()
+    ck.close()
+
+
 def test_the_writer_process_protocol_takes_its_own_messages_whole_and_nothing_else():
     """What a rank and its writer say crosses as the message class it is (`wire`); a message of another
     kind, or one missing a field, is refused where it arrives, naming what was wrong."""
@@ -226,7 +243,7 @@ def test_the_writer_process_protocol_takes_its_own_messages_whole_and_nothing_el
     wire.send(ours, write)
     assert wire.receive(theirs, (writer_process.Setup, writer_process.Write)) == (write, [])
     wire.send(ours, writer_process.Go())
-    with pytest.raises(ConnectionError, match=r"expected Setup or Buffer, got \{\}"):
+    with pytest.raises(ConnectionError, match="expected Setup or Buffer, got 'Go'"):
         wire.receive(theirs, (writer_process.Setup, writer_process.Buffer))
     body = json.dumps({"op": "Buffer", "kind": "model"}).encode()
     ours.sendall(struct.pack("!I", len(body)) + body)

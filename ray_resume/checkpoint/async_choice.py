@@ -57,15 +57,17 @@ class AsyncChoice:
         """This rank's verdict at save `step`, asked for at `now` after `waited` seconds for the async
         save's write (a cost of it too): async or not, and why in one line."""
         sync, async_ = self.timed[SYNC], self.timed[ASYNC]
-        after_sync = (async_.entered - sync.left) / (async_.step - sync.step)
-        after_async = (now - async_.left) / (step - async_.step)
-        extra = (after_async - after_sync) * (step - async_.step) + waited
-        cost = async_.stall + extra
+        steps = max(1, step - async_.step)  # a step saved twice (forced) counts one
+        after_sync = (async_.entered - sync.left) / max(1, async_.step - sync.step)
+        after_async = (now - async_.left) / steps
+        slower = (after_async - after_sync) * steps
+        # Steps faster after the async save are this machine's drift, not the save's gain: no credit.
+        cost = async_.stall + max(slower, 0.0) + waited
         choice = cost < sync.stall
         why = (
             f"{'async' if choice else 'sync'}: a sync save blocked training {sync.stall:.3f} s, an async one "
-            f"{async_.stall:.3f} s and the {step - async_.step} steps after it took {extra:+.3f} s more "
-            f"than those after the sync save, its write included ({cost:.3f} s in all)"
+            f"{async_.stall:.3f} s, the {steps} steps after it took {slower:+.3f} s more than those after the "
+            f"sync save and the next save waited {waited:.3f} s for its write ({cost:.3f} s in all)"
         )
         return choice, why
 

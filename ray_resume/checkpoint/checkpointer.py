@@ -189,6 +189,10 @@ class Checkpointer:
             self.choice.decide(step, choice, why)
             if self.rank == 0:
                 logger.info("checkpoint.async_save auto, at iteration %d: %s", step, why)
+            if not choice:  # what only async saves use goes (the save measured has been waited for)
+                if self.writer is not None:
+                    self.writer.close()
+                self.writer, self.snapshots = None, SnapshotBuffers()
             now = choice
         return now
 

@@ -44,7 +44,7 @@ class WeightsExport:
 @dataclass(frozen=True)
 class DcpCheckpoint:
     """Resume from a torch.distributed.checkpoint directory (`.metadata`, `.distcp` files; torchtitan's
-    `step-N/`): its weights, and with a full load Adam's state and `train_state.step` (`checkpoint.dcp`)."""
+    `step-N/`): its weights, and with a full load Adam's state and `train_state.step` (`interop.dcp_checkpoint`)."""
 
     path: str
 

@@ -24,7 +24,10 @@ class ControllerClient:
 
     def job_config(self) -> Config:
         """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
-        return call(self.handle, JobController.job_config)
+        config = call(self.handle, JobController.job_config)
+        if not isinstance(config, Config):
+            raise TypeError(f"the controller answered job_config with a {type(config).__name__}, not a Config")
+        return config
 
     def start_attempt(self, world: int, process_started: float | None) -> AttemptStart:
         """Rank 0's, once per worker-group start: the new attempt and what it resumes."""
