@@ -149,19 +149,21 @@ class Checkpointer:
             world_size=self.world_size,
             rank_extras=rng,
         )
-        warming_up = self.choice is not None and self.choice.warming_up
-        if in_background or warming_up:
+        # `auto`'s warm-up save is written here from the snapshot, which puts its buffers' pages in place
+        if in_background or (self.choice is not None and self.choice.warming_up):
             if not self._writer_chosen and self.writer is None:
                 if writes_in_a_process(self.ckpt, sum(s.nbytes for s in shards)):  # by this rank's share
                     self._start_writer()
             self._writer_chosen = True
             if self.writer is not None:
                 self.writer.ensure_started()  # on this thread: the writer dies with it (writer_process)
-            snapped = [(s, self.snapshots.take(s, states[s.kind], len(f.head))) for s, f in zip(shards, files)]
+            data = [(s, self.snapshots.take(s, states[s.kind], len(f.head))) for s, f in zip(shards, files)]
+        else:
+            data = [(s, live_data(s, states[s.kind])) for s in shards]
         if in_background:
-            self.background.submit(step, lambda: self._write_and_report(step, snapped, files, rng, common, self.writer))
-        else:  # (warming up for `auto`, the snapshot was taken only to have its buffers' pages in place)
-            self._write_and_report(step, [(s, live_data(s, states[s.kind])) for s in shards], files, rng, common)
+            self.background.submit(step, lambda: self._write_and_report(step, data, files, rng, common, self.writer))
+        else:
+            self._write_and_report(step, data, files, rng, common)
         stall = time.perf_counter() - start
         self.last_stall_s = stall
         self.stalls.append((step, stall))

@@ -24,17 +24,21 @@ class ControllerClient:
 
     def job_config(self) -> Config:
         """The job's whole config, credentials included (Ray Train's run state holds a redacted copy)."""
-        config = call(self.handle, JobController.job_config)
-        if not isinstance(config, Config):
-            raise TypeError(f"the controller answered job_config with a {type(config).__name__}, not a Config")
-        return config
+        return self._typed(JobController.job_config, Config)
 
     def start_attempt(self, world: int, process_started: float | None) -> AttemptStart:
         """Rank 0's, once per worker-group start: the new attempt and what it resumes."""
-        start = call(self.handle, JobController.start_attempt, world, process_started)
-        if not isinstance(start, AttemptStart):
-            raise TypeError(f"the controller answered start_attempt with a {type(start).__name__}, not an AttemptStart")
-        return start
+        return self._typed(JobController.start_attempt, AttemptStart, world, process_started)
+
+    def _typed(self, method, kind: type, *args):
+        """`method`'s answer, checked to be the `kind` it answers with."""
+        value = call(self.handle, method, *args)
+        if not isinstance(value, kind):
+            article = "an" if kind.__name__[0] in "AEIOU" else "a"
+            raise TypeError(
+                f"the controller answered {method.__name__} with a {type(value).__name__}, not {article} {kind.__name__}"
+            )
+        return value
 
     def claim_fault(self) -> bool:
         return call(self.handle, JobController.claim_fault)
