@@ -132,11 +132,11 @@ def test_sync_thread_and_process_saves_write_identical_files(tmp_path, dtype):
         for mode in ("thread", "process"):
             assert any(name.startswith(f"ckpt-writer-{rank}") for name in coordinators[mode, rank].threads)
         assert coordinators["sync", rank].threads == {threading.current_thread().name}
-        # The process: this one's child, at the lowest priority, without torch; none for the others.
+        # The process: this one's child, in the lowest scheduling class, without torch; none for the others.
         pid = writers["process", rank]
         assert writers["sync", rank] is writers["thread", rank] is None and pid is not None
         assert int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid()
-        assert os.getpriority(os.PRIO_PROCESS, pid) == 19
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
         assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
     # And what was written loads back to the very state.
     commit_by_hand(roots["process"], 3, [coordinators["process", r].reports[0][2] for r in range(2)])
@@ -239,7 +239,9 @@ def test_the_writer_process_protocol_takes_its_own_messages_whole_and_nothing_el
     from ray_resume import wire
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    write = writer_process.Write("xxh3", False, [writer_process.ToWrite("a/b", "model", "aGk=", [3], [0, 3])])
+    write = writer_process.Write(
+        "xxh3", False, [writer_process.ToWrite("a/b", "model", "aGk=", [3], [0, 3], ["ab" * 16])]
+    )
     wire.send(ours, write)
     assert wire.receive(theirs, (writer_process.Setup, writer_process.Write)) == (write, [])
     wire.send(ours, writer_process.Go())

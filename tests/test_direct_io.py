@@ -27,7 +27,9 @@ from conftest import REPO, shard_bytes
 from ray_resume.checkpoint.io import direct_io
 from ray_resume.checkpoint.format import state
 from ray_resume.checkpoint.io.storage import LocalStorage
-from ray_resume.checkpoint.io.writer import SnapshotBuffers, shard_layouts
+from ray_resume.checkpoint.format.digest import block_bounds, hexdigest
+from ray_resume.checkpoint.io.shard_file import ShardFile
+from ray_resume.checkpoint.io.writer import HASHED_PIECE, SnapshotBuffers, live_data, shard_layouts
 from ray_resume.model import GPT
 from ray_resume.optim import MainParamsOptimizer
 from test_async_save import MODES, FakeCoordinator, checkpointer_for
@@ -68,23 +70,43 @@ def test_a_direct_write_is_the_bytes_and_the_digest_of_its_chunks_however_they_l
         memory.close()
 
 
-def test_a_snapshot_lies_where_the_disk_takes_it_from_its_own_pages(tmp_path):
+def test_a_snapshot_lies_where_the_disk_takes_it_from_its_own_pages_hashed_as_it_was_copied(tmp_path):
     """However long the header (the opt shard's holds the RNG state, whose length changes), the data
-    section is placed aligned as it is in the file: only the header and the last block are copied."""
+    section is placed aligned as it is in the file: only the header and the last block are copied.
+    The digests taken with the copy (in pieces of HASHED_PIECE, cut anywhere in a block) are those of
+    the file's bytes hashed afresh; sha256 (hashed on threads) and no checksum leave them to the writer."""
     model = GPT(vocab_size=256, seq_len=8, d_model=64, n_layers=2, n_heads=2)
-    states = {"model": state.model_tensors(model), "opt": None}
+    tensors = {
+        **state.model_tensors(model),
+        "big": torch.randn(HASHED_PIECE // 4 * 3 + 5),  # three pieces and a bit
+        "half": torch.randn(HASHED_PIECE // 2 + 3).to(torch.bfloat16),
+        "empty": torch.zeros(0),
+    }
+    states = {"model": tensors, "opt": None}
     for shared in (False, True):
         buffers = SnapshotBuffers(shared=shared)
         [shard] = shard_layouts(states, 0, 1)
         for head_bytes in (88, 4096, 4104, 5000, 12_344):  # safetensors pads a header to 8 bytes
-            [view] = buffers.take(shard, states["model"], head_bytes)
+            head = random.Random(head_bytes).randbytes(head_bytes)
+            bounds = block_bounds(head_bytes + shard.nbytes, head_bytes, 100_000)
+            file = ShardFile(str(tmp_path / "file"), "model", head, [hi for _, hi in bounds])
+            hashed, [view] = buffers.take(shard, tensors, file, "xxh3-128")
             assert view.nbytes == shard.nbytes > 16 * ALIGN
             assert direct_io.address(view) % ALIGN == head_bytes % ALIGN
-            fd = os.open(tmp_path / "file", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
-            writer = direct_io._Writer(fd, str(tmp_path / "file"))
-            writer.write_all([memoryview(bytes(head_bytes)), view], Hash())
+            fd = os.open(file.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+            writer = direct_io._Writer(fd, file.path)
+            writer.write_all([memoryview(head), view], Hash())
             os.close(fd)
             assert writer.bounced < head_bytes + 2 * ALIGN, (shared, head_bytes, writer.bounced)
+            on_disk = (tmp_path / "file").read_bytes()
+            assert on_disk[head_bytes:] == b"".join(live_data_bytes(shard, tensors))
+            assert list(hashed.digests) == [hexdigest("xxh3-128", on_disk[lo:hi]) for lo, hi in bounds]
+            for unhashed in ("sha256", None):
+                assert buffers.take(shard, tensors, file, unhashed)[0].digests is None
+
+
+def live_data_bytes(shard, tensors) -> list[bytes]:
+    return [bytes(v) for v in live_data(shard, tensors)]
 
 
 def _resident_pages(path: Path) -> int:

@@ -56,7 +56,7 @@ def test_a_job_on_the_harness_is_the_same_job_as_on_ray_train(local_reference, r
 def test_crash_while_saving_never_loads_the_half_written_iteration(tmp_path, local_reference, phase, writer):
     """A rank SIGKILLed half way through writing a shard (with its writer process waiting on it, or
     its writer thread), or after writing but before reporting. Rank 0's write of iteration 4 is slowed, as
-    a writer at nice 19 on a busy machine is, so that rank 1 reaches 8 before 4 is committed; the fault
+    a writer in SCHED_IDLE on a busy machine is, so that rank 1 reaches 8 before 4 is committed; the fault
     fires once it is (CommitsFirst)."""
     cfg = tiny_config(tmp_path, checkpoint={"async_writer": writer})
     cfg["data"]["path"] = local_reference["data"]

@@ -157,7 +157,9 @@ class Checkpointer:
             self._writer_chosen = True
             if self.writer is not None:
                 self.writer.ensure_started()  # on this thread: the writer dies with it (writer_process)
-            data = [(s, self.snapshots.take(s, states[s.kind], len(f.head))) for s, f in zip(shards, files)]
+            taken = [self.snapshots.take(s, states[s.kind], f, self.ckpt.checksum) for s, f in zip(shards, files)]
+            files = [f for f, _ in taken]  # with their digests: hashed as they were copied
+            data = [(s, views) for s, (_, views) in zip(shards, taken)]
         else:
             data = [(s, live_data(s, states[s.kind])) for s in shards]
         if in_background:

@@ -274,7 +274,7 @@ class CheckpointConfig(_Section):
     load_balanced: bool = False
     # write shards in the background, training waiting only for a snapshot copy (true), or on the training thread (false); auto: the group's first saves time both ways and it saves the cheaper way from its 4th save on (docs/how-it-works.md)
     async_save: Union[bool, Literal["auto"]] = True
-    # who writes an async save: a writer process beside the rank (its own interpreter, nice 19) or a thread in it; auto: the process on CPU ranks (Linux), the thread (pinned buffers) on GPU ranks
+    # who writes an async save: a writer process beside the rank (its own interpreter, SCHED_IDLE) or a thread in it; auto: the process on CPU ranks (Linux), the thread (pinned buffers) on GPU ranks
     async_writer: Literal["auto", "process", "thread"] = "auto"
     prefix: SafeName = "ckpt"  # shard file name prefix
     # digest of each 4 MiB block of a shard, checked on every load: xxh3-128 (fast) | sha256 (cryptographic, several times slower)

@@ -2,12 +2,14 @@
 
 A writer thread shares the rank's interpreter (its GIL) and its scheduling with
 training. Here the rank copies its share into snapshot buffers in shared memory
-(`writer.SnapshotBuffers(shared=True)`, memfds reused across saves) and a
-writer process beside it writes, hashes and fsyncs every shard file from
-them. It is started once: with the checkpointer when `async_writer: process`,
-at the first save whose share is large enough under `auto`. It runs at the
-lowest CPU priority (nice 19), so its work takes what the training loop
-leaves, and imports no torch.
+(`writer.SnapshotBuffers(shared=True)`, memfds reused across saves), hashing it
+as it copies, and a writer process beside it writes and fsyncs every shard file
+from them. It is started once: with the checkpointer when `async_writer: process`,
+at the first save whose share is large enough under `auto`. It runs in the
+lowest scheduling class (SCHED_IDLE: below Ray's workers at nice 15 and
+anything niced), so its work takes what the training loop leaves, and imports
+no torch. It needs little: past the page cache, a 328 MB share costs it ~0.02 s
+of CPU (benchmarks/README.md), so it is not paced; the next save waits for it.
 
 What does not change: the rank's writer thread still waits for the writer and
 reports the manifest to the driver, so a commit still needs a live rank whose
@@ -64,6 +66,7 @@ class ToWrite:
     head: str  # the file's header, base64
     ends: list  # where each checksum block ends (ShardFile.ends)
     data: list  # (start, bytes) of its data section in the kind's buffer
+    digests: list | None  # ShardFile.digests: its blocks' digests, where the rank hashed them as it copied
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class Go:
 
 
 # Below this many bytes of a rank's share, `auto` keeps the writer thread: the save is over in
-# milliseconds either way, and a process adds a round trip and, at nice 19, a wait for a core
+# milliseconds either way, and a process adds a round trip and, at SCHED_IDLE, a wait for a core
 # (measured: benchmarks/throughput.py, README).
 PROCESS_MIN_BYTES = 64 << 20
 
@@ -170,7 +173,14 @@ class ProcessWriter:
                     wire.send(self._conn, Buffer(kind, nbytes), [fd])
                     self._lent[kind] = generation
             files_to_write = [
-                ToWrite(f.path, f.kind, base64.b64encode(f.head).decode(), f.ends, self._buffers.placed(f.kind))
+                ToWrite(
+                    f.path,
+                    f.kind,
+                    base64.b64encode(f.head).decode(),
+                    f.ends,
+                    self._buffers.placed(f.kind),
+                    None if f.digests is None else list(f.digests),
+                )
                 for f in files
             ]
             wire.send(self._conn, Write(checksum, on_mid_write is not None, files_to_write))
@@ -252,7 +262,8 @@ def serve(conn: socket.socket) -> None:
                 written = []
                 for f in msg.files:
                     start, nbytes = f.data
-                    file = ShardFile(f.path, f.kind, base64.b64decode(f.head), f.ends)
+                    digests = None if f.digests is None else tuple(f.digests)
+                    file = ShardFile(f.path, f.kind, base64.b64decode(f.head), f.ends, digests)
                     written.append(
                         write_file(storage, file, [views[f.kind][start : start + nbytes]], msg.checksum, halfway)
                     )
@@ -279,7 +290,10 @@ def main(argv: list[str]) -> int:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the rank died before the line above took effect
         return 1
-    os.nice(19)  # the writer takes the CPU time training leaves
+    try:  # the writer takes the CPU time training leaves
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:  # a kernel or sandbox without it
+        os.nice(19)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # into its rank's log, as the rank's lines
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is its rank's to handle; it ends with its rank
     serve(socket.socket(fileno=fd))
