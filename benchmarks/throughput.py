@@ -20,6 +20,14 @@ saves moved from 1.07 to 1.58 steps/s within one benchmark), and a pair sees the
 drift. The figure is the median over rounds of the pair's ratio, with the spread (lowest
 and highest).
 
+`--baseline cycles` pairs at a finer grain, inside each run, so that minutes of drift cannot
+decide: a contender saves every `2k` steps, and the `k` steps from each save (its stall, and its
+write in the background) are timed against the next `k` steps, which have no save and no write
+in flight, about as long and seconds later. Each pair's ratio (clean / with the save) is the
+throughput of a save every `k` steps against none; the figure is the median over every pair of
+every round (the first save, which allocates and starts the writer, is not paired). No runs
+without saves: the clean half-cycles are the baseline.
+
 Contenders: ours sync; ours async with a writer thread; ours async with a writer
 process (`checkpoint.async_writer`); ours with `checkpoint.async_save: auto` (its measuring saves
 in the window: what a run of that length gets; what it chose is printed); DCP `save`; DCP `async_save` with its thread and with its
@@ -65,8 +73,10 @@ OURS = {
 
 
 class TrainingRank(Rank):
-    def train(self, steps: int, every: int, mode: str, root: str, coordinator) -> dict:
-        """`steps` DDP steps saving every `every`; returns the steady-state window (see the module doc)."""
+    def train(self, steps: int, every: int, mode: str, root: str, coordinator, halves: bool = False) -> dict:
+        """`steps` DDP steps saving every `every`; returns the steady-state window (see the module doc).
+        `halves` (--baseline cycles): `every` is 2k, and each save after the first is timed over the k steps
+        from it against the k steps after those (`pairs`: seconds with the save, seconds clean)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         from torch.nn.parallel import DistributedDataParallel
@@ -124,7 +134,14 @@ class TrainingRank(Rank):
             pending.result()
         self.optimizer.zero_grad()
         self._barrier()
+        half = every // 2
         return {
+            "pairs": [
+                (ends[s + half - 1] - ends[s - 1], ends[s + every - 1] - ends[s + half - 1])
+                for s in range(2 * every, steps - every + 2, every)
+            ]
+            if halves
+            else None,
             "window_s": ends[last] - ends[first],
             "window_steps": last - first,
             "stalls": stalls,
@@ -149,7 +166,9 @@ def writers_cpu_s(ck) -> float:
 ThroughputWorker = ray.remote(num_cpus=1)(TrainingRank)
 
 
-def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, rounds: int, contenders: list[str]) -> dict:
+def bench_size(
+    size: str, base: str, *, intervals: list[int], cycles: int, rounds: int, contenders: list[str], halves: bool = False
+) -> dict:
     root = tempfile.mkdtemp(prefix=f"throughput-{size}-", dir=base)
     port = _free_port()
     workers = [ThroughputWorker.remote() for _ in range(2)]
@@ -170,10 +189,11 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
             if mode in OURS:
                 held.append(_controller(ray_resume_config(run_root, size, k), f"throughput-{size}-{mode}-{k}"))
                 coordinator = held[-1][0]
-            res = _all(workers, "train", k * (cycles + 2), k, mode, run_root, coordinator)
+            every = 2 * k if halves else k
+            res = _all(workers, "train", every * (cycles + 2), every, mode, run_root, coordinator, halves)
             if coordinator is not None:
                 committed = ray.get(coordinator.last_committed.remote())
-                if committed != k * (cycles + 2):  # never time saves that did not commit
+                if committed != every * (cycles + 2):  # never time saves that did not commit
                     raise RuntimeError(f"{mode} saves did not commit: last committed {committed}")
                 _release(held.pop())
             shutil.rmtree(run_root, ignore_errors=True)
@@ -186,11 +206,18 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
             if res[0]["chose"]:
                 chose.setdefault(key, []).append(res[0]["chose"])
                 cpu += f", auto chose {res[0]['chose']}"
+            if halves:  # the slowest rank's halves: the ranks step in lockstep, the slower one sets the pace
+                in_run = [(max(w), max(c)) for w, c in (zip(*p) for p in zip(*(x["pairs"] for x in res)))]
+                pairs.setdefault(key, []).extend((clean, with_save) for with_save, clean in in_run)
+                cpu += ", clean/with a save: " + " ".join(f"{c / w:.3f}" for w, c in in_run)
             print(f"[throughput] {size} round {i + 1}: {key} {rates[key][-1]:.3f} steps/s{cpu}", flush=True)
             return rates[key][-1]
 
         for i in range(rounds):
             for mode, k in runs[i % len(runs) :] + runs[: i % len(runs)]:
+                if halves:  # its baseline is inside the run
+                    run(mode, k, i)
+                    continue
                 # Each contender beside a run without saves, first or second by turns: this VM's speed
                 # drifts by more than the differences measured, and a pair sees the same drift.
                 if i % 2 == 0:
@@ -200,7 +227,7 @@ def bench_size(size: str, base: str, *, intervals: list[int], cycles: int, round
                     rate = run(mode, k, i)
                     never = run("never", k, i)
                 pairs.setdefault(f"{mode}@{k}", []).append((rate, never))
-        return summarize(setup[0]["params"], rates, pairs, stalls, save_cpu, chose, intervals, cycles)
+        return summarize(setup[0]["params"], rates, pairs, stalls, save_cpu, chose, intervals, cycles, halves)
     finally:
         teardown(workers, held, root)
 
@@ -220,20 +247,24 @@ def summarize(
     chose: dict[str, list[str]],
     intervals,
     cycles,
+    halves: bool = False,
 ) -> dict:
-    """Per contender and interval: steps/s (median), and its ratio to the run without saves beside it (median, spread)."""
+    """Per contender and interval: steps/s (median), and its ratio to the run without saves beside it
+    (median, spread); with `halves`, to the clean half-cycle beside each save (`pairs`: clean s, with s)."""
     out: dict = {
         "params": params,
         "intervals": intervals,
         "cycles": cycles,
-        "never_steps_per_s": round(statistics.median(rates["never"]), 4),
+        "baseline": "cycles" if halves else "runs",
+        "never_steps_per_s": None if halves else round(statistics.median(rates["never"]), 4),
         "contenders": {},
     }
     for key, runs in pairs.items():
-        values = [rate / never for rate, never in runs]
+        values = [rate / never for rate, never in runs]  # halves: clean seconds / seconds with the save
         out["contenders"][key] = {
             "steps_per_s": round(statistics.median(rates[key]), 4),
-            "beside_never_steps_per_s": round(statistics.median(never for _, never in runs), 4),
+            **({"pairs": [[round(clean, 4), round(with_save, 4)] for clean, with_save in runs]} if halves else {}),
+            "beside_never_steps_per_s": None if halves else round(statistics.median(never for _, never in runs), 4),
             "vs_never": round(statistics.median(values), 4),
             "vs_never_spread": [round(min(values), 4), round(max(values), 4)],
             "stall_s": round(statistics.median(stalls[key]), 4) if stalls.get(key) else None,
@@ -250,10 +281,17 @@ def table(results: dict) -> str:
     lines = []
     for size, r in results["sizes"].items():
         ks = r["intervals"]
-        lines.append(
-            f"Training throughput, {size} ({r['params'] / 1e6:.0f}M), relative to no saves "
-            f"({r['never_steps_per_s']:.3f} steps/s); median of {results['rounds']} rounds [lowest, highest]:"
-        )
+        if r["baseline"] == "cycles":
+            lines.append(
+                f"Training throughput, {size} ({r['params'] / 1e6:.0f}M), relative to no saves: the k steps from "
+                f"each save against the k clean steps after them, the median of every pair of "
+                f"{results['rounds']} rounds [lowest, highest]:"
+            )
+        else:
+            lines.append(
+                f"Training throughput, {size} ({r['params'] / 1e6:.0f}M), relative to no saves "
+                f"({r['never_steps_per_s']:.3f} steps/s); median of {results['rounds']} rounds [lowest, highest]:"
+            )
         lines.append(
             "| contender |"
             + "".join(f" a save every {k} |" for k in ks)
@@ -295,6 +333,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--contenders", default=",".join(CONTENDERS), help="comma list (each runs beside a run without saves)"
     )
+    ap.add_argument(
+        "--baseline",
+        choices=("runs", "cycles"),
+        default="runs",
+        help="runs: each run beside one without saves; cycles: each save's steps beside the clean steps after them",
+    )
     ap.add_argument("--out", default="benchmarks/throughput_results.json")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -320,7 +364,13 @@ def main(argv=None) -> int:
     try:
         for size in sizes:
             results["sizes"][size] = bench_size(
-                size, base, intervals=intervals, cycles=args.cycles, rounds=args.rounds, contenders=contenders
+                size,
+                base,
+                intervals=intervals,
+                cycles=args.cycles,
+                rounds=args.rounds,
+                contenders=contenders,
+                halves=args.baseline == "cycles",
             )
     finally:
         if started:

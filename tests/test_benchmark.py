@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,33 @@ def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
     cpu = row["save_cpu_s"]
     assert f" {cpu:.3f} s [{cpu:.3f}, {cpu:.3f}] |" in proc.stdout
     assert not list((tmp_path / "work").iterdir())  # every run's checkpoints are cleaned up
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_throughput_pairs_each_save_with_the_clean_steps_after_it(tmp_path):
+    """`--baseline cycles`: no runs without saves; each save after the first gives a pair (the k steps
+    from it, the k clean steps after them), and the figure is the median of clean / with over the pairs."""
+    out = tmp_path / "throughput.json"
+    proc, results = run_benchmark(
+        "throughput",
+        *"--sizes tiny --rounds 1 --cycles 2 --intervals 3 --contenders sync,async_process --baseline cycles".split(),
+        "--out",
+        str(out),
+        "--dir",
+        str(tmp_path / "work"),
+        timeout=300,
+        on_session_ray=True,
+    )
+    tiny = results["sizes"]["tiny"]
+    assert tiny["baseline"] == "cycles" and tiny["never_steps_per_s"] is None
+    assert " never " not in proc.stdout  # no run without saves
+    assert set(tiny["contenders"]) == {"sync@3", "async_process@3"}
+    for key, c in tiny["contenders"].items():
+        assert len(c["pairs"]) == 2, key  # --cycles pairs a run, a round
+        ratios = [clean / with_save for clean, with_save in c["pairs"]]
+        assert c["vs_never"] == pytest.approx(statistics.median(ratios), rel=2e-3, abs=5e-5), key
+        assert c["vs_never_spread"] == pytest.approx([min(ratios), max(ratios)], rel=2e-3, abs=5e-5), key
+    assert "the k steps from each save against the k clean steps after them" in proc.stdout
 
 
 def test_restart_floor_times_the_imports_of_a_restarted_worker(tmp_path):
