@@ -79,23 +79,30 @@ def test_small_benchmark_writes_every_row(tmp_path):
     assert not list((tmp_path / "work").iterdir())  # checkpoints of the benchmark are cleaned up
 
 
+def tiny_throughput(tmp_path: Path, args: str, timeout: int) -> tuple[subprocess.CompletedProcess, dict]:
+    """`benchmarks/throughput.py --sizes tiny ARGS` on the session's Ray: what it printed, its tiny results."""
+    out, work = str(tmp_path / "throughput.json"), str(tmp_path / "work")
+    proc, results = run_benchmark(
+        "throughput",
+        "--sizes",
+        "tiny",
+        *args.split(),
+        "--dir",
+        work,
+        "--out",
+        out,
+        timeout=timeout,
+        on_session_ray=True,
+    )
+    return proc, results["sizes"]["tiny"]
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
     """`benchmarks/throughput.py` at the tiny size: every contender once, each beside a run without saves (14
     short runs on one pair of actors). Not smaller: a contender left out would leave its row of the table
     unproven."""
-    out = tmp_path / "throughput.json"
-    proc, results = run_benchmark(
-        "throughput",
-        *"--sizes tiny --rounds 1 --cycles 1 --intervals 3".split(),  # every contender, at one interval
-        "--out",
-        str(out),
-        "--dir",
-        str(tmp_path / "work"),
-        timeout=600,
-        on_session_ray=True,
-    )
-    tiny = results["sizes"]["tiny"]
+    proc, tiny = tiny_throughput(tmp_path, "--rounds 1 --cycles 1 --intervals 3", 600)  # every contender
     # Every contender (ours each committed every save, or the run would have failed).
     assert set(tiny["contenders"]) == {f"{mode}@3" for mode in CONTENDERS}
     for key, c in tiny["contenders"].items():
@@ -121,18 +128,8 @@ def test_throughput_runs_every_contender_and_reports_its_own_ratios(tmp_path):
 def test_throughput_pairs_each_save_with_the_clean_steps_after_it(tmp_path):
     """`--baseline cycles`: no runs without saves; each save after the first gives a pair (the k steps
     from it, the k clean steps after them), and the figure is the median of clean / with over the pairs."""
-    out = tmp_path / "throughput.json"
-    proc, results = run_benchmark(
-        "throughput",
-        *"--sizes tiny --rounds 1 --cycles 2 --intervals 3 --contenders sync,async_process --baseline cycles".split(),
-        "--out",
-        str(out),
-        "--dir",
-        str(tmp_path / "work"),
-        timeout=300,
-        on_session_ray=True,
-    )
-    tiny = results["sizes"]["tiny"]
+    args = "--rounds 1 --cycles 2 --intervals 3 --contenders sync,async_process --baseline cycles"
+    proc, tiny = tiny_throughput(tmp_path, args, 300)
     assert tiny["baseline"] == "cycles" and tiny["never_steps_per_s"] is None
     assert " never " not in proc.stdout  # no run without saves
     assert set(tiny["contenders"]) == {"sync@3", "async_process@3"}
