@@ -92,6 +92,7 @@ class TrainingRank(Rank):
         vocab = SIZES[self.size][0]
         ends: dict[int, float] = {}
         stalls: list[float] = []
+        spilled: dict[int, bool] = {}  # halves: save step -> its write still in flight when its clean half began
         first, last = 2 * every, steps - steps % every
         save_cpu, writer_cpu = 0.0, {}  # the training thread's CPU in the window's saves; the writer's at its ends
         self._barrier()
@@ -126,6 +127,8 @@ class TrainingRank(Rank):
                 if first < step <= last:
                     save_cpu += time.thread_time() - cpu
             ends[step] = time.perf_counter()
+            if halves and step > every and step % every == every // 2 - 1:  # a clean half starts: is it?
+                spilled[step + 1 - every // 2] = ck.background.in_flight if ck else bool(pending and not pending.done())
             if step in (first, last) and ck:
                 writer_cpu[step] = writers_cpu_s(ck)
         if ck:
@@ -137,8 +140,8 @@ class TrainingRank(Rank):
         half = every // 2
         return {
             "pairs": [
-                (ends[s + half - 1] - ends[s - 1], ends[s + every - 1] - ends[s + half - 1])
-                for s in range(2 * every, steps - every + 2, every)
+                (ends[s + half - 1] - ends[s - 1], ends[s + every - 1] - ends[s + half - 1], spilled[s])
+                for s in range(2 * every, steps - every + 2, every)  # every save but the first, its clean half run
             ]
             if halves
             else None,
@@ -181,15 +184,17 @@ def bench_size(
         save_cpu: dict[str, list[float]] = {}  # CPU seconds a save of ours costs a rank (median of the ranks)
         stalls: dict[str, list[float]] = {}
         chose: dict[str, list[str]] = {}  # `auto`'s verdict in each run (rank 0's)
-        pairs: dict[str, list[tuple[float, float]]] = {}  # (steps/s, steps/s of the run without saves beside it)
+        spills: dict[str, int] = {}  # halves: pairs whose write ran into their clean half
+        # (steps/s, steps/s of the run without saves beside it); halves: (clean s, s with the save)
+        pairs: dict[str, list[tuple[float, float]]] = {}
 
         def run(mode: str, k: int, i: int) -> float:
             run_root = os.path.join(root, f"{mode}-{k}")
             coordinator = None
-            if mode in OURS:
-                held.append(_controller(ray_resume_config(run_root, size, k), f"throughput-{size}-{mode}-{k}"))
-                coordinator = held[-1][0]
             every = 2 * k if halves else k
+            if mode in OURS:
+                held.append(_controller(ray_resume_config(run_root, size, every), f"throughput-{size}-{mode}-{k}"))
+                coordinator = held[-1][0]
             res = _all(workers, "train", every * (cycles + 2), every, mode, run_root, coordinator, halves)
             if coordinator is not None:
                 committed = ray.get(coordinator.last_committed.remote())
@@ -207,9 +212,11 @@ def bench_size(
                 chose.setdefault(key, []).append(res[0]["chose"])
                 cpu += f", auto chose {res[0]['chose']}"
             if halves:  # the slowest rank's halves: the ranks step in lockstep, the slower one sets the pace
-                in_run = [(max(w), max(c)) for w, c in (zip(*p) for p in zip(*(x["pairs"] for x in res)))]
-                pairs.setdefault(key, []).extend((clean, with_save) for with_save, clean in in_run)
-                cpu += ", clean/with a save: " + " ".join(f"{c / w:.3f}" for w, c in in_run)
+                in_run = [(max(w), max(c), any(s)) for w, c, s in (zip(*p) for p in zip(*(x["pairs"] for x in res)))]
+                pairs.setdefault(key, []).extend((clean, with_save) for with_save, clean, _ in in_run)
+                # a write still running when the clean half began makes that half not clean: counted, said
+                spills[key] = spills.get(key, 0) + sum(s for _, _, s in in_run)
+                cpu += ", clean/with a save: " + " ".join(f"{c / w:.3f}{'*' * s}" for w, c, s in in_run)
             print(f"[throughput] {size} round {i + 1}: {key} {rates[key][-1]:.3f} steps/s{cpu}", flush=True)
             return rates[key][-1]
 
@@ -227,7 +234,7 @@ def bench_size(
                     rate = run(mode, k, i)
                     never = run("never", k, i)
                 pairs.setdefault(f"{mode}@{k}", []).append((rate, never))
-        return summarize(setup[0]["params"], rates, pairs, stalls, save_cpu, chose, intervals, cycles, halves)
+        return summarize(setup[0]["params"], rates, pairs, stalls, save_cpu, chose, intervals, cycles, spills, halves)
     finally:
         teardown(workers, held, root)
 
@@ -247,6 +254,7 @@ def summarize(
     chose: dict[str, list[str]],
     intervals,
     cycles,
+    spills: dict[str, int],
     halves: bool = False,
 ) -> dict:
     """Per contender and interval: steps/s (median), and its ratio to the run without saves beside it
@@ -263,7 +271,11 @@ def summarize(
         values = [rate / never for rate, never in runs]  # halves: clean seconds / seconds with the save
         out["contenders"][key] = {
             "steps_per_s": round(statistics.median(rates[key]), 4),
-            **({"pairs": [[round(clean, 4), round(with_save, 4)] for clean, with_save in runs]} if halves else {}),
+            **(
+                {"pairs": [[round(clean, 4), round(with_save, 4)] for clean, with_save in runs], "spilled": spills[key]}
+                if halves
+                else {}
+            ),
             "beside_never_steps_per_s": None if halves else round(statistics.median(never for _, never in runs), 4),
             "vs_never": round(statistics.median(values), 4),
             "vs_never_spread": [round(min(values), 4), round(max(values), 4)],
@@ -318,6 +330,8 @@ def table(results: dict) -> str:
                 )
             )
         for key, c in r["contenders"].items():
+            if c.get("spilled"):
+                lines.append(f"- {key}: in {c['spilled']} pairs its write ran into the clean half (not clean)")
             for why in c.get("auto_chose", []):
                 lines.append(f"- {key}, `async_save: auto` chose {why}")
         lines.append("")
@@ -331,7 +345,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cycles", type=int, default=3, help="save cycles timed per run (default 3)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every contender (default 3)")
     ap.add_argument(
-        "--contenders", default=",".join(CONTENDERS), help="comma list (each runs beside a run without saves)"
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help="comma list (each runs beside a run without saves, or saves every 2k: --baseline)",
     )
     ap.add_argument(
         "--baseline",

@@ -134,7 +134,7 @@ def test_throughput_pairs_each_save_with_the_clean_steps_after_it(tmp_path):
     assert " never " not in proc.stdout  # no run without saves
     assert set(tiny["contenders"]) == {"sync@3", "async_process@3"}
     for key, c in tiny["contenders"].items():
-        assert len(c["pairs"]) == 2, key  # --cycles pairs a run, a round
+        assert len(c["pairs"]) == 2 and 0 <= c["spilled"] <= 2, key  # --cycles pairs a run, a round
         ratios = [clean / with_save for clean, with_save in c["pairs"]]
         assert c["vs_never"] == pytest.approx(statistics.median(ratios), rel=2e-3, abs=5e-5), key
         assert c["vs_never_spread"] == pytest.approx([min(ratios), max(ratios)], rel=2e-3, abs=5e-5), key

@@ -28,7 +28,7 @@ from ray_resume.checkpoint.io import direct_io
 from ray_resume.checkpoint.format import state
 from ray_resume.checkpoint.io.storage import LocalStorage
 from ray_resume.checkpoint.format.digest import block_bounds, hexdigest
-from ray_resume.checkpoint.io.shard_file import ShardFile
+from ray_resume.checkpoint.io.shard_file import ShardFile, write_file
 from ray_resume.checkpoint.io.writer import HASHED_PIECE, SnapshotBuffers, live_data, shard_layouts
 from ray_resume.model import GPT
 from ray_resume.optim import MainParamsOptimizer
@@ -73,14 +73,16 @@ def test_a_direct_write_is_the_bytes_and_the_digest_of_its_chunks_however_they_l
 def test_a_snapshot_lies_where_the_disk_takes_it_from_its_own_pages_hashed_as_it_was_copied(tmp_path):
     """However long the header (the opt shard's holds the RNG state, whose length changes), the data
     section is placed aligned as it is in the file: only the header and the last block are copied.
-    The digests taken with the copy (in pieces of HASHED_PIECE, cut anywhere in a block) are those of
-    the file's bytes hashed afresh; sha256 (hashed on threads) and no checksum leave them to the writer."""
+    The digests taken with the copy (in pieces of HASHED_PIECE, cut anywhere in a block; a tensor not
+    contiguous too) are those of the file's bytes hashed afresh; sha256 (hashed on threads) and no
+    checksum leave them to the writer."""
     model = GPT(vocab_size=256, seq_len=8, d_model=64, n_layers=2, n_heads=2)
     tensors = {
         **state.model_tensors(model),
         "big": torch.randn(HASHED_PIECE // 4 * 3 + 5),  # three pieces and a bit
         "half": torch.randn(HASHED_PIECE // 2 + 3).to(torch.bfloat16),
         "empty": torch.zeros(0),
+        "transposed": torch.randn(300, 70).t(),  # not contiguous
     }
     states = {"model": tensors, "opt": None}
     for shared in (False, True):
@@ -103,6 +105,13 @@ def test_a_snapshot_lies_where_the_disk_takes_it_from_its_own_pages_hashed_as_it
             assert list(hashed.digests) == [hexdigest("xxh3-128", on_disk[lo:hi]) for lo, hi in bounds]
             for unhashed in ("sha256", None):
                 assert buffers.take(shard, tensors, file, unhashed)[0].digests is None
+        # Written as a save writes it (16 MiB pieces, nothing hashed): the same bytes, the digests it
+        # came with; a stream of another length than its blocks fails at the write, not at a load.
+        hashed, [view] = buffers.take(shard, tensors, file, "xxh3-128")
+        assert write_file(LocalStorage(), hashed, [view], "xxh3-128") == (len(on_disk), list(hashed.digests))
+        assert (tmp_path / "file").read_bytes() == on_disk
+        with pytest.raises(ValueError, match="the stream ended at byte"):
+            write_file(LocalStorage(), hashed, [view[:-1]], "xxh3-128")
 
 
 def live_data_bytes(shard, tensors) -> list[bytes]:

@@ -35,6 +35,11 @@ CHECKSUMS = {
 MAX_HASH_THREADS = 4
 
 
+def inline(checksum: str) -> bool:
+    """Whether `checksum` is hashed on the thread that feeds it (xxh3-128), not on helper threads (sha256)."""
+    return not CHECKSUMS[checksum][2]
+
+
 def block_bounds(size: int, data_start: int, block_size: int) -> list[tuple[int, int]]:
     """The checksum blocks of a `size`-byte shard file: [0, data_start), then `block_size` bytes at a time."""
     return [(0, data_start)] + [(lo, min(lo + block_size, size)) for lo in range(data_start, size, block_size)]

@@ -33,6 +33,11 @@ class BackgroundSave:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
         self._pending = (step, self._executor.submit(fn))
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save is being written now (benchmarks: is a half-cycle clean of writes)."""
+        return self._pending is not None and not self._pending[1].done()
+
     def poll(self) -> None:
         """Raise now if the save in flight already failed; never blocks."""
         if self._pending is not None and self._pending[1].done() and self._pending[1].exception() is not None:

@@ -52,7 +52,7 @@ def write_file(
     chunks = [memoryview(file.head), *_pieces(data, at=len(file.head), size=piece)]
 
     def write():
-        digest = BlockDigests(checksum, 0, file.ends) if file.digests is None else _Hashed(file.digests)
+        digest = BlockDigests(checksum, 0, file.ends) if file.digests is None else _Hashed(file.digests, file.ends)
         pieces = chunks if on_mid_write is None else _halves(chunks, on_mid_write)
         return storage.write_durable(file.path, pieces, digest), digest
 
@@ -61,15 +61,20 @@ def write_file(
 
 
 class _Hashed:
-    """A file's digests known already: `write_durable` feeds it the bytes, and it keeps what it has."""
+    """A file's digests known already: `write_durable` feeds it the bytes, and it only counts them, so
+    that a stream of another length than the blocks' fails here, as `BlockDigests` would, not at load."""
 
-    def __init__(self, digests: tuple[str, ...]):
-        self._digests = list(digests)
+    def __init__(self, digests: tuple[str, ...], ends: list[int]):
+        if len(digests) != len(ends):
+            raise ValueError(f"{len(digests)} digests for {len(ends)} checksum blocks")
+        self._digests, self._size, self._fed = list(digests), ends[-1], 0
 
     def update(self, data) -> None:
-        pass
+        self._fed += memoryview(data).nbytes
 
     def hexdigests(self) -> list[str]:
+        if self._fed != self._size:
+            raise ValueError(f"the stream ended at byte {self._fed}, its checksum blocks at {self._size}")
         return self._digests
 
 

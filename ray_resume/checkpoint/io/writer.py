@@ -35,7 +35,7 @@ import torch
 
 from . import direct_io
 from ..format import paths
-from ..format.digest import CHECKSUMS, DEFAULT_CHECKSUM, BlockDigests, block_bounds
+from ..format.digest import DEFAULT_CHECKSUM, BlockDigests, block_bounds, inline
 from ..format.manifest import Manifest, WrittenFile
 from ..format.plan import Piece, SavePlan, TensorSpec
 from ..format.schema import SAFETENSORS_ORDER, local_shape
@@ -239,26 +239,27 @@ class SnapshotBuffers:
         """Copy this rank's share of `state` into the kind's buffer, its data section aligned as it is in
         `file`; return `file` with the digests of its checksum blocks and the data section's view.
 
-        With an inline `checksum` (xxh3-128) each piece is hashed as soon as it is copied, from the
-        buffer's pages while they are still in the CPU's cache: a tenth of the copy's CPU, where a
-        writer hashing the same bytes later reads them from memory again (half of it; the
-        benchmarks/README.md's save_cpu table). A threaded checksum (sha256) or None: the writer hashes.
+        With an inline `checksum` (xxh3-128) and every source in host memory, each piece is hashed as
+        soon as it is copied, from the buffer's pages while they are still in the CPU's cache: a tenth
+        of the copy's CPU, where a writer hashing the same bytes later reads them from memory again
+        (half of it; benchmarks/README.md's save_cpu table). Otherwise (sha256, hashed on threads; a
+        GPU's tensors, which come over whole and would be hashed from memory here, in the stall) or
+        with no `checksum`: no digests, the writer hashes as it writes.
         """
         buf = self.buffer(shard)
         start = direct_io.aligned_start(buf.data_ptr(), len(file.head))
         self._placed[shard.kind] = (start, shard.nbytes)
         data = memoryview(buf.numpy())[start : start + shard.nbytes]
-        digest = BlockDigests(checksum, 0, file.ends) if checksum and not CHECKSUMS[checksum][2] else None
+        sources = [piece_data(state[e.piece.name], e.spec, e.piece) for e in shard.entries]
+        on_host = all(src.device.type == "cpu" for src in sources)
+        digest = BlockDigests(checksum, 0, file.ends) if checksum and inline(checksum) and on_host else None
         if digest is not None:
             digest.update(file.head)
         with torch.no_grad():
-            for e in shard.entries:
-                src = piece_data(state[e.piece.name], e.spec, e.piece)
+            for e, src in zip(shard.entries, sources):
                 dst = buf[start + e.offset : start + e.offset + e.nbytes].view(DTYPES[e.dtype])
                 size = e.spec.itemsize
-                # A device's tensor comes over whole; a host one in pieces that its hash finds cached.
-                whole = digest is None or src.device.type != "cpu"
-                step = max(1, src.numel() if whole else HASHED_PIECE // size)
+                step = max(1, src.numel() if digest is None else HASHED_PIECE // size)
                 for i in range(0, src.numel(), step):
                     piece = dst[i : i + step]
                     piece.copy_(src[i : i + step])

@@ -3,13 +3,15 @@
 A writer thread shares the rank's interpreter (its GIL) and its scheduling with
 training. Here the rank copies its share into snapshot buffers in shared memory
 (`writer.SnapshotBuffers(shared=True)`, memfds reused across saves), hashing it
-as it copies, and a writer process beside it writes and fsyncs every shard file
-from them. It is started once: with the checkpointer when `async_writer: process`,
-at the first save whose share is large enough under `auto`. It runs in the
+as it copies (xxh3; sha256 is left to the writer), and a writer process beside
+it writes and fsyncs every shard file from them. It is started once: with the
+checkpointer when `async_writer: process`, at the first save whose share is
+large enough under `auto`. It runs in the
 lowest scheduling class (SCHED_IDLE: below Ray's workers at nice 15 and
 anything niced), so its work takes what the training loop leaves, and imports
-no torch. It needs little: past the page cache, a 328 MB share costs it ~0.02 s
-of CPU (benchmarks/README.md), so it is not paced; the next save waits for it.
+no torch. It needs little: past the page cache, a 328 MB share hashed by the
+rank costs it ~0.02 s of CPU (benchmarks/README.md), so it is not paced; the
+next save waits for it (with sha256 it has the hashing to do, in the same class).
 
 What does not change: the rank's writer thread still waits for the writer and
 reports the manifest to the driver, so a commit still needs a live rank whose
