@@ -22,8 +22,9 @@ and highest).
 
 `--baseline cycles` pairs at a finer grain, inside each run, so that minutes of drift cannot
 decide: a contender saves every `2k` steps, and the `k` steps from each save (its stall, and its
-write in the background) are timed against the next `k` steps, which have no save and no write
-in flight, about as long and seconds later. Each pair's ratio (clean / with the save) is the
+write in the background) are timed against the next `k` steps, which have no save, about as
+long and seconds later; nor a write in flight, checked: a pair whose write still ran when its
+clean half began is marked `*` and counted (`spilled`). Each pair's ratio (clean / with the save) is the
 throughput of a save every `k` steps against none; the figure is the median over every pair of
 every round (the first save, which allocates and starts the writer, is not paired). No runs
 without saves: the clean half-cycles are the baseline.
